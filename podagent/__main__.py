@@ -1,0 +1,3 @@
+from podagent.cli import main
+
+main(prog_name="podagent")

@@ -1,0 +1,211 @@
+"""The command line: the only place that prints errors and picks exit codes."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from podagent import __version__, config, errors, process
+from podagent.report import Reporter
+from podagent.roles import Role, detect_role
+from podagent.waiting import Signals
+
+# Exit codes: documented in the README's table. Signals give 128 + the signal number.
+EXIT_OK = 0
+EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
+    (errors.ConfigError, 2, "bad input: a setting is invalid (the line names it)"),
+    (errors.RoleConflict, 2, "bad input: role variables contradict each other"),
+    (errors.JobFailed, 3, "the job failed"),
+    (errors.JobStopped, 4, "the job was stopped by someone else"),
+    (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time"),
+    (errors.HeadUnreachable, 6, "worker: the head could not be found or joined in time"),
+    (errors.HeadLost, 7, "worker: the head went away for longer than the grace period"),
+    (errors.RayStartError, 8, "Ray failed to start or became unhealthy"),
+    (errors.PortInUse, 9, "a port podagent needs is held by another program"),
+    (errors.RayDied, 10, "this pod's own Ray stopped while podagent watched it"),
+)
+EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
+
+
+def exit_code(exc: BaseException) -> int:
+    if isinstance(exc, errors.Interrupted):
+        return 128 + exc.signum
+    for cls, code, _ in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return EXIT_INTERNAL
+
+
+def exit_code_table() -> str:
+    rows = ["| code | meaning |", "|---|---|", "| 0 | success: the job succeeded / the worker "
+            "left an orderly cluster |"]
+    rows += [f"| {code} | {meaning} |" for _, code, meaning in EXIT_CODES]
+    rows += [f"| {EXIT_INTERNAL} | internal error in podagent (traceback in the pod's log) |",
+             "| 130 / 143 | stopped by SIGINT / SIGTERM after a clean teardown |"]
+    return "\n".join(rows)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"podagent: error: {message}", err=True)
+    sys.exit(code)
+
+
+def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One option per setting, generated from config.FIELDS (strings; parsed by config)."""
+    for field in reversed(config.FIELDS):
+        func = click.option(field.flag, field.attr, default=None, metavar="VALUE",
+                            help=f"{field.help} [env: {field.env}]")(func)
+    return func
+
+
+def _flags(ctx: click.Context, own: dict[str, Any]) -> dict[str, str | None]:
+    """Group-level flags, overridden by the subcommand's own."""
+    merged = dict((ctx.parent.params if ctx.parent else {}) or {})
+    merged.update({k: v for k, v in own.items() if v is not None})
+    return {k: v for k, v in merged.items() if k in config.FIELD_BY_ATTR}
+
+
+def _build(flags: dict[str, str | None], job_argv: tuple[str, ...] | None = None):
+    try:
+        return config.build(flags, os.environ, job_argv)
+    except errors.ConfigError as exc:
+        _fail(str(exc), exit_code(exc))
+
+
+def _secret_values() -> list[str]:
+    return [v for k, v in os.environ.items() if config.is_secret(k) and v]
+
+
+def _run_role(flags: dict[str, str | None], explicit: Role | None,
+              job_argv: tuple[str, ...] | None = None) -> None:
+    from podagent.head import Head
+    from podagent.worker import Worker
+
+    settings = _build(flags, job_argv)
+    try:
+        decision = detect_role(settings, explicit)
+    except (errors.ConfigError, errors.RoleConflict) as exc:
+        _fail(str(exc), exit_code(exc))
+    pod = settings.pod_id or socket.gethostname()
+    reporter = Reporter(decision.role.value, pod, settings.run_dir, secrets=_secret_values())
+    reporter.say(f"podagent {__version__}: this pod is the {decision.role.value} "
+                 f"({decision.reason}); run {settings.run_name}")
+    reporter.event("role", role=decision.role.value, reason=decision.reason,
+                   run=settings.run_name, version=__version__)
+
+    signals = Signals()
+
+    def force(signum: int) -> None:
+        # A second signal: no more patience. Kill everything we started and leave.
+        reporter.error(f"second {signal.Signals(signum).name}: killing all children now")
+        for proc in process.descendants():
+            proc.kill()
+        os._exit(128 + signum)
+
+    signals.install(on_second=force)
+    process.become_subreaper()
+    lifecycle = (Head if decision.role is Role.HEAD else Worker)(
+        settings, decision, reporter, signals)
+    code = EXIT_OK
+    try:
+        lifecycle.run()
+    except errors.PodagentError as exc:
+        code = exit_code(exc)
+        if not isinstance(exc, errors.Interrupted):
+            reporter.error(str(exc))
+        reporter.event("exit", code=code, error=str(exc))
+    except Exception as exc:  # a bug: one line on screen, the traceback in the log
+        code = EXIT_INTERNAL
+        reporter.error(f"internal error: {type(exc).__name__}: {exc} "
+                       f"(traceback in {settings.run_dir})")
+        reporter.event("exit", code=code, error=traceback.format_exc())
+    else:
+        reporter.event("exit", code=code)
+    finally:
+        reporter.close()
+    sys.exit(code)
+
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(invoke_without_command=True, context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="podagent")
+@settings_options
+@click.pass_context
+def main(ctx: click.Context, **flags: Any) -> None:
+    """Bring a multi-node Ray cluster up on GPU pods: run the same command on every pod.
+
+    With no subcommand, podagent works out this pod's role (see `podagent env`) and acts.
+    """
+    if ctx.invoked_subcommand is None:
+        _run_role(_flags(ctx, flags), explicit=None)
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})
+@settings_options
+@click.argument("entrypoint", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def head(ctx: click.Context, entrypoint: tuple[str, ...], **flags: Any) -> None:
+    """Be the head: start Ray, wait for the workers, run the job (ENTRYPOINT after --)."""
+    _run_role(_flags(ctx, flags), Role.HEAD, tuple(entrypoint) or None)
+
+
+@main.command(context_settings=CONTEXT)
+@settings_options
+@click.pass_context
+def worker(ctx: click.Context, **flags: Any) -> None:
+    """Be a worker: find the head, join its Ray, stay until the head closes the run."""
+    _run_role(_flags(ctx, flags), Role.WORKER)
+
+
+@main.command(name="env", context_settings=CONTEXT)
+@settings_options
+@click.option("--preset", "preset_override", default=None, metavar="NAME",
+              help="Show this NCCL preset instead of the chosen one.")
+@click.option("--export", "as_export", is_flag=True, help="Print shell `export` lines.")
+@click.pass_context
+def env_command(ctx: click.Context, preset_override: str | None, as_export: bool,
+                **flags: Any) -> None:
+    """Print the environment podagent would apply on this pod (secrets redacted)."""
+    from podagent import nccl
+
+    merged = _flags(ctx, flags)
+    if preset_override is not None:
+        merged["nccl_preset"] = preset_override
+    settings = _build(merged)
+    try:
+        decision = detect_role(settings)
+        role_line = f"role: {decision.role.value} ({decision.reason})"
+    except (errors.ConfigError, errors.RoleConflict) as exc:
+        _fail(str(exc), exit_code(exc))
+    effective = nccl.effective(settings)
+    variables = dict(effective.variables)
+    if settings.debug_ray:
+        variables["RAY_DEBUG"] = "legacy"
+    variables.update({k: v for k, v in settings.environ.items() if k.startswith("WANDB_")})
+    click.echo(f"# {role_line}")
+    click.echo(f"# NCCL preset {effective.preset}: {effective.reason}")
+    for name in effective.user_wins:
+        click.echo(f"# {name} is your own ({settings.environ[name]}); the preset's value yields")
+    for warning in effective.warnings:
+        click.echo(f"# WARNING: {warning}")
+    for key in sorted(variables):
+        if config.is_secret(key):
+            click.echo(f"# {key} is set (value redacted)")
+        elif as_export:
+            click.echo(f"export {key}={shlex.quote(variables[key])}")
+        else:
+            click.echo(f"{key}={variables[key]}")
+
+
+if __name__ == "__main__":
+    main()

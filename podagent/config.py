@@ -1,0 +1,378 @@
+"""Settings: built once (flags > environment > defaults) into one frozen object.
+
+Each setting is declared once in FIELDS: its attribute, environment variable, flag, default,
+parser and help. The CLI makes its options from the same table and the README's settings table
+is generated from it (`python -m podagent.config`), so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shlex
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from podagent.errors import ConfigError
+
+# Variables whose values must never be shown or put on a command line.
+SECRET_NAMES = frozenset(
+    {"WANDB_API_KEY", "RAY_AUTH_TOKEN", "PODAGENT_TOKEN", "RUNPOD_API_KEY", "HF_TOKEN"}
+)
+SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
+
+
+def is_secret(name: str) -> bool:
+    return name in SECRET_NAMES or name.upper().endswith(SECRET_SUFFIXES)
+
+
+# --- parsers: each returns the value or raises ValueError(rule) --------------------------------
+
+_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def whole(minimum: int = 0, maximum: int = 1_000_000) -> Callable[[str], int]:
+    rule = f"must be a whole number >= {minimum}"
+
+    def parse(raw: str) -> int:
+        if not re.fullmatch(r"[0-9]{1,7}", raw):
+            raise ValueError(rule)
+        value = int(raw)
+        if not minimum <= value <= maximum:
+            raise ValueError(f"{rule} and <= {maximum}")
+        return value
+
+    return parse
+
+
+def seconds(raw: str) -> float:
+    rule = "must be a number of seconds > 0 (at most 7 days)"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(rule) from None
+    if not 0 < value <= 7 * 86400:  # also rejects nan and inf
+        raise ValueError(rule)
+    return value
+
+
+def port(raw: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,5}", raw) or not 1 <= int(raw) <= 65535:
+        raise ValueError("must be a TCP port number from 1 to 65535")
+    return int(raw)
+
+
+def zero_one(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError("must be 0 or 1")
+    return raw == "1"
+
+
+def pod_id(raw: str) -> str:
+    if not _LABEL.fullmatch(raw.lower()):
+        raise ValueError("must be a pod id: letters, digits and '-', at most 63 characters")
+    return raw.lower()
+
+
+def host(raw: str) -> str:
+    try:
+        return str(ipaddress.ip_address(raw))
+    except ValueError:
+        pass
+    if not _HOSTNAME.fullmatch(raw):
+        raise ValueError("must be an IP address or a host name")
+    return raw.lower()
+
+
+def ipv4(raw: str) -> str:
+    try:
+        return str(ipaddress.IPv4Address(raw))
+    except ValueError:
+        raise ValueError("must be an IPv4 address such as 10.0.0.2") from None
+
+
+def host_port(raw: str) -> tuple[str, int]:
+    rule = "must be HOST or HOST:PORT (e.g. 10.0.0.53 or 10.0.0.53:5353)"
+    name, sep, p = raw.rpartition(":") if raw.count(":") == 1 else (raw, "", "")
+    try:
+        return host(name), (port(p) if sep else 53)
+    except ValueError:
+        raise ValueError(rule) from None
+
+
+def dns_suffix(raw: str) -> str:
+    raw = raw.strip(".")
+    if not _HOSTNAME.fullmatch(raw):
+        raise ValueError("must be a DNS domain such as runpod.internal")
+    return raw.lower()
+
+
+def run_name(raw: str) -> str:
+    if not _RUN_NAME.fullmatch(raw):
+        raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
+    return raw
+
+
+def preset_name(raw: str) -> str:
+    from podagent import nccl  # late: nccl reads the preset files
+
+    names = ("auto", *nccl.preset_names())
+    if raw not in names:
+        raise ValueError(f"must be one of {', '.join(names)}")
+    return raw
+
+
+def command_line(raw: str) -> tuple[str, ...]:
+    try:
+        argv = tuple(shlex.split(raw))
+    except ValueError as exc:
+        raise ValueError(f"must be a command line ({exc})") from None
+    if not argv:
+        raise ValueError("must be a command line")
+    return argv
+
+
+def directory(raw: str) -> str:
+    if not Path(raw).is_dir():
+        raise ValueError("must be an existing directory")
+    return str(Path(raw).resolve())
+
+
+def path(raw: str) -> str:
+    if "\x00" in raw:
+        raise ValueError("must be a file system path")
+    return raw
+
+
+def short_path(raw: str) -> str:
+    # Ray puts unix sockets under its temp dir; their paths must stay under 108 bytes.
+    if "\x00" in raw or len(raw.encode()) > 60:
+        raise ValueError("must be a path of at most 60 bytes (Ray puts sockets under it)")
+    return raw
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    attr: str
+    env: str
+    flag: str | None
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = None
+    default_doc: str = ""
+
+
+FIELDS: tuple[Field, ...] = (
+    # Role and discovery (the seed's and RunPod's own names stay as they are).
+    Field("ray_worker", "RAY_WORKER", "--ray-worker", zero_one,
+          "1 makes this pod a worker, 0 the head (unset: decided by the rules below)."),
+    Field("head_pod_id", "HEAD_POD_ID", "--head-pod-id", pod_id,
+          "RunPod id of the head pod; workers resolve <id>.<dns suffix>."),
+    Field("pod_id", "RUNPOD_POD_ID", "--pod-id", pod_id,
+          "This pod's own id (RunPod sets it); compared with HEAD_POD_ID."),
+    Field("node_rank", "NODE_RANK", "--node-rank", whole(0),
+          "Instant Cluster rank of this node (RunPod sets it; 0 is the head)."),
+    Field("primary_addr", "PRIMARY_ADDR", "--primary-addr", host,
+          "Instant Cluster head address (RunPod sets it)."),
+    Field("num_nodes", "NUM_NODES", "--num-nodes", whole(1),
+          "Instant Cluster size (RunPod sets it)."),
+    Field("node_addr", "NODE_ADDR", "--node-addr", ipv4,
+          "Instant Cluster address of this node (RunPod sets it)."),
+    Field("expected_workers", "EXPECTED_WORKERS", "--expected-workers", whole(0),
+          "Worker nodes the head waits for.",
+          default_doc="1 with HEAD_POD_ID, NUM_NODES-1 on an Instant Cluster, else 0"),
+    Field("min_workers", "PODAGENT_MIN_WORKERS", "--min-workers", whole(0),
+          "Go on after the worker wait times out if at least this many joined.",
+          default_doc="unset: all expected workers are required"),
+    Field("head_addr", "PODAGENT_HEAD_ADDR", "--head-addr", host,
+          "Head address for workers; skips DNS."),
+    Field("dns_suffix", "PODAGENT_DNS_SUFFIX", "--dns-suffix", dns_suffix,
+          "Domain that completes <HEAD_POD_ID>.", default="runpod.internal"),
+    Field("dns_server", "PODAGENT_DNS_SERVER", "--dns-server", host_port,
+          "DNS server HOST[:PORT] to ask instead of the system resolver.",
+          default_doc="system resolver"),
+    Field("ray_port", "PODAGENT_RAY_PORT", "--ray-port", port,
+          "Ray GCS port on the head.", default=6379),
+    Field("dashboard_port", "PODAGENT_DASHBOARD_PORT", "--dashboard-port", port,
+          "Ray dashboard and Jobs API port on the head.", default=8265),
+    Field("node_ip", "PODAGENT_NODE_IP", "--node-ip", ipv4,
+          "This pod's cluster-private address.",
+          default_doc="detected (NODE_ADDR, the preset's interface, the route to the head)"),
+    Field("num_gpus", "PODAGENT_NUM_GPUS", "--num-gpus", whole(0, 1024),
+          "GPUs this node offers to Ray.", default_doc="detected"),
+    Field("worker_timeout", "PODAGENT_WORKER_TIMEOUT", "--worker-timeout", seconds,
+          "Seconds the head waits for the expected workers.", default=600.0),
+    Field("head_timeout", "PODAGENT_HEAD_TIMEOUT", "--head-timeout", seconds,
+          "Seconds a worker waits to find the head and join it.", default=600.0),
+    Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
+          "Seconds a joined worker tolerates an unreachable head before it leaves.",
+          default=10.0),
+    Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
+          "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
+    Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
+          "NCCL preset from env/ (auto picks by evidence).", default="auto"),
+    Field("run_name", "PODAGENT_RUN_NAME", "--run-name", run_name,
+          "Name of this run: its log directory and the job's submission id.",
+          default_doc="podagent-<UTC date-time>"),
+    Field("log_dir", "PODAGENT_LOG_DIR", "--log-dir", path,
+          "Parent of the per-run log directories.",
+          default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
+    Field("job", "PODAGENT_JOB", "--job", command_line,
+          "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it.",
+          default_doc="the built-in smoke job"),
+    Field("working_dir", "PODAGENT_WORKING_DIR", "--working-dir", directory,
+          "Directory uploaded as the job's working dir."),
+    Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,
+          "Ray's temp dir on this pod.", default_doc="Ray's default (/tmp/ray)"),
+    Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
+          "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
+)
+
+FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    ray_worker: bool | None = None
+    head_pod_id: str | None = None
+    pod_id: str | None = None
+    node_rank: int | None = None
+    primary_addr: str | None = None
+    num_nodes: int | None = None
+    node_addr: str | None = None
+    expected_workers: int = 0
+    min_workers: int | None = None
+    head_addr: str | None = None
+    dns_suffix: str = "runpod.internal"
+    dns_server: tuple[str, int] | None = None
+    ray_port: int = 6379
+    dashboard_port: int = 8265
+    node_ip: str | None = None
+    num_gpus: int | None = None
+    worker_timeout: float = 600.0
+    head_timeout: float = 600.0
+    head_grace: float = 10.0
+    stop_timeout: float = 10.0
+    nccl_preset: str = "auto"
+    run_name: str = "podagent"
+    log_dir: str = "podagent-logs"
+    job: tuple[str, ...] | None = None
+    working_dir: str | None = None
+    ray_temp_dir: str | None = None
+    debug_ray: bool = False
+    # The process environment as it was at start (user variables win over presets).
+    environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Where each setting came from: "flag", "env" or "default".
+    sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.log_dir) / self.run_name
+
+    @property
+    def instant_cluster(self) -> bool:
+        return self.node_rank is not None or self.primary_addr is not None
+
+    @property
+    def head_dns_name(self) -> str | None:
+        return f"{self.head_pod_id}.{self.dns_suffix}" if self.head_pod_id else None
+
+    def source_name(self, attr: str) -> str:
+        """The name a user set this value by, for messages: the flag or the variable."""
+        f = FIELD_BY_ATTR[attr]
+        return f.flag if self.sources.get(attr) == "flag" and f.flag else f.env
+
+
+def _default_log_dir() -> str:
+    return "/workspace/podagent/logs" if Path("/workspace").is_dir() else "podagent-logs"
+
+
+def build(
+    flags: Mapping[str, str | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    job_argv: tuple[str, ...] | None = None,
+    now: float | None = None,
+) -> Settings:
+    """Flags > environment > defaults. Raises ConfigError naming the variable, value and rule."""
+    flags = dict(flags or {})
+    env = dict(os.environ if environ is None else environ)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in FIELDS:
+        raw, name, source = flags.get(f.attr), f.flag, "flag"
+        if raw is None:
+            raw, name, source = env.get(f.env), f.env, "env"
+        # Templates leave placeholders empty: an empty value means "not set".
+        if raw is None or not str(raw).strip():
+            sources[f.attr] = "default"
+            continue
+        raw = str(raw).strip()
+        try:
+            values[f.attr] = f.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(name or f.env, raw, str(exc)) from None
+        sources[f.attr] = source
+
+    if job_argv:
+        values["job"], sources["job"] = tuple(job_argv), "flag"
+    if "expected_workers" not in values:
+        if values.get("head_pod_id"):
+            values["expected_workers"] = 1  # as the seed's script did
+        elif values.get("num_nodes"):
+            values["expected_workers"] = values["num_nodes"] - 1
+    values.setdefault(
+        "run_name", time.strftime("podagent-%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
+    )
+    values.setdefault("log_dir", _default_log_dir())
+    for f in FIELDS:
+        if f.attr not in values and f.default is not None:
+            values[f.attr] = f.default
+
+    settings = Settings(
+        **values, environ=MappingProxyType(env), sources=MappingProxyType(sources)
+    )
+    _check_relations(settings)
+    return settings
+
+
+def _check_relations(s: Settings) -> None:
+    if s.min_workers is not None and s.min_workers > s.expected_workers:
+        raise ConfigError(
+            s.source_name("min_workers"), str(s.min_workers),
+            f"must be <= EXPECTED_WORKERS ({s.expected_workers})",
+        )
+    if s.ray_port == s.dashboard_port:
+        raise ConfigError(
+            s.source_name("dashboard_port"), str(s.dashboard_port),
+            "must differ from the Ray port",
+        )
+
+
+def settings_table() -> str:
+    """The README's settings table, generated from FIELDS."""
+    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    for f in FIELDS:
+        default = f.default_doc or ("" if f.default is None else str(f.default))
+        if isinstance(f.default, bool):
+            default = str(int(f.default))
+        elif isinstance(f.default, float):
+            default = f"{f.default:g}"
+        rows.append(f"| `{f.flag}` | `{f.env}` | {default or '—'} | {f.help} |")
+    return "\n".join(rows)
+
+
+assert {f.attr for f in FIELDS} <= {f.name for f in fields(Settings)}
+
+if __name__ == "__main__":
+    print(settings_table())

@@ -1,0 +1,174 @@
+"""Where the head is: an explicit address, the Instant Cluster's PRIMARY_ADDR, or DNS for
+<HEAD_POD_ID>.<suffix>; then wait until the head's Ray GCS answers its health RPC."""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import time
+from dataclasses import dataclass
+
+import dns.exception
+import dns.resolver
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from podagent.config import Settings
+from podagent.errors import HeadUnreachable
+from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.report import Progress, Reporter
+from podagent.waiting import Signals
+
+
+class DnsOutcome(str, enum.Enum):
+    ANSWER = "answer"
+    NXDOMAIN = "NXDOMAIN"  # the name does not exist (yet), or the pod id is wrong
+    NO_ANSWER = "no A record"
+    SERVFAIL = "SERVFAIL"  # the server failed to answer: DNS trouble, not a wrong name
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+_MEANING = {
+    DnsOutcome.NXDOMAIN: "the name does not exist yet (head not started?) or HEAD_POD_ID is wrong",
+    DnsOutcome.NO_ANSWER: "the name exists but has no IPv4 address yet",
+    DnsOutcome.SERVFAIL: "the DNS server failed to answer (DNS trouble, not a wrong name)",
+    DnsOutcome.TIMEOUT: "no DNS server answered in time",
+    DnsOutcome.ERROR: "the lookup failed",
+}
+
+
+@dataclass(frozen=True)
+class DnsResult:
+    name: str
+    outcome: DnsOutcome
+    addresses: tuple[str, ...] = ()
+    detail: str = ""
+
+    def describe(self) -> str:
+        if self.outcome is DnsOutcome.ANSWER:
+            return f"{self.name} -> {', '.join(self.addresses)}"
+        return f"{self.name}: {self.outcome.value} ({_MEANING[self.outcome]})"
+
+
+def make_resolver(server: tuple[str, int] | None, lifetime: float = 2.0) -> dns.resolver.Resolver:
+    if server is None:
+        resolver = dns.resolver.Resolver()
+    else:
+        resolver = dns.resolver.Resolver(configure=False)
+        resolver.nameservers = [server[0]]
+        resolver.port = server[1]
+    resolver.lifetime = lifetime
+    resolver.timeout = min(lifetime, 1.0)
+    resolver.cache = None  # the head's record appears while we wait: never cache a miss
+    return resolver
+
+
+def resolve(name: str, resolver: dns.resolver.Resolver) -> DnsResult:
+    """One lookup, classified. Never raises for DNS outcomes."""
+    try:
+        answer = resolver.resolve(name, "A", search=False)
+        return DnsResult(name, DnsOutcome.ANSWER, tuple(sorted(r.address for r in answer)))
+    except dns.resolver.NXDOMAIN:
+        return DnsResult(name, DnsOutcome.NXDOMAIN)
+    except dns.resolver.NoAnswer:
+        return DnsResult(name, DnsOutcome.NO_ANSWER)
+    except dns.resolver.NoNameservers as exc:
+        return DnsResult(name, DnsOutcome.SERVFAIL, detail=str(exc))
+    except dns.exception.Timeout as exc:
+        return DnsResult(name, DnsOutcome.TIMEOUT, detail=str(exc))
+    except dns.exception.DNSException as exc:
+        return DnsResult(name, DnsOutcome.ERROR, detail=str(exc))
+
+
+class _NotYet(Exception):
+    """A transient miss: retried until the deadline."""
+
+
+@dataclass(frozen=True)
+class HeadLocation:
+    ip: str
+    how: str  # which setting or lookup gave it
+
+
+class HeadFinder:
+    """Resolves the head and waits for its GCS, all within the head-wait timeout."""
+
+    def __init__(self, settings: Settings, reporter: Reporter, signals: Signals):
+        self.s, self.reporter, self.signals = settings, reporter, signals
+        self.deadline = time.monotonic() + settings.head_timeout
+        self.last_dns: DnsResult | None = None
+        self.last_probe = "not tried yet"
+
+    def _retrying(self) -> Retrying:
+        remaining = max(0.0, self.deadline - time.monotonic())
+        return Retrying(
+            stop=stop_after_delay(remaining),
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception_type(_NotYet),
+            sleep=self.signals.sleep,
+            reraise=True,
+        )
+
+    def _timeout(self, awaited: str) -> HeadUnreachable:
+        dns_part = self.last_dns.describe() if self.last_dns else "no DNS lookup was needed"
+        return HeadUnreachable(
+            f"gave up after {self.s.head_timeout:g} s waiting for {awaited}; "
+            f"last DNS answer: {dns_part}; last GCS probe: {self.last_probe}"
+        )
+
+    def locate(self) -> HeadLocation:
+        s = self.s
+        if s.head_addr:
+            return self._by_name(s.head_addr, s.source_name("head_addr"))
+        if s.head_pod_id:
+            return self._by_name(s.head_dns_name or "", "DNS")
+        if s.primary_addr:
+            return self._by_name(s.primary_addr, "PRIMARY_ADDR")
+        raise HeadUnreachable(
+            "no head location: set HEAD_POD_ID, PODAGENT_HEAD_ADDR or PRIMARY_ADDR")
+
+    def _by_name(self, name: str, how: str) -> HeadLocation:
+        try:
+            return HeadLocation(str(ipaddress.ip_address(name)), how)
+        except ValueError:
+            pass
+        resolver = make_resolver(self.s.dns_server)
+        progress = Progress(self.reporter)
+        started = time.monotonic()
+
+        def attempt() -> str:
+            self.last_dns = result = resolve(name, resolver)
+            if result.outcome is not DnsOutcome.ANSWER:
+                progress(f"waiting for the head's DNS name: {result.describe()} "
+                         f"({time.monotonic() - started:.0f} s)")
+                raise _NotYet(result.describe())
+            return result.addresses[0]
+
+        try:
+            ip = self._retrying()(attempt)
+        except _NotYet:
+            raise self._timeout(f"DNS name {name}") from None
+        return HeadLocation(ip, f"{how} ({name})")
+
+    def wait_for_gcs(self, ip: str) -> GcsClient:
+        """Until the GCS answers its health RPC (an open port is not enough)."""
+        client = GcsClient(f"{ip}:{self.s.ray_port}")
+        progress = Progress(self.reporter)
+        started = time.monotonic()
+
+        def attempt() -> None:
+            try:
+                client.check_alive(timeout=2.0)
+            except GcsUnavailable as exc:
+                self.last_probe = str(exc)
+                progress(f"waiting for the head's Ray at {ip}:{self.s.ray_port}: {exc} "
+                         f"({time.monotonic() - started:.0f} s)")
+                raise _NotYet(str(exc)) from None
+            self.last_probe = "answered"
+
+        try:
+            self._retrying()(attempt)
+        except _NotYet:
+            client.close()
+            raise self._timeout(f"the head's Ray GCS at {ip}:{self.s.ray_port}") from None
+        return client

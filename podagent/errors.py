@@ -1,0 +1,64 @@
+"""One error hierarchy. Exit codes are chosen only at the CLI edge (cli.EXIT_CODES)."""
+
+from __future__ import annotations
+
+
+class PodagentError(Exception):
+    """Base class: the message is one line a user can act on."""
+
+
+class ConfigError(PodagentError):
+    """A setting is invalid; raised before podagent touches anything."""
+
+    def __init__(self, name: str, value: object, rule: str):
+        self.name, self.value, self.rule = name, value, rule
+        super().__init__(f"{name}={value!r} {rule}")
+
+
+class RoleConflict(PodagentError):
+    """Two facts about this pod's role disagree (two heads are worse than none)."""
+
+
+class PortInUse(PodagentError):
+    def __init__(self, port: int, address: str, holder: str | None):
+        self.port = port
+        who = f" by {holder}" if holder else " (holder not visible from here)"
+        super().__init__(f"port {port} on {address} is already in use{who}")
+
+
+class RayStartError(PodagentError):
+    """`ray start` failed or Ray did not become healthy."""
+
+
+class RayDied(PodagentError):
+    """This pod's own Ray stopped while podagent was watching it."""
+
+
+class WorkersTimeout(PodagentError):
+    """The head waited for workers and not enough joined."""
+
+
+class HeadUnreachable(PodagentError):
+    """A worker could not find or reach the head within its timeout."""
+
+
+class HeadLost(PodagentError):
+    """A joined worker lost the head for longer than the grace period."""
+
+
+class JobFailed(PodagentError):
+    pass
+
+
+class JobStopped(PodagentError):
+    pass
+
+
+class Interrupted(PodagentError):
+    """A signal asked podagent to stop; teardown has run."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

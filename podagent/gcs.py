@@ -1,0 +1,163 @@
+"""A small client for the Ray GCS over plain gRPC.
+
+Workers stay light: importing Ray costs ~70 MB and a second of start-up, while these probes
+need only grpcio and three tiny messages. The messages are encoded here by hand (field numbers
+from Ray 2.60's gcs_service.proto; tests check them against Ray's own generated classes).
+The node census, which needs Ray's large GcsNodeInfo message, imports Ray's classes lazily:
+only the head calls it, and the head imports Ray for the Jobs API anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+_CHECK_ALIVE = "/ray.rpc.NodeInfoGcsService/CheckAlive"
+_GET_ALL_NODES = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
+_KV_GET = "/ray.rpc.InternalKVGcsService/InternalKVGet"
+_KV_PUT = "/ray.rpc.InternalKVGcsService/InternalKVPut"
+
+
+# --- protobuf wire format: just varints and length-delimited bytes ------------------------------
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def encode(fields: list[tuple[int, bytes | int]]) -> bytes:
+    """Encode (field number, bytes -> length-delimited | int -> varint) pairs."""
+    out = bytearray()
+    for number, value in fields:
+        if isinstance(value, bytes):
+            out += _varint(number << 3 | 2) + _varint(len(value)) + value
+        else:
+            out += _varint(number << 3 | 0) + _varint(int(value))
+    return bytes(out)
+
+
+def decode(data: bytes) -> dict[int, list[bytes | int]]:
+    """Field number -> values; nested messages stay bytes. Fixed-width fields are skipped."""
+    fields: dict[int, list[bytes | int]] = {}
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = result = 0
+        while True:
+            byte = data[i]
+            i += 1
+            result |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return result
+
+    while i < len(data):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            fields.setdefault(number, []).append(varint())
+        elif wire == 2:
+            length = varint()
+            fields.setdefault(number, []).append(data[i:i + length])
+            i += length
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+    return fields
+
+
+def _status(reply: dict[int, list[bytes | int]]) -> tuple[int, str]:
+    raw = reply.get(1, [b""])[0]
+    status = decode(raw) if isinstance(raw, bytes) else {}
+    code = status.get(1, [0])[0]
+    message = status.get(2, [b""])[0]
+    return int(code), message.decode(errors="replace") if isinstance(message, bytes) else ""
+
+
+# --- client -------------------------------------------------------------------------------------
+
+
+class GcsUnavailable(Exception):
+    """The GCS did not answer; the message says how (refused, timed out, ...)."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    alive: bool
+    gpus: float
+    cpus: float
+    is_head: bool
+    start_time_ms: int
+
+
+class GcsClient:
+    def __init__(self, address: str, metadata: tuple[tuple[str, str], ...] = ()):
+        self.address = address
+        self._metadata = metadata
+        self._channel = grpc.insecure_channel(
+            address,
+            # Fail fast while the head is down instead of waiting out gRPC's reconnect backoff.
+            options=[("grpc.initial_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)],
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: bytes, timeout: float) -> bytes:
+        stub = self._channel.unary_unary(method)
+        try:
+            return stub(request, timeout=timeout, metadata=self._metadata or None)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            name = code.name if code else "ERROR"
+            raise GcsUnavailable(f"{name}: {detail}".strip()) from None
+
+    def check_alive(self, timeout: float = 2.0) -> None:
+        """Returns when the GCS answers its own health RPC; raises GcsUnavailable."""
+        code, message = _status(decode(self._call(_CHECK_ALIVE, b"", timeout)))
+        if code:
+            raise GcsUnavailable(f"GCS answered status {code}: {message}")
+
+    def kv_get(self, namespace: str, key: str, timeout: float = 2.0) -> bytes | None:
+        request = encode([(1, key.encode()), (2, namespace.encode())])
+        reply = decode(self._call(_KV_GET, request, timeout))
+        code, _ = _status(reply)
+        if code:  # NotFound
+            return None
+        value = reply.get(2, [b""])[0]
+        return value if isinstance(value, bytes) else None
+
+    def kv_put(self, namespace: str, key: str, value: bytes, timeout: float = 2.0) -> None:
+        request = encode([(1, key.encode()), (2, value), (3, 1), (4, namespace.encode())])
+        code, message = _status(decode(self._call(_KV_PUT, request, timeout)))
+        if code:
+            raise GcsUnavailable(f"KV put failed with status {code}: {message}")
+
+    def nodes(self, timeout: float = 5.0) -> list[NodeInfo]:
+        from ray.core.generated import gcs_pb2, gcs_service_pb2
+
+        request = gcs_service_pb2.GetAllNodeInfoRequest().SerializeToString()
+        raw = self._call(_GET_ALL_NODES, request, timeout)
+        reply = gcs_service_pb2.GetAllNodeInfoReply.FromString(raw)
+        alive = gcs_pb2.GcsNodeInfo.GcsNodeState.Value("ALIVE")
+        return [
+            NodeInfo(
+                node_id=n.node_id.hex(), ip=n.node_manager_address, alive=n.state == alive,
+                gpus=float(n.resources_total.get("GPU", 0.0)),
+                cpus=float(n.resources_total.get("CPU", 0.0)),
+                is_head=bool(n.is_head_node), start_time_ms=int(n.start_time_ms),
+            )
+            for n in reply.node_info_list
+        ]

@@ -1,0 +1,288 @@
+"""The head's lifecycle as a named state machine driven by one loop."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import requests
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+)
+
+from podagent import node, ray_node
+from podagent.config import Settings, is_secret
+from podagent.errors import PodagentError, RayStartError, WorkersTimeout
+from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
+from podagent.jobs import JobRunner
+from podagent.report import Progress, Reporter
+from podagent.roles import Role, RoleDecision
+from podagent.waiting import Signals
+
+RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray needs ~5-20 s
+NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
+
+
+class HeadState(str, enum.Enum):
+    """PREPARING -> CLEANING -> STARTING_RAY -> WAITING_WORKERS -> SUBMITTING -> RUNNING -> DONE.
+
+    Any state may raise (an error or a signal); teardown then runs from `finally`.
+    """
+    PREPARING = "preparing"
+    CLEANING = "cleaning"
+    STARTING_RAY = "starting_ray"
+    WAITING_WORKERS = "waiting_workers"
+    SUBMITTING = "submitting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Head:
+    def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
+                 signals: Signals):
+        self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
+        self.state = HeadState.PREPARING
+        self.setup: node.NodeSetup | None = None
+        self.gcs: GcsClient | None = None
+        self.job: JobRunner | None = None
+        self.job_status: str | None = None
+        self.workers: dict[str, NodeInfo] = {}
+        self.started = time.monotonic()
+        self._handlers: dict[HeadState, Callable[[], HeadState]] = {
+            HeadState.PREPARING: self._prepare,
+            HeadState.CLEANING: self._clean,
+            HeadState.STARTING_RAY: self._start_ray,
+            HeadState.WAITING_WORKERS: self._wait_workers,
+            HeadState.SUBMITTING: self._submit,
+            HeadState.RUNNING: self._follow,
+        }
+
+    def run(self) -> None:
+        outcome = "failed"
+        try:
+            while self.state is not HeadState.DONE:
+                self.signals.check()
+                self.reporter.event("state", state=self.state.value)
+                self.state = self._handlers[self.state]()
+            outcome = "succeeded"
+        except PodagentError as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self._teardown(outcome)
+
+    # --- states --------------------------------------------------------------------------------
+
+    def _prepare(self) -> HeadState:
+        self.setup = node.prepare(self.s, Role.HEAD, self.reporter)
+        return HeadState.CLEANING
+
+    def _clean(self) -> HeadState:
+        assert self.setup
+        node.clean_stale_ray(self.s, self.reporter)
+        for port in (self.s.ray_port, self.s.dashboard_port):
+            ray_node.check_port_free(self.setup.node_ip, port)
+        return HeadState.STARTING_RAY
+
+    @property
+    def address(self) -> str:
+        assert self.setup
+        return f"{self.setup.node_ip}:{self.s.ray_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        assert self.setup
+        return f"http://{self.setup.node_ip}:{self.s.dashboard_port}"
+
+    def _start_ray(self) -> HeadState:
+        assert self.setup
+        with self.reporter.step("ray_head") as step:
+            ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
+                             RAY_START_TIMEOUT).start()
+            self.gcs = GcsClient(self.address)
+            self._probe_until_healthy()
+            step.done(f"Ray head up at {self.address}, dashboard {self.dashboard_url}",
+                      address=self.address, dashboard=self.dashboard_url)
+        return HeadState.WAITING_WORKERS
+
+    def _probe_until_healthy(self) -> None:
+        """Ready means the GCS answers its health RPC and the dashboard its /api/version."""
+        assert self.gcs
+        last = {"error": "not probed yet"}
+
+        def probe() -> None:
+            try:
+                self.gcs.check_alive(timeout=2.0)
+                reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0)
+                reply.raise_for_status()
+            except (GcsUnavailable, requests.RequestException) as exc:
+                last["error"] = str(exc)
+                raise _NotReady(str(exc)) from None
+
+        try:
+            Retrying(stop=stop_after_delay(RAY_START_TIMEOUT),
+                     wait=wait_exponential(multiplier=0.05, max=1.0),
+                     retry=retry_if_exception_type(_NotReady),
+                     sleep=self.signals.sleep, reraise=True)(probe)
+        except _NotReady:
+            raise RayStartError(
+                f"Ray head started but did not become healthy in {RAY_START_TIMEOUT:g} s "
+                f"(GCS health RPC and dashboard /api/version); last error: {last['error']}"
+            ) from None
+
+    def _alive_workers(self) -> list[NodeInfo]:
+        assert self.gcs
+        try:
+            nodes = self.gcs.nodes(timeout=5.0)
+        except GcsUnavailable as exc:
+            raise RayStartError(f"this pod's Ray GCS stopped answering: {exc}") from None
+        return [n for n in nodes if n.alive and not n.is_head]
+
+    def _wait_workers(self) -> HeadState:
+        expected = self.s.expected_workers
+        if expected == 0:
+            self.reporter.say("no workers expected: a single-node cluster")
+            return HeadState.SUBMITTING
+        self.reporter.say(f"waiting for {expected} worker(s) "
+                          f"(timeout {self.s.worker_timeout:g} s)")
+        progress = Progress(self.reporter, every=10.0)
+        with self.reporter.step("workers_joined") as step:
+
+            def poll() -> int:
+                for worker in self._alive_workers():
+                    if worker.node_id not in self.workers:
+                        self.workers[worker.node_id] = worker
+                        self.reporter.say(
+                            f"worker joined: {worker.ip} ({worker.gpus:g} GPUs) "
+                            f"[{len(self.workers)}/{expected}]")
+                        self.reporter.event("worker_joined", ip=worker.ip, gpus=worker.gpus,
+                                            node_id=worker.node_id,
+                                            registered_ms=worker.start_time_ms)
+                progress(f"still waiting: {len(self.workers)}/{expected} workers joined "
+                         f"({step.elapsed:.0f} s)")
+                return len(self.workers)
+
+            Retrying(stop=stop_after_delay(self.s.worker_timeout), wait=wait_fixed(NODE_POLL),
+                     retry=retry_if_result(lambda joined: joined < expected),
+                     sleep=self.signals.sleep, retry_error_callback=lambda state: None)(poll)
+            joined = len(self.workers)
+            if joined < expected:
+                who = ", ".join(sorted(w.ip for w in self.workers.values())) or "none"
+                minimum = self.s.min_workers
+                if minimum is None or joined < minimum:
+                    raise WorkersTimeout(
+                        f"only {joined} of {expected} workers joined within "
+                        f"{self.s.worker_timeout:g} s; joined: {who}")
+                self.reporter.warn(f"{joined} of {expected} workers joined ({who}); going on "
+                                   f"because PODAGENT_MIN_WORKERS={minimum}")
+            step.done(self._census(), nodes=joined + 1, gpus=self._total_gpus())
+        return HeadState.SUBMITTING
+
+    def _total_gpus(self) -> int:
+        assert self.setup
+        return self.setup.gpus + int(sum(w.gpus for w in self.workers.values()))
+
+    def _census(self) -> str:
+        return (f"cluster ready: {len(self.workers) + 1} nodes, {self._total_gpus()} GPUs "
+                f"({len(self.workers)} worker(s) joined)")
+
+    def _job_env(self) -> dict[str, str]:
+        assert self.setup
+        env = dict(self.setup.nccl.variables)
+        env.update(
+            PODAGENT_NUM_NODES=str(len(self.workers) + 1),
+            PODAGENT_NUM_GPUS=str(self._total_gpus()),
+            PODAGENT_HEAD_ADDR=self.setup.node_ip,
+            PODAGENT_RUN_NAME=self.s.run_name,
+        )
+        if self.setup.plan.env_overrides.get("RAY_DEBUG"):
+            env["RAY_DEBUG"] = "legacy"
+        # W&B settings travel with the job; the key itself does not go through the Jobs API
+        # (anyone who can read the dashboard could read it): the job inherits it from the
+        # environment of the Ray processes podagent started.
+        env.update({k: v for k, v in self.s.environ.items()
+                    if k.startswith("WANDB_") and not is_secret(k)})
+        return env
+
+    def _entrypoint(self) -> tuple[str, ...]:
+        return self.s.job or (sys.executable, "-m", "podagent.smoke")
+
+    def _submit(self) -> HeadState:
+        with self.reporter.step("job_submitted") as step:
+            self.job = JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
+                                 self.s.run_dir / "job.log")
+            entrypoint = self._entrypoint()
+            new = self.job.submit(entrypoint, self._job_env(), self.s.working_dir,
+                                  {"podagent_run": self.s.run_name})
+            what = "submitted" if new else "already running: following it"
+            label = "the built-in smoke job" if not self.s.job else " ".join(entrypoint)
+            step.done(f"job {self.s.run_name} {what} ({label})", submission_id=self.s.run_name,
+                      new=new)
+        return HeadState.RUNNING
+
+    def _follow(self) -> HeadState:
+        assert self.job
+        with self.reporter.step("job_finished") as step:
+            self.job_status = self.job.follow(self.signals)
+            step.done(f"job {self.job_status}", status=self.job_status)
+        self.job.outcome(self.job_status)
+        return HeadState.DONE
+
+    # --- teardown ------------------------------------------------------------------------------
+
+    def _teardown(self, outcome: str) -> None:
+        if self.job and self.job_status is None:
+            status = self.job.stop(self.s.stop_timeout)
+            self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
+            self.reporter.event("job_stopped", status=status)
+        if self.gcs:
+            self._announce_close(outcome)
+            self._wait_workers_left()
+            self.gcs.close()
+        termed, killed = ray_node.RayNode.stop(self.s.stop_timeout)
+        if termed or killed:
+            extra = f", {killed} needed SIGKILL" if killed else ""
+            self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
+        self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
+                            killed=killed)
+        elapsed = time.monotonic() - self.started
+        self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s; "
+                          f"logs in {self.s.run_dir}")
+
+    def _announce_close(self, outcome: str) -> None:
+        """Tell the workers this is an orderly end, so they leave with exit 0."""
+        assert self.gcs
+        state = json.dumps({"state": "closing", "outcome": outcome,
+                            "job_status": self.job_status}).encode()
+        with contextlib.suppress(GcsUnavailable):
+            self.gcs.kv_put(node.KV_NAMESPACE, node.KV_RUN_STATE, state)
+
+    def _wait_workers_left(self) -> None:
+        """Workers leave on the announcement; give them a moment so they never see us vanish."""
+        if not self.workers:
+            return
+
+        def remaining() -> int:
+            try:
+                return len(self._alive_workers())
+            except RayStartError:
+                return 0
+
+        left = Retrying(stop=stop_after_delay(self.s.head_grace), wait=wait_fixed(0.2),
+                        retry=retry_if_result(lambda n: n > 0),
+                        retry_error_callback=lambda state: state.outcome.result())(remaining)
+        if left:
+            self.reporter.warn(f"{left} worker(s) still connected; stopping Ray anyway")
+
+
+class _NotReady(Exception):
+    pass

@@ -1,0 +1,50 @@
+"""What head and worker share: this pod's NCCL environment, address and GPUs, and a clean slate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from podagent import nccl, process, ray_node
+from podagent.config import Settings
+from podagent.report import Reporter
+from podagent.roles import Role
+
+KV_NAMESPACE = "podagent"
+KV_RUN_STATE = "run_state"  # the head's announcement that it is closing the cluster
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    nccl: nccl.NcclEnv
+    node_ip: str
+    gpus: int
+    plan: ray_node.RayPlan
+
+
+def prepare(settings: Settings, role: Role, reporter: Reporter,
+            head_ip: str | None = None) -> NodeSetup:
+    nccl_env = nccl.effective(settings, head_ip=head_ip)
+    kept = f"; your own {', '.join(nccl_env.user_wins)} kept" if nccl_env.user_wins else ""
+    reporter.say(f"NCCL preset {nccl_env.preset}: {nccl_env.reason}{kept}")
+    for warning in nccl_env.warnings:
+        reporter.warn(warning)
+    ifname = settings.environ.get("NCCL_SOCKET_IFNAME",
+                                  nccl_env.variables.get("NCCL_SOCKET_IFNAME"))
+    node_ip, ip_rule = ray_node.choose_node_ip(settings, head_ip, nccl_ifname=ifname)
+    gpus, gpu_rule = ray_node.detect_gpus(settings)
+    reporter.say(f"this pod: {node_ip} ({ip_rule}), {gpus} GPU(s) ({gpu_rule})")
+    plan = ray_node.plan(settings, role, node_ip, gpus, nccl_env.variables, head_ip)
+    reporter.event("prepared", preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,
+                   nccl=dict(nccl_env.variables), warnings=list(nccl_env.warnings))
+    return NodeSetup(nccl_env, node_ip, gpus, plan)
+
+
+def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
+    """Stop Ray processes an earlier run left on this pod (only this pod's: same netns)."""
+    stale = process.pod_ray_processes()
+    if not stale:
+        return
+    termed, killed = process.stop_processes(stale, settings.stop_timeout)
+    how = f", {killed} needed SIGKILL" if killed else ""
+    reporter.say(f"stopped a stale Ray on this pod ({termed + killed} processes{how})")
+    reporter.event("stale_ray_stopped", processes=termed + killed, killed=killed)

@@ -1,0 +1,206 @@
+"""Child processes: started in their own session with a log file, stopped TERM -> deadline -> KILL.
+
+podagent makes itself a child subreaper, so the daemons `ray start` leaves behind (gcs_server,
+raylet, dashboard...) stay its descendants: stopping "this pod's Ray" means stopping our own
+process tree, never every Ray process on the machine (several test pods share one kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+# The patterns `ray stop` uses to recognise Ray's processes (ray/autoscaler/_private/constants.py):
+# (substring, True = match the process name, False = match the whole command line).
+RAY_PROCESS_PATTERNS: tuple[tuple[str, bool], ...] = (
+    ("raylet", True), ("plasma_store", True), ("gcs_server", True), ("ray::", True),
+    ("monitor.py", False), ("ray.util.client.server", False), ("default_worker.py", False),
+    ("setup_worker.py", False), ("log_monitor.py", False), ("ray::DashboardAgent", False),
+    ("dashboard/dashboard.py", False), ("ray::RuntimeEnvAgent", False),
+    ("ray_process_reaper.py", False),
+)
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to us instead of PID 1 (Linux >= 3.4)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def reap_zombies(keep: Iterable[int] = ()) -> None:
+    """Collect exit statuses of adopted orphans; Popen objects reap their own (keep)."""
+    keep = set(keep)
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            if child.pid not in keep and child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+
+
+def stop_processes(
+    procs: Sequence[psutil.Process],
+    timeout: float,
+    on_kill: Callable[[list[psutil.Process]], None] | None = None,
+) -> tuple[int, int]:
+    """SIGTERM all, wait until a monotonic deadline, SIGKILL the rest. Returns (termed, killed)."""
+    procs = [p for p in procs if p.pid != os.getpid()]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    if alive:
+        if on_kill:
+            on_kill(alive)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+    return len(procs) - len(alive), len(alive)
+
+
+def stop_tree_in_phases(
+    phases: Sequence[Callable[[psutil.Process], bool]], timeout: float
+) -> tuple[int, int]:
+    """Stop our descendants in phases (each picks from what is still running), then the rest.
+
+    One overall deadline; returns (terminated, killed) over all phases.
+    """
+    deadline = time.monotonic() + timeout
+    termed = killed = 0
+    for wanted in (*phases, lambda _p: True):
+        picked = []
+        for proc in descendants():
+            with contextlib.suppress(psutil.Error):
+                if proc.status() != psutil.STATUS_ZOMBIE and wanted(proc):
+                    picked.append(proc)
+        if picked:
+            t, k = stop_processes(picked, max(0.5, deadline - time.monotonic()))
+            termed, killed = termed + t, killed + k
+    reap_zombies()
+    return termed, killed
+
+
+def _netns_inode(pid: int | str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def is_ray_process(proc: psutil.Process) -> bool:
+    try:
+        name = proc.name()
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    if any(p in name if by_name else p in cmdline for p, by_name in RAY_PROCESS_PATTERNS):
+        return True
+    # `ray start --block` and other ray CLI processes: python .../bin/ray start ...
+    argv = cmdline.split()
+    return len(argv) >= 2 and any(
+        Path(a).name == "ray" and argv[i + 1:i + 2] in (["start"], ["stop"])
+        for i, a in enumerate(argv[:-1])
+    )
+
+
+def pod_ray_processes() -> list[psutil.Process]:
+    """Ray processes of this pod: same network namespace as us, not us or our ancestors."""
+    ours = _netns_inode("self")
+    skip = {os.getpid()} | {p.pid for p in psutil.Process().parents()}
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid in skip or _netns_inode(proc.pid) != ours:
+            continue
+        if is_ray_process(proc):
+            found.append(proc)
+    return found
+
+
+def port_holder(port: int) -> str | None:
+    """'pid 123 (gcs_server)' for whoever listens on port in this network namespace."""
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid is None:
+                    return "another process"
+                with contextlib.suppress(psutil.Error):
+                    return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+                return f"pid {conn.pid}"
+    return None
+
+
+class ManagedProcess:
+    """One external process: start (own session, output to a log file), poll, stop."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        cwd: str | None = None,
+    ):
+        self.name, self.argv, self.env = name, list(argv), dict(env)
+        self.log_path, self.cwd = Path(log_path), cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(deque(f, maxlen=lines)).rstrip()
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float) -> tuple[int, int]:
+        """The process and everything it started, TERM -> deadline -> KILL."""
+        if not self.proc or self.proc.poll() is not None:
+            return 0, 0
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
+        except psutil.Error:
+            tree = []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        result = stop_processes(tree, timeout)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)
+        return result

@@ -1,0 +1,80 @@
+"""Which role this pod plays, and the rule that decided it. Pure: table-tested.
+
+Rules, first match wins:
+  1. an explicit subcommand (`podagent head` / `podagent worker`);
+  2. RAY_WORKER: 1 worker, 0 head;
+  3. HEAD_POD_ID compared with RUNPOD_POD_ID: equal head, different worker;
+  4. RunPod Instant Cluster: NODE_RANK 0 head, otherwise worker (PRIMARY_ADDR is the head);
+  5. nothing: a standalone head.
+Facts that a lower rule would read are still checked against the deciding one: a pod that two
+facts put in different roles is refused (two heads are worse than none).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from podagent.config import Settings
+from podagent.errors import ConfigError, RoleConflict
+
+
+class Role(str, enum.Enum):
+    HEAD = "head"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    role: Role
+    reason: str
+    standalone: bool = False
+
+
+def _facts(s: Settings) -> list[tuple[Role, str]]:
+    """Every independent fact about the role, strongest first."""
+    facts: list[tuple[Role, str]] = []
+    if s.ray_worker is not None:
+        facts.append((Role.WORKER if s.ray_worker else Role.HEAD,
+                      f"RAY_WORKER={int(s.ray_worker)}"))
+    if s.head_pod_id and s.pod_id:
+        if s.head_pod_id == s.pod_id:
+            facts.append((Role.HEAD, f"RUNPOD_POD_ID={s.pod_id} equals HEAD_POD_ID"))
+        else:
+            facts.append((Role.WORKER,
+                          f"RUNPOD_POD_ID={s.pod_id} differs from HEAD_POD_ID={s.head_pod_id}"))
+    if s.node_rank is not None:
+        facts.append((Role.HEAD if s.node_rank == 0 else Role.WORKER,
+                      f"NODE_RANK={s.node_rank} (Instant Cluster)"))
+    return facts
+
+
+def detect_role(s: Settings, explicit: Role | None = None) -> RoleDecision:
+    facts = _facts(s)
+    if explicit is not None:
+        decision = RoleDecision(explicit, f"the subcommand `podagent {explicit.value}`")
+    elif facts:
+        role, reason = facts[0]
+        decision = RoleDecision(role, reason)
+    elif s.primary_addr is not None:
+        decision = RoleDecision(Role.WORKER, f"PRIMARY_ADDR={s.primary_addr} names the head")
+    else:
+        decision = RoleDecision(Role.HEAD, "no role variable is set: a standalone head",
+                                standalone=s.expected_workers == 0 and not s.head_pod_id)
+    for role, reason in facts:
+        if role is not decision.role:
+            raise RoleConflict(
+                f"role conflict: {decision.reason} makes this pod the {decision.role.value}, "
+                f"but {reason} makes it a {role.value}; fix one of them"
+            )
+    if decision.role is Role.WORKER:
+        _require_head_location(s)
+    return decision
+
+
+def _require_head_location(s: Settings) -> None:
+    if s.head_addr or s.head_pod_id or s.primary_addr:
+        return
+    raise ConfigError(
+        "HEAD_POD_ID", "", "must be set on a worker (or PODAGENT_HEAD_ADDR, or PRIMARY_ADDR)"
+    )

@@ -1,0 +1,171 @@
+"""The worker's lifecycle as a named state machine driven by one loop."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Callable
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from podagent import node, process, ray_node
+from podagent.config import Settings
+from podagent.discovery import HeadFinder, HeadLocation
+from podagent.errors import HeadLost, HeadUnreachable, PodagentError, RayDied, RayStartError
+from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.report import Reporter
+from podagent.roles import Role, RoleDecision
+from podagent.waiting import Signals
+
+WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period
+JOIN_ATTEMPT_TIMEOUT = 120.0
+
+
+class WorkerState(str, enum.Enum):
+    """FINDING_HEAD -> PREPARING -> CLEANING -> JOINING -> WATCHING -> LEFT.
+
+    Any state may raise (an error or a signal); teardown then runs from `finally`.
+    """
+    FINDING_HEAD = "finding_head"
+    PREPARING = "preparing"
+    CLEANING = "cleaning"
+    JOINING = "joining"
+    WATCHING = "watching"
+    LEFT = "left"
+
+
+class Worker:
+    def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
+                 signals: Signals):
+        self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
+        self.state = WorkerState.FINDING_HEAD
+        self.finder = HeadFinder(settings, reporter, signals)
+        self.head: HeadLocation | None = None
+        self.gcs: GcsClient | None = None
+        self.setup: node.NodeSetup | None = None
+        self.started = time.monotonic()
+        self._handlers: dict[WorkerState, Callable[[], WorkerState]] = {
+            WorkerState.FINDING_HEAD: self._find_head,
+            WorkerState.PREPARING: self._prepare,
+            WorkerState.CLEANING: self._clean,
+            WorkerState.JOINING: self._join,
+            WorkerState.WATCHING: self._watch,
+        }
+
+    def run(self) -> None:
+        outcome = "failed"
+        try:
+            while self.state is not WorkerState.LEFT:
+                self.signals.check()
+                self.reporter.event("state", state=self.state.value)
+                self.state = self._handlers[self.state]()
+            outcome = "left"
+        except PodagentError as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self._teardown(outcome)
+
+    def _find_head(self) -> WorkerState:
+        with self.reporter.step("head_found") as step:
+            self.head = self.finder.locate()
+            self.reporter.say(f"head is {self.head.ip} (from {self.head.how}); "
+                              f"waiting for its Ray to answer")
+            self.gcs = self.finder.wait_for_gcs(self.head.ip)
+            step.done(f"head's Ray answers at {self.head.ip}:{self.s.ray_port}",
+                      head=self.head.ip, how=self.head.how)
+        return WorkerState.PREPARING
+
+    def _prepare(self) -> WorkerState:
+        assert self.head
+        self.setup = node.prepare(self.s, Role.WORKER, self.reporter, head_ip=self.head.ip)
+        return WorkerState.CLEANING
+
+    def _clean(self) -> WorkerState:
+        node.clean_stale_ray(self.s, self.reporter)
+        return WorkerState.JOINING
+
+    def _join(self) -> WorkerState:
+        """`ray start --address`; a failed start is retried until the head-wait deadline.
+
+        Seen on loaded machines: "The current node timed out during startup" from one attempt,
+        success on the next.
+        """
+        assert self.setup and self.head
+        remaining = max(1.0, self.finder.deadline - time.monotonic())
+        attempts = {"n": 0, "last": ""}
+
+        def attempt() -> None:
+            attempts["n"] += 1
+            try:
+                ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-worker.log",
+                                 min(JOIN_ATTEMPT_TIMEOUT, remaining)).start()
+            except RayStartError as exc:
+                last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else "?"
+                attempts["last"] = last_line
+                self.reporter.warn(f"joining failed (attempt {attempts['n']}): {last_line}; "
+                                   f"cleaning up and retrying")
+                ray_node.RayNode.stop(self.s.stop_timeout)
+                raise
+
+        with self.reporter.step("joined") as step:
+            try:
+                Retrying(stop=stop_after_delay(remaining),
+                         wait=wait_exponential(multiplier=0.5, max=5.0),
+                         retry=retry_if_exception_type(RayStartError),
+                         sleep=self.signals.sleep, reraise=True)(attempt)
+            except RayStartError:
+                raise HeadUnreachable(
+                    f"could not join the head's Ray at {self.head.ip}:{self.s.ray_port} in "
+                    f"{attempts['n']} attempt(s) within {self.s.head_timeout:g} s; "
+                    f"last error: {attempts['last']}") from None
+            step.done(f"joined the cluster at {self.head.ip}:{self.s.ray_port} as "
+                      f"{self.setup.node_ip} ({self.setup.gpus} GPUs)",
+                      node_ip=self.setup.node_ip, gpus=self.setup.gpus, attempts=attempts["n"])
+        return WorkerState.WATCHING
+
+    def _watch(self) -> WorkerState:
+        """Stay in the foreground; leave when the head closes the run or is gone too long."""
+        assert self.gcs and self.head
+        self.reporter.say(f"watching the head (leaving if unreachable for "
+                          f"{self.s.head_grace:g} s)")
+        last_ok = time.monotonic()
+        last_error = ""
+        while True:
+            self.signals.sleep(WATCH_INTERVAL)
+            process.reap_zombies()
+            try:
+                state = self.gcs.kv_get(node.KV_NAMESPACE, node.KV_RUN_STATE,
+                                        timeout=WATCH_INTERVAL)
+            except GcsUnavailable as exc:
+                last_error = str(exc)
+                gone = time.monotonic() - last_ok
+                if gone > self.s.head_grace:
+                    raise HeadLost(
+                        f"the head {self.head.ip}:{self.s.ray_port} has been unreachable for "
+                        f"{gone:.1f} s (grace {self.s.head_grace:g} s): {last_error}") from None
+                continue
+            if last_error:
+                self.reporter.say(f"head reachable again after "
+                                  f"{time.monotonic() - last_ok:.1f} s")
+                last_error = ""
+            last_ok = time.monotonic()
+            if state:
+                closing = json.loads(state)
+                self.reporter.say(f"the head is closing the run ({closing.get('outcome')}, "
+                                  f"job {closing.get('job_status')}); leaving")
+                return WorkerState.LEFT
+            if not ray_node.RayNode.raylet_alive():
+                raise RayDied("this pod's raylet exited; see Ray's logs in its temp dir")
+
+    def _teardown(self, outcome: str) -> None:
+        if self.gcs:
+            self.gcs.close()
+        termed, killed = ray_node.RayNode.stop(self.s.stop_timeout)
+        if termed or killed:
+            extra = f", {killed} needed SIGKILL" if killed else ""
+            self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
+        self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
+                            killed=killed)
+        self.reporter.say(f"worker done: {outcome} after {time.monotonic() - self.started:.1f} s")

@@ -1,0 +1,69 @@
+"""Fixtures for end-to-end tests on fake pods (see pods.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.pods import DnsServer, Pod, PodNetwork, cleanup_stale
+
+
+@pytest.fixture(scope="session")
+def _e2e_host() -> None:
+    # CI runs as root: a missing prerequisite is a broken setup, so fail, never skip.
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("must run as root (network namespaces, bridges)")
+    if shutil.which("ip") is None:
+        problems.append("iproute2 `ip` not found on PATH")
+    if problems:
+        pytest.fail("e2e tests cannot run: " + "; ".join(problems), pytrace=False)
+    cleanup_stale()  # leftovers of a crashed earlier run
+
+
+@pytest.fixture
+def pod_network(_e2e_host: None) -> Iterator[PodNetwork]:
+    """A fresh private network (bridge + host address); closed even if the test fails."""
+    with PodNetwork() as net:
+        yield net
+
+
+@pytest.fixture
+def dns_server(pod_network: PodNetwork) -> Iterator[DnsServer]:
+    """DNS server for runpod.internal on the bridge's host address, free port."""
+    with DnsServer(address=pod_network.host_ip, port=0) as server:
+        yield server
+
+
+MakePod = Callable[..., Pod]
+
+
+@pytest.fixture
+def make_pod(pod_network: PodNetwork, dns_server: DnsServer) -> MakePod:
+    """make_pod(name, ifname="podnet1", register=False, pod_id=None) -> Pod.
+
+    register=True publishes <pod_id>.runpod.internal -> pod.ip right away;
+    it is off by default because some tests want the name to appear later.
+    """
+
+    def make(
+        name: str, ifname: str = "podnet1", register: bool = False, pod_id: str | None = None
+    ) -> Pod:
+        pod = pod_network.add_pod(name, ifname=ifname, pod_id=pod_id)
+        if register:
+            dns_server.set_record(pod.dns_name, pod.ip)
+        return pod
+
+    return make
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Every test under tests/e2e gets the `e2e` marker (select with -m e2e).
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
