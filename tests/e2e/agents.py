@@ -1,0 +1,92 @@
+"""Run the real podagent entrypoint inside a test pod, configured only by environment variables,
+as a RunPod template would set them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from tests.e2e.pods import DnsServer, Pod, wait_for
+
+# Variables a test must not inherit from the machine it runs on.
+_SCRUB_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
+_SCRUB_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "NODE_ADDR",
+                "EXPECTED_WORKERS", "DEBUG_RAY", "CUDA_VISIBLE_DEVICES"}
+
+
+def clean_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES}
+
+
+class Agent:
+    """One podagent process in one pod; output goes to a file the test can read while it runs."""
+
+    def __init__(self, pod: Pod, dns: DnsServer, log_root: Path, env: Mapping[str, str],
+                 argv: tuple[str, ...] = ()):
+        self.pod = pod
+        self.out_path = log_root / f"{pod.name}.out"
+        # Short and unique: Ray puts unix sockets under its temp dir (108-byte limit).
+        self.ray_tmp = f"/tmp/pae-{uuid.uuid4().hex[:6]}-{pod.name[:8]}"
+        self.env = {
+            **clean_environ(),
+            "RUNPOD_POD_ID": pod.pod_id,
+            "PODAGENT_DNS_SERVER": f"{dns.address}:{dns.port}",
+            "PODAGENT_RAY_TEMP_DIR": self.ray_tmp,
+            "PODAGENT_LOG_DIR": str(log_root / pod.name),
+            "PODAGENT_RUN_NAME": "e2e",
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        self.argv = (sys.executable, "-m", "podagent", *argv)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Agent:
+        self._out = open(self.out_path, "wb")
+        self.proc = self.pod.popen(list(self.argv), env=self.env, stdout=self._out,
+                                   stderr=subprocess.STDOUT)
+        return self
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_output(self, text: str, timeout: float) -> None:
+        def seen() -> bool:
+            if text in self.output:
+                return True
+            if self.proc and self.proc.poll() is not None:
+                raise AssertionError(f"{self.pod.name} exited {self.proc.returncode} before "
+                                     f"printing {text!r}:\n{self.output[-3000:]}")
+            return False
+
+        wait_for(seen, timeout=timeout, interval=0.2,
+                 what=f"{self.pod.name} to print {text!r}")
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.pod.name} still running after {timeout} s:\n"
+                                 f"{self.output[-3000:]}") from None
+
+    def kill_pod(self) -> None:
+        """The pod dies: every process in its namespace gets SIGKILL at once."""
+        for pid in self.pod.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._out.close()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)

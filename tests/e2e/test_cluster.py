@@ -1,0 +1,120 @@
+"""Multi-pod bring-up: each pod a network namespace whose cluster interface is named as RunPod
+names it (podnet1), a real DNS server for *.runpod.internal, the real podagent in every pod."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.agents import Agent
+from tests.e2e.pods import wait_for
+
+# Three Ray nodes on a 2-core machine are slow to form: generous, bounded waits.
+FORM_TIMEOUT = 240.0
+LONG_JOB = "python -c 'import time; print(\"training\", flush=True); time.sleep(600)'"
+EXIT_WORKERS_TIMEOUT, EXIT_HEAD_LOST = 5, 7
+
+
+@pytest.fixture
+def agents(tmp_path) -> Iterator[list[Agent]]:
+    started: list[Agent] = []
+    yield started
+    for agent in started:
+        agent.close()
+
+
+def _cluster(make_pod, dns_server, tmp_path, agents, workers: int, head_env=None,
+             worker_env=None, register_head=True):
+    head_pod = make_pod("head", register=register_head)
+    worker_pods = [make_pod(f"w{i}", register=True) for i in range(1, workers + 1)]
+
+    def agent(pod, env):
+        a = Agent(pod, dns_server, tmp_path, {"HEAD_POD_ID": head_pod.pod_id, **env})
+        agents.append(a)
+        return a
+
+    head = agent(head_pod, head_env or {})
+    return head, [agent(p, (worker_env or {})) for p in worker_pods]
+
+
+def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server, tmp_path,
+                                                            agents):
+    """a) head + 2 workers form a cluster, the smoke job sees 3 node IPs, all exit 0;
+    b) the workers start first and get NXDOMAIN for the head until it appears in DNS."""
+    head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+                             head_env={"EXPECTED_WORKERS": "2"}, register_head=False)
+    # One worker declares itself as the seed did (RAY_WORKER=1); the other is found a worker
+    # by comparing RUNPOD_POD_ID with HEAD_POD_ID.
+    workers[0].env["RAY_WORKER"] = "1"
+    for w in workers:
+        w.start()
+    head_name = head.pod.dns_name
+    wait_for(lambda: len({q.client[0] for q in dns_server.queries_for(head_name)
+                          if q.result == "NXDOMAIN"}) >= 2 or None,
+             timeout=30, what=f"both workers to get NXDOMAIN for {head_name}")
+    for w in workers:
+        w.wait_output("NXDOMAIN", timeout=30)
+
+    dns_server.set_record(head_name, head.pod.ip)
+    head.start()
+    codes = [a.wait_exit(FORM_TIMEOUT) for a in (head, *workers)]
+    assert codes == [0, 0, 0], "\n\n".join(a.output[-2500:] for a in (head, *workers))
+
+    out = head.output
+    smoke_ips = set(re.findall(r"smoke: node (\S+) ", out))
+    assert smoke_ips == {head.pod.ip, *(w.pod.ip for w in workers)}
+    assert "smoke: OK" in out
+    assert re.search(r"cluster ready: 3 nodes, 0 GPUs .*\(\d+\.\d s\)", out)
+    for w in workers:
+        assert f"worker joined: {w.pod.ip}" in out
+        assert "NCCL preset runpod-global" in w.output
+        assert "WARNING" not in w.output  # podnet1 exists in the pod: the preset check passes
+        assert "the head is closing the run" in w.output
+    assert "RAY_WORKER=1" in workers[0].output
+    assert "differs from HEAD_POD_ID" in workers[1].output
+    # Per run: the pod's podagent log, job.log and events.jsonl.
+    run_dir = tmp_path / "head" / "e2e"
+    assert "smoke: OK" in (run_dir / "job.log").read_text()
+    assert (run_dir / f"podagent-head-{head.pod.pod_id}.log").exists()
+    assert '"event": "worker_joined"' in (run_dir / "events.jsonl").read_text()
+
+
+def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_path, agents):
+    """c) EXPECTED_WORKERS=3 with 2 workers: the head exits 5 and names the two that joined."""
+    head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+                             head_env={"EXPECTED_WORKERS": "3",
+                                       "PODAGENT_WORKER_TIMEOUT": "60"})
+    for a in (head, *workers):
+        a.start()
+    assert head.wait_exit(FORM_TIMEOUT) == EXIT_WORKERS_TIMEOUT, head.output[-3000:]
+    error = [line for line in head.output.splitlines() if "ERROR" in line]
+    assert len(error) == 1, head.output[-3000:]
+    assert "only 2 of 3 workers joined" in error[0]
+    for w in workers:
+        assert w.pod.ip in error[0]
+    # The head closed the cluster in order: the workers leave with 0.
+    assert [w.wait_exit(60) for w in workers] == [0, 0]
+
+
+def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
+    """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s."""
+    grace = 10.0
+    head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+                             head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB})
+    for a in (head, *workers):
+        a.start()
+    head.wait_output("training", timeout=FORM_TIMEOUT)
+    for w in workers:
+        w.wait_output("watching the head", timeout=30)
+    killed_at = time.monotonic()
+    head.kill_pod()
+    codes = [w.wait_exit(grace + 5 + 30) for w in workers]
+    took = time.monotonic() - killed_at
+    assert codes == [EXIT_HEAD_LOST] * 2, "\n\n".join(w.output[-2000:] for w in workers)
+    assert took <= grace + 5, f"workers took {took:.1f} s to leave"
+    for w in workers:
+        assert "has been unreachable" in w.output
+        assert w.pod.pids() == [], f"{w.pod.name} left processes behind: {w.pod.pids()}"
