@@ -7,14 +7,17 @@ import contextlib
 import logging
 import shlex
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
 from podagent.errors import JobFailed, JobStopped
 from podagent.report import Reporter
 from podagent.waiting import Signals
+
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 class JobRunner:
@@ -80,7 +83,7 @@ class JobRunner:
         self._tail.start()
         while True:
             status = self.status()
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if status in TERMINAL:
                 break
             signals.sleep(poll)
         self._finish_log()
@@ -108,14 +111,11 @@ class JobRunner:
         raise JobFailed(f"job {self.submission_id} failed: {message or status}")
 
     def stop(self, timeout: float) -> str | None:
-        """Ask Ray to stop the job and wait (bounded) until it is over."""
+        """Ask Ray to stop the job and wait (bounded) until it is over; returns its status."""
         with contextlib.suppress(Exception):
             self.client.stop_job(self.submission_id)
-        deadline = time.monotonic() + timeout
-        status = self.status()
-        while status not in ("SUCCEEDED", "FAILED", "STOPPED", None):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)  # teardown: signals are already being handled
-            status = self.status()
-        return status
+        return Retrying(
+            stop=stop_after_delay(timeout), wait=wait_fixed(0.2),
+            retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),
+            retry_error_callback=lambda state: state.outcome.result(),
+        )(self.status)

@@ -28,7 +28,6 @@ class Role(str, enum.Enum):
 class RoleDecision:
     role: Role
     reason: str
-    standalone: bool = False
 
 
 def _facts(s: Settings) -> list[tuple[Role, str]]:
@@ -59,8 +58,9 @@ def detect_role(s: Settings, explicit: Role | None = None) -> RoleDecision:
     elif s.primary_addr is not None:
         decision = RoleDecision(Role.WORKER, f"PRIMARY_ADDR={s.primary_addr} names the head")
     else:
-        decision = RoleDecision(Role.HEAD, "no role variable is set: a standalone head",
-                                standalone=s.expected_workers == 0 and not s.head_pod_id)
+        alone = "a standalone head" if s.expected_workers == 0 else (
+            f"the head of {s.expected_workers} expected worker(s)")
+        decision = RoleDecision(Role.HEAD, f"no role variable is set: {alone}")
     for role, reason in facts:
         if role is not decision.role:
             raise RoleConflict(
