@@ -1,0 +1,248 @@
+"""The real CLI as a subprocess: one-line errors and exit codes, --version, `podagent env`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import podagent
+from podagent import cli, errors, nccl
+
+_DROP_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
+_DROP_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "EXPECTED_WORKERS",
+               "DEBUG_RAY", "NODE_ADDR"}
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_DROP_PREFIXES) and k not in _DROP_NAMES}
+    return {**env, **extra}
+
+
+def run_cli(cwd: Path, args: tuple[str, ...], env: dict[str, str]) -> Run:
+    result = subprocess.run(
+        [sys.executable, "-m", "podagent", *args], env=clean_env(**env), cwd=cwd,
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    return Run(cwd, result.returncode, result.stdout, result.stderr)
+
+
+@dataclass(frozen=True)
+class Run:
+    cwd: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+SECRET = "wandb-secret-0123456789"
+
+# Every CLI run of this module: (arguments, environment). They run concurrently, once.
+BAD_INPUTS = {
+    "expected-workers-env": (
+        ("env",), {"EXPECTED_WORKERS": "two"},
+        "EXPECTED_WORKERS='two' must be a whole number >= 0"),
+    "ray-port-no-subcommand": ((), {"PODAGENT_RAY_PORT": "70000"}, "PODAGENT_RAY_PORT='70000'"),
+    "head-timeout-head": (
+        ("head",), {"PODAGENT_HEAD_TIMEOUT": "nan"}, "PODAGENT_HEAD_TIMEOUT='nan'"),
+    "head-pod-id-worker": (("worker",), {"HEAD_POD_ID": "bad id"}, "HEAD_POD_ID='bad id'"),
+    "ray-port-flag": (("env", "--ray-port", "abc"), {}, "--ray-port='abc'"),
+    "group-flag": (("--expected-workers", "x", "env"), {}, "--expected-workers='x'"),
+    "job-quote": (("env",), {"PODAGENT_JOB": "python 'unclosed"}, "PODAGENT_JOB="),
+    "preset-env": (("env",), {"PODAGENT_NCCL_PRESET": "bogus"}, "PODAGENT_NCCL_PRESET='bogus'"),
+    "min-workers": (
+        ("env",), {"EXPECTED_WORKERS": "1", "PODAGENT_MIN_WORKERS": "3"},
+        "PODAGENT_MIN_WORKERS='3'"),
+    "worker-without-head": (("env",), {"RAY_WORKER": "1"}, "HEAD_POD_ID="),
+}
+
+# Should a worker wrongly start, it finds no head at once and exits 6 (it starts nothing).
+_SAFETY_NET = {"PODAGENT_HEAD_ADDR": "127.0.0.1", "PODAGENT_RAY_PORT": str(_closed_port()),
+               "PODAGENT_HEAD_TIMEOUT": "1", "PODAGENT_LOG_DIR": "logs"}
+
+CONFLICTS = {
+    "env-ray-worker-0-vs-pod-ids": (
+        ("env",), {"RAY_WORKER": "0", "HEAD_POD_ID": "h1", "RUNPOD_POD_ID": "w1"},
+        ["RAY_WORKER=0", "RUNPOD_POD_ID=w1"]),
+    "ray-worker-1-vs-pod-ids": (
+        (), {"RAY_WORKER": "1", "HEAD_POD_ID": "h1", "RUNPOD_POD_ID": "h1"},
+        ["RAY_WORKER=1", "RUNPOD_POD_ID=h1"]),
+    "ray-worker-1-vs-pod-ids-and-rank": (
+        (), {"NODE_RANK": "2", "HEAD_POD_ID": "h1", "RUNPOD_POD_ID": "h1", "RAY_WORKER": "1"},
+        ["RAY_WORKER=1", "RUNPOD_POD_ID=h1"]),
+    "worker-subcommand-vs-ray-worker-0": (
+        ("worker",), {"RAY_WORKER": "0"}, ["`podagent worker`", "RAY_WORKER=0"]),
+    "worker-subcommand-vs-rank-0": (
+        ("worker",), {"NODE_RANK": "0", "PRIMARY_ADDR": "127.0.0.1"},
+        ["`podagent worker`", "NODE_RANK=0"]),
+}
+
+OTHER_RUNS = {
+    "version": (("--version",), {}),
+    "env-pod-ids": (("env",), {"HEAD_POD_ID": "h1", "RUNPOD_POD_ID": "h1",
+                               "WANDB_API_KEY": SECRET, "WANDB_PROJECT": "proj"}),
+    "env-debug": (("env",), {"DEBUG_RAY": "1"}),
+    "env-plain": (("env",), {}),
+    "env-export": (("env", "--export", "--preset", "runpod-global"), {"WANDB_NAME": "my run"}),
+    "env-export-user-ifname": (("env", "--export", "--preset", "runpod-global"),
+                               {"NCCL_SOCKET_IFNAME": "eth9"}),
+    "env-bogus-preset": (("env", "--preset", "bogus"), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run]:
+    jobs = {name: (args, env) for name, (args, env, _) in BAD_INPUTS.items()}
+    jobs.update({name: (args, {**_SAFETY_NET, **env})
+                 for name, (args, env, _) in CONFLICTS.items()})
+    jobs.update(OTHER_RUNS)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = {name: pool.submit(run_cli, tmp_path_factory.mktemp(name), args, env)
+                   for name, (args, env) in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def assert_one_line_error(run: Run, *words: str) -> str:
+    assert run.returncode == 2, run
+    assert "Traceback" not in run.stderr + run.stdout
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    for word in words:
+        assert word in lines[0]
+    return lines[0]
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(runs, name):
+    run = runs[name]
+    line = assert_one_line_error(run)
+    assert line.startswith(f"podagent: error: {BAD_INPUTS[name][2]}")
+    assert list(run.cwd.iterdir()) == []  # nothing was started or written
+
+
+@pytest.mark.parametrize("name", CONFLICTS)
+def test_role_conflict_exits_2_naming_both_facts(runs, name):
+    run = runs[name]
+    line = assert_one_line_error(run, *CONFLICTS[name][2])
+    assert line.startswith("podagent: error: role conflict")
+    assert list(run.cwd.iterdir()) == []
+
+
+def test_version(runs):
+    run = runs["version"]
+    assert run.returncode == 0
+    assert run.stdout.startswith("podagent")
+    assert podagent.__version__ in run.stdout
+
+
+# --- podagent env -------------------------------------------------------------------------------
+
+def _infiniband_here() -> bool:
+    return bool(nccl.infiniband_devices()) and any(n.startswith("ib") for n in nccl.interfaces())
+
+
+@pytest.mark.skipif(_infiniband_here(), reason="this machine has InfiniBand evidence")
+def test_env_shows_role_preset_and_nccl_lines_and_redacts_secrets(runs):
+    run = runs["env-pod-ids"]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.splitlines()
+    assert out[0] == "# role: head (RUNPOD_POD_ID=h1 equals HEAD_POD_ID)"
+    assert out[1].startswith("# NCCL preset runpod-global: ")
+    assert "RUNPOD_POD_ID" in out[1]
+    for line in ("NCCL_SOCKET_IFNAME=podnet1", "NCCL_IB_DISABLE=1", "NCCL_LAUNCH_MODE=GROUP",
+                 "GLOO_SOCKET_IFNAME=podnet1", "WANDB_PROJECT=proj",
+                 "# WANDB_API_KEY is set (value redacted)"):
+        assert line in out
+    assert SECRET not in run.stdout + run.stderr
+
+
+def test_env_shows_ray_debug_when_asked(runs):
+    assert runs["env-debug"].returncode == 0, runs["env-debug"].stderr
+    assert "RAY_DEBUG=legacy" in runs["env-debug"].stdout.splitlines()
+    assert runs["env-plain"].returncode == 0, runs["env-plain"].stderr
+    assert "RAY_DEBUG" not in runs["env-plain"].stdout
+
+
+def test_env_export_prints_the_preset(runs):
+    run = runs["env-export"]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.splitlines()
+    assert "# NCCL preset runpod-global: --nccl-preset asks for it" in out
+    for line in ("export NCCL_SOCKET_IFNAME=podnet1", "export NCCL_NET_SOCKET_FAMILY=IPv4",
+                 "export NCCL_SOCKET_NTHREADS=1", "export FORCE_MODEL_INIT_TO_CUDA=1",
+                 "export GLOO_SOCKET_IFNAME=podnet1", "export WANDB_NAME='my run'"):
+        assert line in out
+    assert all(line.startswith(("export ", "# ")) for line in out), out
+
+
+def test_env_export_users_own_nccl_socket_ifname_wins(runs):
+    run = runs["env-export-user-ifname"]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.splitlines()
+    assert not any(line.startswith("export NCCL_SOCKET_IFNAME=") for line in out)
+    assert "# NCCL_SOCKET_IFNAME is your own (eth9); the preset's value yields" in out
+    assert "export GLOO_SOCKET_IFNAME=eth9" in out
+    assert "export NCCL_IB_DISABLE=1" in out
+
+
+def test_env_unknown_preset_exits_2(runs):
+    assert_one_line_error(runs["env-bogus-preset"], "'bogus'", "one of")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "`podagent env --preset bogus` reports the error under --nccl-preset, a flag the user "
+    "did not type"))
+def test_env_unknown_preset_names_the_flag_given(runs):
+    line = assert_one_line_error(runs["env-bogus-preset"])
+    assert line.startswith("podagent: error: --preset='bogus'")
+
+
+# --- exit codes ---------------------------------------------------------------------------------
+
+EXIT_CODES = [
+    (errors.ConfigError("EXPECTED_WORKERS", "two", "must be a whole number >= 0"), 2),
+    (errors.RoleConflict("role conflict"), 2),
+    (errors.JobFailed("job failed"), 3),
+    (errors.JobStopped("job stopped"), 4),
+    (errors.WorkersTimeout("1 of 2"), 5),
+    (errors.HeadUnreachable("no head"), 6),
+    (errors.HeadLost("lost"), 7),
+    (errors.RayStartError("ray start failed"), 8),
+    (errors.PortInUse(6379, "0.0.0.0", None), 9),
+    (errors.RayDied("raylet died"), 10),
+    (errors.Interrupted(signal.SIGTERM), 143),
+    (errors.Interrupted(signal.SIGINT), 130),
+    (errors.PodagentError("unclassified"), 70),
+    (RuntimeError("a bug"), 70),
+    (KeyError("x"), 70),
+]
+
+
+@pytest.mark.parametrize(("exc", "code"), EXIT_CODES, ids=[type(e).__name__ for e, _ in
+                                                           EXIT_CODES])
+def test_exit_code(exc, code):
+    assert cli.exit_code(exc) == code
+
+
+def test_exit_code_table_documents_every_code():
+    documented: set[int] = set()
+    for row in cli.exit_code_table().splitlines()[2:]:
+        cell = row.split("|")[1]
+        documented.update(int(code) for code in cell.split("/"))
+    assert documented == {0} | {code for _, code in EXIT_CODES}

@@ -1,0 +1,373 @@
+"""config.build: flags > environment > defaults, one-line errors, derived values, the table."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from podagent import config
+from podagent.errors import ConfigError
+
+FIELD_BY_ENV = {f.env: f for f in config.FIELDS}
+
+
+def build(env: dict[str, str] | None = None, flags: dict[str, str | None] | None = None,
+          job_argv: tuple[str, ...] | None = None) -> config.Settings:
+    return config.build(flags or {}, env or {}, job_argv)
+
+
+# --- precedence ---------------------------------------------------------------------------------
+
+# (attr, value given as a flag, value given in the environment, parsed flag value, parsed
+#  environment value, default)
+PRECEDENCE = [
+    ("ray_port", "7000", "7001", 7000, 7001, 6379),
+    ("dashboard_port", "9000", "9001", 9000, 9001, 8265),
+    ("head_timeout", "5", "6.5", 5.0, 6.5, 600.0),
+    ("worker_timeout", "30", "40", 30.0, 40.0, 600.0),
+    ("dns_suffix", "a.example", "b.example", "a.example", "b.example", "runpod.internal"),
+    ("nccl_preset", "none", "infiniband", "none", "infiniband", "auto"),
+    ("expected_workers", "3", "4", 3, 4, 0),
+    ("debug_ray", "1", "0", True, False, False),
+    ("node_ip", "10.0.0.2", "10.0.0.3", "10.0.0.2", "10.0.0.3", None),
+]
+
+
+@pytest.mark.parametrize(("attr", "flag_raw", "env_raw", "flag_val", "env_val", "default"),
+                         PRECEDENCE, ids=[p[0] for p in PRECEDENCE])
+def test_flag_beats_environment_beats_default(attr, flag_raw, env_raw, flag_val, env_val,
+                                              default):
+    env_name = config.FIELD_BY_ATTR[attr].env
+
+    both = build({env_name: env_raw}, {attr: flag_raw})
+    assert getattr(both, attr) == flag_val
+    assert both.sources[attr] == "flag"
+    assert both.source_name(attr) == config.FIELD_BY_ATTR[attr].flag
+
+    env_only = build({env_name: env_raw})
+    assert getattr(env_only, attr) == env_val
+    assert env_only.sources[attr] == "env"
+    assert env_only.source_name(attr) == env_name
+
+    neither = build()
+    assert getattr(neither, attr) == default
+    assert neither.sources[attr] == "default"
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t", "  \n "])
+@pytest.mark.parametrize(("attr", "default"), [
+    ("ray_port", 6379), ("head_timeout", 600.0), ("nccl_preset", "auto"),
+    ("head_pod_id", None), ("ray_worker", None), ("min_workers", None),
+])
+def test_empty_or_whitespace_environment_value_means_unset(attr, default, blank):
+    s = build({config.FIELD_BY_ATTR[attr].env: blank})
+    assert getattr(s, attr) == default
+    assert s.sources[attr] == "default"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "config.build: an empty flag counts as 'not set' but the environment is not consulted; "
+    "the default wins over the environment"))
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_empty_flag_falls_back_to_the_environment(blank):
+    s = build({"PODAGENT_RAY_PORT": "7001"}, {"ray_port": blank})
+    assert s.ray_port == 7001
+    assert s.sources["ray_port"] == "env"
+
+
+@pytest.mark.parametrize(("env", "attr", "expected"), [
+    ({"PODAGENT_RAY_PORT": "  7001  "}, "ray_port", 7001),
+    ({"HEAD_POD_ID": "\tabc123\n"}, "head_pod_id", "abc123"),
+    ({"PODAGENT_RUN_NAME": " run-1 "}, "run_name", "run-1"),
+    ({"PODAGENT_HEAD_TIMEOUT": " 2.5 "}, "head_timeout", 2.5),
+    ({"PODAGENT_JOB": "  python  train.py  "}, "job", ("python", "train.py")),
+])
+def test_values_are_stripped(env, attr, expected):
+    assert getattr(build(env), attr) == expected
+
+
+def test_flag_values_are_stripped():
+    assert build(flags={"ray_port": " 7002 "}).ray_port == 7002
+
+
+def test_pod_ids_are_lowercased():
+    s = build({"HEAD_POD_ID": "AbC123", "RUNPOD_POD_ID": "ABC123"})
+    assert s.head_pod_id == s.pod_id == "abc123"
+    assert s.head_dns_name == "abc123.runpod.internal"
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+# (variable, bad value, a word of the rule the message must state)
+INVALID = [
+    ("EXPECTED_WORKERS", "two", "whole number"),
+    ("EXPECTED_WORKERS", "-1", "whole number"),
+    ("EXPECTED_WORKERS", "1.5", "whole number"),
+    ("EXPECTED_WORKERS", "99999999", "whole number"),
+    ("EXPECTED_WORKERS", "2000000", "<= 1000000"),
+    ("PODAGENT_MIN_WORKERS", "some", "whole number"),
+    ("NODE_RANK", "-1", "whole number"),
+    ("NUM_NODES", "0", ">= 1"),
+    ("PODAGENT_NUM_GPUS", "1025", "<= 1024"),
+    ("PODAGENT_RAY_PORT", "0", "port"),
+    ("PODAGENT_RAY_PORT", "65536", "port"),
+    ("PODAGENT_RAY_PORT", "abc", "port"),
+    ("PODAGENT_DASHBOARD_PORT", "-80", "port"),
+    ("PODAGENT_WORKER_TIMEOUT", "0", "seconds"),
+    ("PODAGENT_HEAD_TIMEOUT", "-3", "seconds"),
+    ("PODAGENT_HEAD_GRACE", "nan", "seconds"),
+    ("PODAGENT_STOP_TIMEOUT", "inf", "seconds"),
+    ("PODAGENT_WORKER_TIMEOUT", "604801", "7 days"),
+    ("PODAGENT_HEAD_TIMEOUT", "ten", "seconds"),
+    ("RAY_WORKER", "yes", "0 or 1"),
+    ("RAY_WORKER", "2", "0 or 1"),
+    ("DEBUG_RAY", "true", "0 or 1"),
+    ("HEAD_POD_ID", "abc def", "pod id"),
+    ("HEAD_POD_ID", "HEAD_POD", "pod id"),
+    ("HEAD_POD_ID", "a" * 64, "63 characters"),
+    ("RUNPOD_POD_ID", "-abc", "pod id"),
+    ("PODAGENT_DNS_SERVER", "host:port:x", "HOST:PORT"),
+    ("PODAGENT_DNS_SERVER", ":53", "HOST:PORT"),
+    ("PODAGENT_DNS_SERVER", "1.2.3.4:99999", "HOST:PORT"),
+    ("PODAGENT_DNS_SERVER", "10.0.0.53:0", "HOST:PORT"),
+    ("PODAGENT_NODE_IP", "10.0.0", "IPv4"),
+    ("PODAGENT_NODE_IP", "256.1.1.1", "IPv4"),
+    ("NODE_ADDR", "fe80::1", "IPv4"),
+    ("PRIMARY_ADDR", "bad host!", "host name"),
+    ("PODAGENT_HEAD_ADDR", "under_score.example", "host name"),
+    ("PODAGENT_DNS_SUFFIX", "bad suffix", "DNS domain"),
+    ("PODAGENT_NCCL_PRESET", "bogus", "one of auto"),
+    ("PODAGENT_RUN_NAME", "a/b", "letters, digits"),
+    ("PODAGENT_RUN_NAME", ".hidden", "letters, digits"),
+    ("PODAGENT_RUN_NAME", "r" * 65, "1-64"),
+    ("PODAGENT_JOB", "python -c 'print(1)", "command line"),
+    ("PODAGENT_WORKING_DIR", "{missing}", "existing directory"),
+    ("PODAGENT_RAY_TEMP_DIR", "t" * 61, "at most 60 bytes"),
+    ("PODAGENT_LOG_DIR", "logs\x00dir", "path"),
+]
+
+
+def _ids(cases):
+    return [f"{var}={value[:12]!r}" for var, value, _ in cases]
+
+
+def _value(raw: str, tmp_path) -> str:
+    return str(tmp_path / "does-not-exist") if raw == "{missing}" else raw
+
+
+def _check_message(exc: ConfigError, name: str, value: str, rule_word: str) -> None:
+    message = str(exc)
+    assert "\n" not in message and "\r" not in message
+    assert message.startswith(f"{name}=")
+    assert repr(value) in message
+    assert rule_word in message
+    assert "must" in message
+    assert (exc.name, exc.value) == (name, value)
+
+
+@pytest.mark.parametrize(("var", "raw", "rule_word"), INVALID, ids=_ids(INVALID))
+def test_invalid_environment_value_raises_one_line_config_error(var, raw, rule_word, tmp_path):
+    value = _value(raw, tmp_path)
+    with pytest.raises(ConfigError) as info:
+        build({var: value})
+    _check_message(info.value, var, value, rule_word)
+
+
+@pytest.mark.parametrize(("var", "raw", "rule_word"), INVALID, ids=_ids(INVALID))
+def test_invalid_flag_value_names_the_flag(var, raw, rule_word, tmp_path):
+    value = _value(raw, tmp_path)
+    field = FIELD_BY_ENV[var]
+    with pytest.raises(ConfigError) as info:
+        # The environment holds a valid value: the flag is what is wrong, and what is named.
+        build({}, {field.attr: value})
+    _check_message(info.value, field.flag, value, rule_word)
+
+
+def test_expected_workers_message_is_exact():
+    with pytest.raises(ConfigError) as info:
+        build({"EXPECTED_WORKERS": "two"})
+    assert str(info.value) == "EXPECTED_WORKERS='two' must be a whole number >= 0"
+
+
+def test_message_shows_the_stripped_value():
+    with pytest.raises(ConfigError) as info:
+        build({"EXPECTED_WORKERS": "  two\n"})
+    assert str(info.value) == "EXPECTED_WORKERS='two' must be a whole number >= 0"
+
+
+@pytest.mark.parametrize(("env", "attr", "expected"), [
+    ({"PODAGENT_WORKER_TIMEOUT": "604800"}, "worker_timeout", 604800.0),
+    ({"PODAGENT_HEAD_GRACE": "0.25"}, "head_grace", 0.25),
+    ({"PODAGENT_RAY_PORT": "1"}, "ray_port", 1),
+    ({"PODAGENT_RAY_PORT": "65535"}, "ray_port", 65535),
+    ({"EXPECTED_WORKERS": "1000000"}, "expected_workers", 1_000_000),
+    ({"PODAGENT_NUM_GPUS": "0"}, "num_gpus", 0),
+    ({"HEAD_POD_ID": "a" * 63}, "head_pod_id", "a" * 63),
+    ({"PODAGENT_RAY_TEMP_DIR": "t" * 60}, "ray_temp_dir", "t" * 60),
+    ({"PODAGENT_DNS_SUFFIX": "Example.Internal."}, "dns_suffix", "example.internal"),
+    ({"PRIMARY_ADDR": "head-node.example"}, "primary_addr", "head-node.example"),
+])
+def test_boundary_values_are_accepted(env, attr, expected):
+    assert getattr(build(env), attr) == expected
+
+
+def test_working_dir_is_resolved(tmp_path):
+    assert build({"PODAGENT_WORKING_DIR": str(tmp_path)}).working_dir == str(tmp_path.resolve())
+
+
+def test_seconds_never_yield_nan_or_inf():
+    for raw in ("nan", "NaN", "inf", "-inf", "Infinity"):
+        with pytest.raises(ConfigError):
+            build({"PODAGENT_HEAD_TIMEOUT": raw})
+    assert math.isfinite(build({"PODAGENT_HEAD_TIMEOUT": "1e3"}).head_timeout)
+
+
+# --- derived values and relations ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, 0),
+    ({"HEAD_POD_ID": "abc"}, 1),
+    ({"NUM_NODES": "4"}, 3),
+    ({"NUM_NODES": "1"}, 0),
+    ({"HEAD_POD_ID": "abc", "EXPECTED_WORKERS": "5"}, 5),
+    ({"NUM_NODES": "4", "EXPECTED_WORKERS": "0"}, 0),
+    ({"HEAD_POD_ID": "abc", "EXPECTED_WORKERS": " "}, 1),
+])
+def test_expected_workers_default_is_derived(env, expected):
+    s = build(env)
+    assert s.expected_workers == expected
+    assert s.sources["expected_workers"] == ("env" if env.get("EXPECTED_WORKERS", "").strip()
+                                             else "default")
+
+
+def test_expected_workers_flag_wins_over_derivation():
+    assert build({"NUM_NODES": "4"}, {"expected_workers": "7"}).expected_workers == 7
+
+
+@pytest.mark.parametrize(("env", "flags", "name", "words"), [
+    ({"EXPECTED_WORKERS": "1", "PODAGENT_MIN_WORKERS": "2"}, {},
+     "PODAGENT_MIN_WORKERS", ["EXPECTED_WORKERS (1)", "'2'"]),
+    ({"PODAGENT_MIN_WORKERS": "1"}, {}, "PODAGENT_MIN_WORKERS", ["EXPECTED_WORKERS (0)"]),
+    ({"NUM_NODES": "3"}, {"min_workers": "3"}, "--min-workers", ["EXPECTED_WORKERS (2)"]),
+    ({"PODAGENT_RAY_PORT": "8265"}, {}, "PODAGENT_DASHBOARD_PORT", ["Ray port", "'8265'"]),
+    ({"PODAGENT_DASHBOARD_PORT": "6379"}, {}, "PODAGENT_DASHBOARD_PORT", ["Ray port"]),
+    ({}, {"dashboard_port": "6379"}, "--dashboard-port", ["Ray port"]),
+])
+def test_relation_checks(env, flags, name, words):
+    with pytest.raises(ConfigError) as info:
+        build(env, flags)
+    message = str(info.value)
+    assert message.startswith(f"{name}=")
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_relations_that_hold_are_accepted():
+    s = build({"EXPECTED_WORKERS": "2", "PODAGENT_MIN_WORKERS": "2",
+               "PODAGENT_RAY_PORT": "7000", "PODAGENT_DASHBOARD_PORT": "7001"})
+    assert (s.min_workers, s.expected_workers, s.ray_port, s.dashboard_port) == (2, 2, 7000, 7001)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ("10.0.0.53", ("10.0.0.53", 53)),
+    ("10.0.0.53:5353", ("10.0.0.53", 5353)),
+    ("dns.example:5300", ("dns.example", 5300)),
+    ("DNS.Example", ("dns.example", 53)),
+    ("::1", ("::1", 53)),
+])
+def test_dns_server_parsing(raw, expected):
+    assert build({"PODAGENT_DNS_SERVER": raw}).dns_server == expected
+
+
+def test_dns_server_unset_means_system_resolver():
+    assert build().dns_server is None
+
+
+def test_job_is_split_like_a_shell():
+    s = build({"PODAGENT_JOB": "python -c 'print(1 + 1)' --flag"})
+    assert s.job == ("python", "-c", "print(1 + 1)", "--flag")
+    assert s.sources["job"] == "env"
+
+
+def test_job_argv_overrides_podagent_job():
+    s = build({"PODAGENT_JOB": "python env_job.py"}, job_argv=("python", "argv job.py", "-x"))
+    assert s.job == ("python", "argv job.py", "-x")
+    assert s.sources["job"] == "flag"
+
+
+def test_empty_job_argv_keeps_podagent_job():
+    assert build({"PODAGENT_JOB": "python a.py"}, job_argv=()).job == ("python", "a.py")
+
+
+def test_run_name_default_uses_the_given_time():
+    s = config.build({}, {}, None, now=86400 * 365 + 3661)
+    assert s.run_name == "podagent-19710101-010101"
+    assert re.fullmatch(r"podagent-\d{8}-\d{6}", build().run_name)
+
+
+def test_run_dir_is_log_dir_slash_run_name(tmp_path):
+    s = build({"PODAGENT_LOG_DIR": str(tmp_path), "PODAGENT_RUN_NAME": "r1"})
+    assert s.run_dir == tmp_path / "r1"
+
+
+# --- the Settings object ------------------------------------------------------------------------
+
+def test_settings_is_frozen():
+    s = build({"PODAGENT_RAY_PORT": "7000"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.ray_port = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        s.environ["NEW"] = "x"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        s.sources["ray_port"] = "flag"  # type: ignore[index]
+    assert s.ray_port == 7000
+
+
+def test_environ_is_a_snapshot():
+    env = {"WANDB_PROJECT": "p1"}
+    s = build(env)
+    env["WANDB_PROJECT"] = "p2"
+    env["LATER"] = "1"
+    assert s.environ["WANDB_PROJECT"] == "p1"
+    assert "LATER" not in s.environ
+
+
+def test_instant_cluster_property():
+    assert build({"NODE_RANK": "0"}).instant_cluster
+    assert build({"PRIMARY_ADDR": "10.0.0.1"}).instant_cluster
+    assert not build({"HEAD_POD_ID": "abc"}).instant_cluster
+
+
+# --- the FIELDS table ---------------------------------------------------------------------------
+
+def test_settings_table_has_one_row_per_field():
+    lines = config.settings_table().splitlines()
+    assert lines[0].startswith("| flag | variable |")
+    rows = lines[2:]
+    assert len(rows) == len(config.FIELDS)
+    for row, f in zip(rows, config.FIELDS, strict=True):
+        assert row.startswith(f"| `{f.flag}` | `{f.env}` |")
+
+
+def test_fields_flags_and_variables_are_well_formed_and_unique():
+    for f in config.FIELDS:
+        assert f.flag and f.flag.startswith("--"), f
+        assert re.fullmatch(r"--[a-z][a-z0-9-]*", f.flag), f
+        assert f.env == f.env.upper() and re.fullmatch(r"[A-Z][A-Z0-9_]*", f.env), f
+        assert f.help.strip()
+    for key in ("attr", "env", "flag"):
+        values = [getattr(f, key) for f in config.FIELDS]
+        assert len(values) == len(set(values)), key
+
+
+def test_fields_defaults_match_settings_defaults():
+    defaults = {f.name: f.default for f in dataclasses.fields(config.Settings)
+                if f.default is not dataclasses.MISSING}
+    for f in config.FIELDS:
+        assert f.attr in {x.name for x in dataclasses.fields(config.Settings)}
+        if f.default is not None:
+            assert defaults[f.attr] == f.default, f.attr

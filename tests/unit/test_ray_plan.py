@@ -1,0 +1,198 @@
+"""ray_node: the `ray start` plan, GPU detection, node address choice, port check."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+
+import pytest
+
+from podagent import config, ray_node
+from podagent.errors import PortInUse
+from podagent.roles import Role
+
+
+def settings(**env: str) -> config.Settings:
+    return config.build({}, env)
+
+
+def after(argv: tuple[str, ...], option: str) -> str:
+    assert argv.count(option) == 1, f"{option} appears {argv.count(option)} times in {argv}"
+    return argv[argv.index(option) + 1]
+
+
+# --- plan ---------------------------------------------------------------------------------------
+
+def test_head_plan():
+    p = ray_node.plan(settings(), Role.HEAD, "10.0.0.5", 2, {"NCCL_SOCKET_IFNAME": "podnet1"})
+    argv = p.argv
+    assert argv[0].endswith("ray") and argv[1] == "start"
+    assert "--head" in argv
+    assert after(argv, "--port") == "6379"
+    assert after(argv, "--dashboard-host") == "10.0.0.5"
+    assert after(argv, "--dashboard-port") == "8265"
+    assert after(argv, "--node-ip-address") == "10.0.0.5"
+    assert after(argv, "--num-gpus") == "2"
+    assert "0.0.0.0" not in argv
+    assert "--address" not in argv
+    assert "--temp-dir" not in argv
+    assert all(isinstance(word, str) for word in argv)
+    assert dict(p.env_overrides) == {"NCCL_SOCKET_IFNAME": "podnet1"}
+
+
+def test_head_plan_uses_the_configured_ports_and_temp_dir():
+    s = settings(PODAGENT_RAY_PORT="7000", PODAGENT_DASHBOARD_PORT="7001",
+                 PODAGENT_RAY_TEMP_DIR="rt")
+    argv = ray_node.plan(s, Role.HEAD, "10.0.0.5", 0, {}).argv
+    assert after(argv, "--port") == "7000"
+    assert after(argv, "--dashboard-port") == "7001"
+    assert after(argv, "--temp-dir") == "rt"
+    assert after(argv, "--num-gpus") == "0"
+
+
+def test_worker_plan():
+    s = settings(PODAGENT_RAY_PORT="7000")
+    p = ray_node.plan(s, Role.WORKER, "10.0.0.6", 1, {}, head_ip="10.0.0.5")
+    argv = p.argv
+    assert argv[1] == "start"
+    assert after(argv, "--address") == "10.0.0.5:7000"
+    assert after(argv, "--node-ip-address") == "10.0.0.6"
+    assert after(argv, "--num-gpus") == "1"
+    for head_only in ("--head", "--port", "--dashboard-host", "--dashboard-port"):
+        assert head_only not in argv
+
+
+@pytest.mark.parametrize("role", [Role.HEAD, Role.WORKER])
+def test_debug_ray_is_an_environment_entry_and_a_flag(role):
+    nccl_vars = {"NCCL_IB_DISABLE": "1"}
+    p = ray_node.plan(settings(DEBUG_RAY="1"), role, "10.0.0.5", 0, nccl_vars,
+                      head_ip="10.0.0.1")
+    assert p.env_overrides["RAY_DEBUG"] == "legacy"
+    assert p.env_overrides["NCCL_IB_DISABLE"] == "1"
+    assert p.argv[-1] == "--ray-debugger-external"
+    assert not any("RAY_DEBUG" in word for word in p.argv)
+    assert nccl_vars == {"NCCL_IB_DISABLE": "1"}  # the caller's mapping is left alone
+
+
+@pytest.mark.parametrize("debug", [None, "0", ""])
+@pytest.mark.parametrize("role", [Role.HEAD, Role.WORKER])
+def test_without_debug_ray_neither(role, debug):
+    env = {} if debug is None else {"DEBUG_RAY": debug}
+    p = ray_node.plan(settings(**env), role, "10.0.0.5", 0, {}, head_ip="10.0.0.1")
+    assert "RAY_DEBUG" not in p.env_overrides
+    assert "--ray-debugger-external" not in p.argv
+
+
+# --- detect_gpus --------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_dev(tmp_path, monkeypatch):
+    """Points detect_gpus's /dev at an empty temporary directory; returns that directory."""
+    real = pathlib.Path
+
+    def path(*parts):
+        return tmp_path if parts == ("/dev",) else real(*parts)
+
+    monkeypatch.setattr(ray_node, "Path", path)
+    return tmp_path
+
+
+def _devices(dev: pathlib.Path, *names: str) -> None:
+    for name in names:
+        (dev / name).touch()
+
+
+# (environment, flags, device files in /dev, expected count, expected source)
+GPUS = [
+    ({"PODAGENT_NUM_GPUS": "3", "CUDA_VISIBLE_DEVICES": "0"}, {}, ["nvidia0"], 3,
+     "PODAGENT_NUM_GPUS"),
+    ({"CUDA_VISIBLE_DEVICES": "0"}, {"num_gpus": "5"}, [], 5, "--num-gpus"),
+    ({"PODAGENT_NUM_GPUS": "0", "RUNPOD_GPU_COUNT": "8"}, {}, [], 0, "PODAGENT_NUM_GPUS"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, ["nvidia0", "nvidia1", "nvidia2", "nvidia3"], 2,
+     "CUDA_VISIBLE_DEVICES"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-1a2b,GPU-3c4d,GPU-5e6f"}, {}, [], 3, "CUDA_VISIBLE_DEVICES"),
+    ({"CUDA_VISIBLE_DEVICES": ""}, {}, ["nvidia0"], 0, "CUDA_VISIBLE_DEVICES"),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, {}, ["nvidia0"], 0, "CUDA_VISIBLE_DEVICES"),
+    ({"CUDA_VISIBLE_DEVICES": "-1", "RUNPOD_GPU_COUNT": "4"}, {}, [], 0, "CUDA_VISIBLE_DEVICES"),
+    ({}, {}, ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset"], 2,
+     "/dev/nvidia*"),
+    ({"RUNPOD_GPU_COUNT": "8"}, {}, ["nvidia0"], 1, "/dev/nvidia*"),
+    ({"RUNPOD_GPU_COUNT": "4"}, {}, ["nvidiactl"], 4, "RUNPOD_GPU_COUNT"),
+    ({"RUNPOD_GPU_COUNT": "four"}, {}, [], 0, "no GPU found"),
+    ({}, {}, [], 0, "no GPU found"),
+]
+
+
+@pytest.mark.parametrize(("env", "flags", "devices", "count", "source"), GPUS)
+def test_detect_gpus(fake_dev, env, flags, devices, count, source):
+    _devices(fake_dev, *devices)
+    assert ray_node.detect_gpus(config.build(flags, env)) == (count, source)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "detect_gpus counts every id but '-1'; CUDA hides all devices from the first invalid "
+    "index on, so CUDA_VISIBLE_DEVICES=0,-1,1 exposes one GPU, not two"))
+def test_detect_gpus_stops_at_an_invalid_index(fake_dev):
+    assert ray_node.detect_gpus(settings(CUDA_VISIBLE_DEVICES="0,-1,1")) == (
+        1, "CUDA_VISIBLE_DEVICES")
+
+
+# --- choose_node_ip -----------------------------------------------------------------------------
+
+IFACES = {"lo": ["127.0.0.1"], "eth0": ["172.17.0.2"], "podnet1": ["10.0.0.5"]}
+
+# (environment, head ip, interfaces, NCCL_SOCKET_IFNAME, address, words of the reason)
+NODE_IPS = [
+    ({"PODAGENT_NODE_IP": "10.0.0.7", "NODE_ADDR": "10.65.0.2"}, "127.0.0.1", IFACES, "podnet1",
+     "10.0.0.7", ["PODAGENT_NODE_IP"]),
+    ({"NODE_ADDR": "10.65.0.2"}, "127.0.0.1", IFACES, "podnet1", "10.65.0.2", ["NODE_ADDR"]),
+    ({}, "127.0.0.1", IFACES, "podnet1", "10.0.0.5", ["podnet1", "NCCL_SOCKET_IFNAME"]),
+    ({}, None, {"lo": ["127.0.0.1"], "ens1": [], "ens2": ["10.1.0.2"]}, "ens", "10.1.0.2",
+     ["ens2", "NCCL_SOCKET_IFNAME"]),
+    ({}, None, {"lo": ["127.0.0.1"], "eth1": ["192.168.1.2"], "eth0": ["172.17.0.2"]}, "^docker",
+     "172.17.0.2", ["first non-loopback", "eth0"]),
+    ({}, "127.0.0.1", {"lo": ["127.0.0.1"], "eth0": ["172.17.0.2"]}, "podnet1", "127.0.0.1",
+     ["route to the head", "lo"]),
+    ({}, "127.0.0.1", {"lo": ["127.0.0.1"], "eth0": ["172.17.0.2"]}, None, "127.0.0.1",
+     ["route to the head", "lo"]),
+    ({}, None, {"lo": ["127.0.0.1"], "eth1": ["192.168.1.2"], "eth0": ["172.17.0.2"]}, None,
+     "172.17.0.2", ["first non-loopback address (eth0)"]),
+    ({}, None, {"lo": ["127.0.0.1"]}, None, "127.0.0.1", ["no other address"]),
+    ({}, None, {}, None, "127.0.0.1", ["no other address"]),
+]
+
+
+@pytest.mark.parametrize(("env", "head_ip", "ifaces", "ifname", "address", "words"), NODE_IPS)
+def test_choose_node_ip(env, head_ip, ifaces, ifname, address, words):
+    ip, reason = ray_node.choose_node_ip(settings(**env), head_ip, ifaces, ifname)
+    assert ip == address
+    for word in words:
+        assert word in reason
+
+
+def test_choose_node_ip_flag_is_named_as_a_flag():
+    s = config.build({"node_ip": "10.0.0.8"}, {"PODAGENT_NODE_IP": "10.0.0.7"})
+    assert ray_node.choose_node_ip(s, None, IFACES) == ("10.0.0.8", "--node-ip")
+
+
+# --- check_port_free ----------------------------------------------------------------------------
+
+def test_port_in_use_names_the_port_and_this_process():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(PortInUse) as info:
+            ray_node.check_port_free("127.0.0.1", port)
+    assert info.value.port == port
+    message = str(info.value)
+    assert f"port {port} on 127.0.0.1 is already in use" in message
+    assert f"pid {os.getpid()}" in message
+
+
+def test_free_port_passes():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert ray_node.check_port_free("127.0.0.1", port) is None
