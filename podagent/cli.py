@@ -180,7 +180,10 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
 
     merged = _flags(ctx, flags)
     if preset_override is not None:
-        merged["nccl_preset"] = preset_override
+        try:
+            merged["nccl_preset"] = config.preset_name(preset_override.strip())
+        except ValueError as exc:
+            _fail(str(errors.ConfigError("--preset", preset_override, str(exc))), 2)
     settings = _build(merged)
     try:
         decision = detect_role(settings)

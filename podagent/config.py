@@ -311,7 +311,7 @@ def build(
     sources: dict[str, str] = {}
     for f in FIELDS:
         raw, name, source = flags.get(f.attr), f.flag, "flag"
-        if raw is None:
+        if raw is None or not str(raw).strip():
             raw, name, source = env.get(f.env), f.env, "env"
         # Templates leave placeholders empty: an empty value means "not set".
         if raw is None or not str(raw).strip():
@@ -331,9 +331,8 @@ def build(
             values["expected_workers"] = 1  # as the seed's script did
         elif values.get("num_nodes"):
             values["expected_workers"] = values["num_nodes"] - 1
-    values.setdefault(
-        "run_name", time.strftime("podagent-%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
-    )
+    started = time.gmtime(time.time() if now is None else now)
+    values.setdefault("run_name", time.strftime("podagent-%Y%m%d-%H%M%S", started))
     values.setdefault("log_dir", _default_log_dir())
     for f in FIELDS:
         if f.attr not in values and f.default is not None:

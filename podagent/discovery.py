@@ -23,7 +23,7 @@ class DnsOutcome(str, enum.Enum):
     ANSWER = "answer"
     NXDOMAIN = "NXDOMAIN"  # the name does not exist (yet), or the pod id is wrong
     NO_ANSWER = "no A record"
-    SERVFAIL = "SERVFAIL"  # the server failed to answer: DNS trouble, not a wrong name
+    SERVFAIL = "SERVFAIL"  # SERVFAIL or REFUSED: DNS trouble, not a wrong name
     TIMEOUT = "timeout"
     ERROR = "error"
 
@@ -31,7 +31,8 @@ class DnsOutcome(str, enum.Enum):
 _MEANING = {
     DnsOutcome.NXDOMAIN: "the name does not exist yet (head not started?) or HEAD_POD_ID is wrong",
     DnsOutcome.NO_ANSWER: "the name exists but has no IPv4 address yet",
-    DnsOutcome.SERVFAIL: "the DNS server failed to answer (DNS trouble, not a wrong name)",
+    DnsOutcome.SERVFAIL: "the DNS server failed or refused to answer (DNS trouble, "
+                         "not a wrong name)",
     DnsOutcome.TIMEOUT: "no DNS server answered in time",
     DnsOutcome.ERROR: "the lookup failed",
 }

@@ -23,6 +23,8 @@ _KV_PUT = "/ray.rpc.InternalKVGcsService/InternalKVPut"
 
 
 def _varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError("negative varints are not used by these messages")
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -51,6 +53,8 @@ def decode(data: bytes) -> dict[int, list[bytes | int]]:
         nonlocal i
         shift = result = 0
         while True:
+            if i >= len(data):
+                raise ValueError("truncated protobuf message")
             byte = data[i]
             i += 1
             result |= (byte & 0x7F) << shift
@@ -65,6 +69,8 @@ def decode(data: bytes) -> dict[int, list[bytes | int]]:
             fields.setdefault(number, []).append(varint())
         elif wire == 2:
             length = varint()
+            if i + length > len(data):
+                raise ValueError("truncated protobuf message")
             fields.setdefault(number, []).append(data[i:i + length])
             i += length
         elif wire in (1, 5):

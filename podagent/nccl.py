@@ -143,7 +143,8 @@ def effective(
     ib_devices = infiniband_devices() if ib_devices is None else ib_devices
     name, reason = choose(settings, ifaces, ib_devices)
     preset = load_presets()[name]
-    user = settings.environ
+    # As everywhere in podagent, a variable set to an empty value counts as unset.
+    user = {k: v for k, v in settings.environ.items() if v.strip()}
     variables: dict[str, str] = {}
     user_wins = []
     for key, value in preset.variables.items():
@@ -152,14 +153,14 @@ def effective(
         else:
             variables[key] = value
     ifname = user.get("NCCL_SOCKET_IFNAME", variables.get("NCCL_SOCKET_IFNAME"))
+    matched = match_ifname(ifname, sorted(ifaces)) if ifname else None
     if ifname and "GLOO_SOCKET_IFNAME" not in user and not ifname.startswith("^"):
         # gloo carries torch's CPU collectives and rendezvous: keep it on NCCL's interface.
-        variables["GLOO_SOCKET_IFNAME"] = ifname.lstrip("=")
+        # NCCL matches names by prefix, gloo exactly: give gloo the names NCCL would pick.
+        variables["GLOO_SOCKET_IFNAME"] = ",".join(matched) if matched else ifname.lstrip("=")
     warnings = []
-    if ifname:
-        matched = match_ifname(ifname, sorted(ifaces))
-        if matched == []:
-            warnings.append(_missing_interface(ifname, ifaces, head_ip))
+    if matched == []:
+        warnings.append(_missing_interface(ifname, ifaces, head_ip))
     return NcclEnv(name, reason, MappingProxyType(variables), tuple(user_wins), tuple(warnings))
 
 

@@ -35,7 +35,12 @@ def detect_gpus(settings: Settings) -> tuple[int, str]:
     env = settings.environ
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        # CUDA hides every device from the first invalid index on ("-1" hides all).
+        ids = []
+        for entry in visible.split(","):
+            if not entry.strip() or entry.strip().startswith("-"):
+                break
+            ids.append(entry)
         return len(ids), "CUDA_VISIBLE_DEVICES"
     devices = [p for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)]
     if devices:

@@ -89,12 +89,22 @@ class Reporter:
         """A line of someone else's output (the job's), passed through as it is."""
         self._write(text, self.stream)
 
+    def _redact_values(self, value: Any) -> Any:
+        # Before serialising: JSON escapes quotes and non-ASCII, which would hide a secret.
+        if isinstance(value, str):
+            return self.redact(value)
+        if isinstance(value, dict):
+            return {k: self._redact_values(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._redact_values(v) for v in value]
+        return value
+
     def event(self, event: str, **fields: Any) -> None:
         if not self._events:
             return
         record = {"ts": round(time.time(), 3), "pod": self.pod, "role": self.role,
                   "event": event, **fields}
-        line = self.redact(json.dumps(record, default=str))
+        line = json.dumps(self._redact_values(record), default=str)
         with self._lock:
             self._events.write(line + "\n")
 

@@ -57,6 +57,9 @@ def detect_role(s: Settings, explicit: Role | None = None) -> RoleDecision:
         decision = RoleDecision(role, reason)
     elif s.primary_addr is not None:
         decision = RoleDecision(Role.WORKER, f"PRIMARY_ADDR={s.primary_addr} names the head")
+    elif s.head_pod_id:
+        decision = RoleDecision(Role.HEAD, "HEAD_POD_ID is set but RUNPOD_POD_ID is not, and "
+                                           "RAY_WORKER is unset: the head")
     else:
         alone = "a standalone head" if s.expected_workers == 0 else (
             f"the head of {s.expected_workers} expected worker(s)")

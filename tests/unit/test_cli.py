@@ -205,9 +205,6 @@ def test_env_unknown_preset_exits_2(runs):
     assert_one_line_error(runs["env-bogus-preset"], "'bogus'", "one of")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`podagent env --preset bogus` reports the error under --nccl-preset, a flag the user "
-    "did not type"))
 def test_env_unknown_preset_names_the_flag_given(runs):
     line = assert_one_line_error(runs["env-bogus-preset"])
     assert line.startswith("podagent: error: --preset='bogus'")

@@ -68,9 +68,6 @@ def test_empty_or_whitespace_environment_value_means_unset(attr, default, blank)
     assert s.sources[attr] == "default"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "config.build: an empty flag counts as 'not set' but the environment is not consulted; "
-    "the default wins over the environment"))
 @pytest.mark.parametrize("blank", ["", "   "])
 def test_empty_flag_falls_back_to_the_environment(blank):
     s = build({"PODAGENT_RAY_PORT": "7001"}, {"ray_port": blank})

@@ -187,18 +187,12 @@ def test_exclusion_list_is_neither_copied_nor_checked():
     assert result.warnings == ()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "nccl.effective copies a prefix NCCL_SOCKET_IFNAME into GLOO_SOCKET_IFNAME, but gloo "
-    "matches interface names exactly (strcmp), so 'eth' finds no interface for gloo"))
 def test_gloo_gets_an_exact_interface_name_for_a_prefix_spec():
     result = _effective({"NCCL_SOCKET_IFNAME": "eth"}, ifaces=PLAIN_IFACES)
     assert result.warnings == ()  # NCCL's prefix 'eth' matches eth0
     assert result.variables["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "nccl.effective treats an empty NCCL_SOCKET_IFNAME in the environment as the user's own "
-    "value, so the preset's interface is dropped; config treats empty values as unset"))
 def test_empty_user_variable_does_not_beat_the_preset():
     result = _effective({"PODAGENT_NCCL_PRESET": "runpod-global", "NCCL_SOCKET_IFNAME": ""})
     assert result.variables["NCCL_SOCKET_IFNAME"] == "podnet1"

@@ -82,9 +82,6 @@ def test_events_are_redacted(reporter, tmp_path):
     assert record["note"] == f"x{REDACTED}y"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Reporter.event redacts the JSON text after json.dumps, so a secret containing a "
-    "character JSON escapes (quote, backslash, non-ASCII) is written in escaped form, unredacted"))
 @pytest.mark.parametrize("secret", ['pa"ss-word', "pa\\ss-word", "pässwörd"])
 def test_events_redact_secrets_that_json_escapes(tmp_path, secret):
     r = Reporter("head", "pod1", tmp_path / "run", secrets=[secret], stream=io.StringIO())
