@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+import psutil
 
 from podagent import __version__, config, errors, process
 from podagent.report import Reporter
@@ -107,7 +109,8 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
         # A second signal: no more patience. Kill everything we started and leave.
         reporter.error(f"second {signal.Signals(signum).name}: killing all children now")
         for proc in process.descendants():
-            proc.kill()
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         os._exit(128 + signum)
 
     signals.install(on_second=force)

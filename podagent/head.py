@@ -22,7 +22,7 @@ from tenacity import (
 
 from podagent import node, ray_node
 from podagent.config import Settings, is_secret
-from podagent.errors import PodagentError, RayStartError, WorkersTimeout
+from podagent.errors import PodagentError, RayDied, RayStartError, WorkersTimeout
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.jobs import JobRunner
 from podagent.report import Progress, Reporter
@@ -31,6 +31,8 @@ from podagent.waiting import Signals
 
 RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray needs ~5-20 s
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
+WATCH_INTERVAL = 1.0  # while the job runs: own Ray health and node losses
+OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
 
 
 class HeadState(str, enum.Enum):
@@ -57,6 +59,9 @@ class Head:
         self.job: JobRunner | None = None
         self.job_status: str | None = None
         self.workers: dict[str, NodeInfo] = {}
+        self.lost: set[str] = set()
+        self._next_watch = 0.0
+        self._unhealthy_since: float | None = None
         self.started = time.monotonic()
         self._handlers: dict[HeadState, Callable[[], HeadState]] = {
             HeadState.PREPARING: self._prepare,
@@ -236,23 +241,58 @@ class Head:
     def _follow(self) -> HeadState:
         assert self.job
         with self.reporter.step("job_finished") as step:
-            self.job_status = self.job.follow(self.signals)
+            self.job_status = self.job.follow(self.signals, on_tick=self._watch_cluster)
             step.done(f"job {self.job_status}", status=self.job_status)
         self.job.outcome(self.job_status)
         return HeadState.DONE
 
+    def _watch_cluster(self) -> None:
+        """While the job runs: is this pod's Ray still alive, and did a worker node leave?"""
+        assert self.gcs
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + WATCH_INTERVAL
+        try:
+            self.gcs.check_alive(timeout=WATCH_INTERVAL)
+            problem = "" if ray_node.RayNode.raylet_alive() else "this pod's raylet exited"
+            alive = {n.node_id for n in self._alive_workers()}
+        except (GcsUnavailable, RayStartError) as exc:
+            problem, alive = f"the GCS does not answer ({exc})", None
+        if not problem:
+            self._unhealthy_since = None
+        else:
+            self._unhealthy_since = self._unhealthy_since or now
+            if now - self._unhealthy_since > OWN_RAY_GRACE:
+                raise RayDied(f"this pod's Ray stopped working while the job ran: {problem}")
+        for node_id, worker in self.workers.items():
+            if alive is not None and node_id not in alive and node_id not in self.lost:
+                self.lost.add(node_id)
+                self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran")
+                self.reporter.event("worker_lost", ip=worker.ip, node_id=node_id)
+
     # --- teardown ------------------------------------------------------------------------------
 
     def _teardown(self, outcome: str) -> None:
-        if self.job and self.job_status is None:
+        # With this pod's Ray dead there is no job to stop and nobody to tell: just clean up.
+        ray_dead = outcome == RayDied.__name__
+        if self.job and self.job_status is None and not ray_dead:
             status = self.job.stop(self.s.stop_timeout)
-            self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
+            if status is None:
+                self.reporter.warn(f"asked Ray to stop job {self.s.run_name}; the dashboard "
+                                   f"did not confirm it (Ray is stopped next either way)")
+            else:
+                self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
             self.reporter.event("job_stopped", status=status)
-        if self.gcs:
+        if self.gcs and not ray_dead:
             self._announce_close(outcome)
             self._wait_workers_left()
+        if self.gcs:
             self.gcs.close()
-        termed, killed = ray_node.RayNode.stop(self.s.stop_timeout)
+        timeout = self.s.stop_timeout
+        if ray_dead:
+            timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
+        termed, killed = ray_node.RayNode.stop(timeout)
         if termed or killed:
             extra = f", {killed} needed SIGKILL" if killed else ""
             self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")

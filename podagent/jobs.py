@@ -7,10 +7,11 @@ import contextlib
 import logging
 import shlex
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import requests
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from podagent.errors import JobFailed, JobStopped
@@ -18,6 +19,13 @@ from podagent.report import Reporter
 from podagent.waiting import Signals
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# Ray's SDK sends its HTTP requests without a timeout; with the GCS gone the dashboard holds
+# them for about a minute. Status and stop go through these bounded requests instead.
+HTTP_TIMEOUT = 5.0
+
+
+class JobApiUnreachable(Exception):
+    """The dashboard did not answer in time (or at all)."""
 
 
 class JobRunner:
@@ -30,24 +38,47 @@ class JobRunner:
         # Ray's SDK logs its own chatter (websocket closed...) to our stdout; keep it quiet.
         logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
 
-        self.client = JobSubmissionClient(dashboard_url, headers=dict(headers or {}))
+        self.url = dashboard_url.rstrip("/")
+        self.headers = dict(headers or {})
+        self.client = JobSubmissionClient(dashboard_url, headers=self.headers)
         self.submission_id = submission_id
         self.reporter = reporter
         self.job_log = job_log
         self._streamed = 0  # characters of log already shown
         self._log_file = None
         self._tail: threading.Thread | None = None
+        self._write_lock = threading.Lock()
+
+    # --- bounded Jobs API calls ----------------------------------------------------------------
+
+    def _request(self, method: str, path: str) -> requests.Response | None:
+        """None for 404 (no such job); raises JobApiUnreachable when the API does not answer."""
+        try:
+            reply = requests.request(method, f"{self.url}/api/jobs/{self.submission_id}{path}",
+                                     headers=self.headers, timeout=HTTP_TIMEOUT)
+        except requests.RequestException as exc:
+            raise JobApiUnreachable(f"{method} {path or '/'}: {exc}") from None
+        if reply.status_code == 404:
+            return None
+        if reply.status_code >= 400:
+            raise JobApiUnreachable(f"{method} {path or '/'}: HTTP {reply.status_code}")
+        return reply
+
+    def info(self) -> dict[str, Any] | None:
+        reply = self._request("GET", "")
+        return reply.json() if reply is not None else None
 
     def status(self) -> str | None:
-        with contextlib.suppress(Exception):
-            return str(self.client.get_job_status(self.submission_id))
-        return None
+        """The job's status, or None when Ray has no such job."""
+        info = self.info()
+        return str(info["status"]) if info else None
+
+    # --- lifecycle -----------------------------------------------------------------------------
 
     def submit(self, entrypoint: Sequence[str], env_vars: Mapping[str, str],
                working_dir: str | None, metadata: Mapping[str, str]) -> bool:
         """Submit, or find the job this run already submitted. True when newly submitted."""
-        existing = self.status()
-        if existing is not None:
+        if self.status() is not None:
             return False
         runtime_env: dict[str, Any] = {"env_vars": dict(env_vars)}
         if working_dir:
@@ -59,12 +90,13 @@ class JobRunner:
         return True
 
     def _write(self, chunk: str) -> None:
-        self._streamed += len(chunk)
-        assert self._log_file is not None
-        self._log_file.write(chunk)
-        self._log_file.flush()
-        for line in chunk.splitlines():
-            self.reporter.raw(line)
+        with self._write_lock:
+            self._streamed += len(chunk)
+            assert self._log_file is not None
+            self._log_file.write(chunk)
+            self._log_file.flush()
+            for line in chunk.splitlines():
+                self.reporter.raw(line)
 
     def _tail_forever(self) -> None:
         async def tail() -> None:
@@ -75,16 +107,23 @@ class JobRunner:
         with contextlib.suppress(Exception):
             asyncio.run(tail())
 
-    def follow(self, signals: Signals, poll: float = 0.5) -> str:
-        """Stream the job's output until it ends; returns its terminal status."""
+    def follow(self, signals: Signals, on_tick: Callable[[], None] = lambda: None,
+               poll: float = 0.5) -> str:
+        """Stream the job's output until it ends; returns its terminal status.
+
+        on_tick runs every poll: the head uses it to watch its own Ray and the nodes, and it
+        ends the wait by raising. A dashboard that does not answer is not an ending by itself.
+        """
         self.job_log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.job_log, "a")
         self._tail = threading.Thread(target=self._tail_forever, name="job-log", daemon=True)
         self._tail.start()
         while True:
-            status = self.status()
-            if status in TERMINAL:
-                break
+            with contextlib.suppress(JobApiUnreachable):
+                status = self.status()
+                if status in TERMINAL:
+                    break
+            on_tick()
             signals.sleep(poll)
         self._finish_log()
         return status
@@ -92,30 +131,43 @@ class JobRunner:
     def _finish_log(self) -> None:
         if self._tail:
             self._tail.join(timeout=5)  # the stream ends by itself once the job is over
-        with contextlib.suppress(Exception):
-            full = self.client.get_job_logs(self.submission_id)
+        with contextlib.suppress(JobApiUnreachable, ValueError, KeyError):
+            reply = self._request("GET", "/logs")
+            full = reply.json()["logs"] if reply is not None else ""
             if len(full) > self._streamed:
                 self._write(full[self._streamed:])
         if self._log_file:
             self._log_file.close()
 
     def outcome(self, status: str) -> None:
-        """Raise for a job that did not succeed, with Ray's own words for why."""
+        """Raise for a job that did not succeed, with the first line of Ray's reason."""
         if status == "SUCCEEDED":
             return
         message = ""
-        with contextlib.suppress(Exception):
-            message = self.client.get_job_info(self.submission_id).message or ""
+        with contextlib.suppress(JobApiUnreachable, ValueError):
+            message = (self.info() or {}).get("message") or ""
+        # Ray appends the job's last output to its message; that is in job.log already.
+        reason = message.split(", last available logs")[0].splitlines()[0] if message else ""
+        where = f"(output in {self.job_log})"
         if status == "STOPPED":
-            raise JobStopped(f"job {self.submission_id} was stopped. {message}".strip())
-        raise JobFailed(f"job {self.submission_id} failed: {message or status}")
+            raise JobStopped(f"job {self.submission_id} was stopped {where}")
+        raise JobFailed(f"job {self.submission_id} failed: {reason or status} {where}")
 
     def stop(self, timeout: float) -> str | None:
-        """Ask Ray to stop the job and wait (bounded) until it is over; returns its status."""
-        with contextlib.suppress(Exception):
-            self.client.stop_job(self.submission_id)
+        """Ask Ray to stop the job and wait (bounded) until it is over.
+
+        Returns its last status, or None when the dashboard could not tell.
+        """
+        def status_or_none() -> str | None:
+            try:
+                return self.status()
+            except JobApiUnreachable:
+                return None
+
+        with contextlib.suppress(JobApiUnreachable):
+            self._request("POST", "/stop")
         return Retrying(
             stop=stop_after_delay(timeout), wait=wait_fixed(0.2),
             retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),
             retry_error_callback=lambda state: state.outcome.result(),
-        )(self.status)
+        )(status_or_none)

@@ -41,7 +41,7 @@ def prepare(settings: Settings, role: Role, reporter: Reporter,
 
 def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
     """Stop Ray processes an earlier run left on this pod (only this pod's: same netns)."""
-    stale = process.pod_ray_processes()
+    stale = process.pod_ray_processes(settings.ray_temp_dir)
     if not stale:
         return
     termed, killed = process.stop_processes(stale, settings.stop_timeout)

@@ -123,16 +123,23 @@ def is_ray_process(proc: psutil.Process) -> bool:
     )
 
 
-def pod_ray_processes() -> list[psutil.Process]:
-    """Ray processes of this pod: same network namespace as us, not us or our ancestors."""
+def pod_ray_processes(temp_dir: str | None = None) -> list[psutil.Process]:
+    """Ray processes of this pod: same network namespace as us, not us or our ancestors.
+
+    With a Ray temp dir of its own, only the Ray that used it (on a machine shared with other
+    Ray users, theirs is not ours to stop; a Ray of theirs holding our port is reported then).
+    """
     ours = _netns_inode("self")
     skip = {os.getpid()} | {p.pid for p in psutil.Process().parents()}
     found = []
     for proc in psutil.process_iter():
-        if proc.pid in skip or _netns_inode(proc.pid) != ours:
+        if proc.pid in skip or _netns_inode(proc.pid) != ours or not is_ray_process(proc):
             continue
-        if is_ray_process(proc):
-            found.append(proc)
+        if temp_dir:
+            with contextlib.suppress(psutil.Error):
+                if temp_dir not in " ".join(proc.cmdline()):
+                    continue
+        found.append(proc)
     return found
 
 

@@ -115,6 +115,11 @@ def check_port_free(address: str, port: int) -> None:
             raise RayStartError(f"cannot bind {address}:{port}: {exc.strerror}") from None
 
 
+# Without its GCS a raylet cannot shut down gracefully and ignores SIGTERM until it gives up
+# (measured: still there after 10 s), so a node whose GCS is gone gets a short deadline.
+DEAD_GCS_STOP_TIMEOUT = 2.0
+
+
 class RayNode:
     """`ray start` as a managed step; its daemons stay our descendants (subreaper)."""
 

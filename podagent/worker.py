@@ -20,7 +20,6 @@ from podagent.waiting import Signals
 
 WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period
 JOIN_ATTEMPT_TIMEOUT = 120.0
-HEADLESS_STOP_TIMEOUT = 2.0
 
 
 class WorkerState(str, enum.Enum):
@@ -163,10 +162,10 @@ class Worker:
     def _teardown(self, outcome: str) -> None:
         if self.gcs:
             self.gcs.close()
-        # Without its GCS a raylet cannot shut down gracefully and ignores SIGTERM until it
-        # gives up (measured: still there after 10 s); so a lost head gets a short deadline.
-        timeout = HEADLESS_STOP_TIMEOUT if outcome == "HeadLost" else self.s.stop_timeout
-        termed, killed = ray_node.RayNode.stop(min(timeout, self.s.stop_timeout))
+        timeout = self.s.stop_timeout
+        if outcome == "HeadLost":
+            timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
+        termed, killed = ray_node.RayNode.stop(timeout)
         if termed or killed:
             extra = f", {killed} needed SIGKILL" if killed else ""
             self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")

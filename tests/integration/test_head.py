@@ -111,11 +111,6 @@ def test_failed_job_exits_3_with_its_output(failed: PodagentRun) -> None:
     assert failed.leftovers == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "jobs.py JobRunner.outcome() puts Ray's JobInfo.message into JobFailed; for a failed "
-    "entrypoint Ray's message is 'Job entrypoint command failed with exit code 3, last "
-    "available logs (truncated to 20,000 chars):' followed by the job's log lines, so the "
-    "ERROR on stderr spans several lines"))
 def test_failed_job_error_is_one_line(failed: PodagentRun) -> None:
     assert_exit(failed, 3)
     err = lines(failed.stderr)
