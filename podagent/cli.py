@@ -33,6 +33,10 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.RayStartError, 8, "Ray failed to start or became unhealthy"),
     (errors.PortInUse, 9, "a port podagent needs is held by another program"),
     (errors.RayDied, 10, "this pod's own Ray stopped while podagent watched it"),
+    (errors.RewardServerFailed, 11, "head: the reward server exited at start, or died more "
+                                    "often than PODAGENT_REWARD_RESTARTS allows"),
+    (errors.RewardServerTimeout, 12, "head: the reward server never answered a real request "
+                                     "within PODAGENT_REWARD_TIMEOUT"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 

@@ -121,6 +121,15 @@ def run_name(raw: str) -> str:
     return raw
 
 
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return raw
+
+    return parse
+
+
 def preset_name(raw: str) -> str:
     from podagent import nccl  # late: nccl reads the preset files
 
@@ -235,6 +244,19 @@ FIELDS: tuple[Field, ...] = (
           "Directory uploaded as the job's working dir."),
     Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,
           "Ray's temp dir on this pod.", default_doc="Ray's default (/tmp/ray)"),
+    Field("reward", "PODAGENT_REWARD", "--reward", choice("builtin", "none", "cmd"),
+          "Reward server the head runs: builtin, none, or cmd (PODAGENT_REWARD_CMD).",
+          default="builtin"),
+    Field("reward_cmd", "PODAGENT_REWARD_CMD", "--reward-cmd", command_line,
+          "Reward server command line for PODAGENT_REWARD=cmd (split without a shell); it "
+          "must listen on PODAGENT_REWARD_HOST:PODAGENT_REWARD_PORT, which podagent sets."),
+    Field("reward_port", "PODAGENT_REWARD_PORT", "--reward-port", port,
+          "Reward server port on the head.", default=5000),
+    Field("reward_timeout", "PODAGENT_REWARD_TIMEOUT", "--reward-timeout", seconds,
+          "Seconds the reward server gets to answer a real request at start.", default=600.0),
+    Field("reward_restarts", "PODAGENT_REWARD_RESTARTS", "--reward-restarts", whole(0, 100),
+          "Restarts of a reward server that dies or stops answering during the job.",
+          default=3),
     Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
           "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
 )
@@ -270,6 +292,11 @@ class Settings:
     job: tuple[str, ...] | None = None
     working_dir: str | None = None
     ray_temp_dir: str | None = None
+    reward: str = "builtin"
+    reward_cmd: tuple[str, ...] | None = None
+    reward_port: int = 5000
+    reward_timeout: float = 600.0
+    reward_restarts: int = 3
     debug_ray: bool = False
     # The process environment as it was at start (user variables win over presets).
     environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -351,11 +378,18 @@ def _check_relations(s: Settings) -> None:
             s.source_name("min_workers"), str(s.min_workers),
             f"must be <= EXPECTED_WORKERS ({s.expected_workers})",
         )
-    if s.ray_port == s.dashboard_port:
-        raise ConfigError(
-            s.source_name("dashboard_port"), str(s.dashboard_port),
-            "must differ from the Ray port",
-        )
+    ports = {"ray_port": s.ray_port, "dashboard_port": s.dashboard_port}
+    if s.reward != "none":
+        ports["reward_port"] = s.reward_port
+    seen: dict[int, str] = {}
+    for attr, number in ports.items():
+        if number in seen:
+            raise ConfigError(s.source_name(attr), str(number),
+                              f"must differ from {FIELD_BY_ATTR[seen[number]].env}")
+        seen[number] = attr
+    if s.reward == "cmd" and not s.reward_cmd:
+        raise ConfigError(s.source_name("reward_cmd"), "",
+                          "must be set when PODAGENT_REWARD=cmd")
 
 
 def settings_table() -> str:

@@ -54,6 +54,14 @@ class JobStopped(PodagentError):
     pass
 
 
+class RewardServerFailed(PodagentError):
+    """The reward server exited while starting, or died more often than it may be restarted."""
+
+
+class RewardServerTimeout(PodagentError):
+    """The reward server never answered a real request within its timeout."""
+
+
 class Interrupted(PodagentError):
     """A signal asked podagent to stop; teardown has run."""
 

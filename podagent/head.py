@@ -26,6 +26,7 @@ from podagent.errors import PodagentError, RayDied, RayStartError, WorkersTimeou
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.jobs import JobRunner
 from podagent.report import Progress, Reporter
+from podagent.reward import RewardServer
 from podagent.roles import Role, RoleDecision
 from podagent.waiting import Signals
 
@@ -36,14 +37,18 @@ OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
 
 
 class HeadState(str, enum.Enum):
-    """PREPARING -> CLEANING -> STARTING_RAY -> WAITING_WORKERS -> SUBMITTING -> RUNNING -> DONE.
+    """PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
+    -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE.
 
-    Any state may raise (an error or a signal); teardown then runs from `finally`.
+    The reward server loads while the workers join. Any state may raise (an error or a
+    signal); teardown then runs from `finally`.
     """
     PREPARING = "preparing"
     CLEANING = "cleaning"
     STARTING_RAY = "starting_ray"
+    STARTING_REWARD = "starting_reward"
     WAITING_WORKERS = "waiting_workers"
+    WAITING_REWARD = "waiting_reward"
     SUBMITTING = "submitting"
     RUNNING = "running"
     DONE = "done"
@@ -57,6 +62,7 @@ class Head:
         self.setup: node.NodeSetup | None = None
         self.gcs: GcsClient | None = None
         self.job: JobRunner | None = None
+        self.reward: RewardServer | None = None
         self.job_status: str | None = None
         self.workers: dict[str, NodeInfo] = {}
         self.lost: set[str] = set()
@@ -67,7 +73,9 @@ class Head:
             HeadState.PREPARING: self._prepare,
             HeadState.CLEANING: self._clean,
             HeadState.STARTING_RAY: self._start_ray,
+            HeadState.STARTING_REWARD: self._start_reward,
             HeadState.WAITING_WORKERS: self._wait_workers,
+            HeadState.WAITING_REWARD: self._wait_reward,
             HeadState.SUBMITTING: self._submit,
             HeadState.RUNNING: self._follow,
         }
@@ -95,7 +103,10 @@ class Head:
     def _clean(self) -> HeadState:
         assert self.setup
         node.clean_stale_ray(self.s, self.reporter)
-        for port in (self.s.ray_port, self.s.dashboard_port):
+        ports = [self.s.ray_port, self.s.dashboard_port]
+        if self.s.reward != "none":
+            ports.append(self.s.reward_port)
+        for port in ports:
             ray_node.check_port_free(self.setup.node_ip, port)
         return HeadState.STARTING_RAY
 
@@ -121,7 +132,36 @@ class Head:
             self._probe_until_healthy()
             step.done(f"Ray head up at {self.address}, dashboard {self.dashboard_url}",
                       address=self.address, dashboard=self.dashboard_url)
+        return HeadState.STARTING_REWARD
+
+    def _start_reward(self) -> HeadState:
+        assert self.setup
+        if self.s.reward == "none":
+            self.reporter.say("no reward server (PODAGENT_REWARD=none)")
+            return HeadState.WAITING_WORKERS
+        self.reward = RewardServer(self.s, self.setup.node_ip, self.s.run_dir, self.reporter,
+                                   self.setup.nccl.variables)
+        self.reward.start()
+        self.reporter.say(f"{self.reward.label} starting for {self.reward.url} "
+                          f"(log: {self.reward.process.log_path})")
         return HeadState.WAITING_WORKERS
+
+    def _check_reward_alive(self) -> None:
+        """Fail fast: a reward server that exits while the workers join is not waited for."""
+        if self.reward and self.state is not HeadState.RUNNING:
+            code = self.reward.exited()
+            if code is not None:
+                raise self.reward.died_error(code, "while starting")
+
+    def _wait_reward(self) -> HeadState:
+        if not self.reward:
+            return HeadState.SUBMITTING
+        with self.reporter.step("reward_ready") as step:
+            self.reward.wait_healthy(self.signals)
+            step.done(f"{self.reward.label} answers a real request at {self.reward.url}",
+                      url=self.reward.url)
+        self.reward.supervise()
+        return HeadState.SUBMITTING
 
     def _probe_until_healthy(self) -> None:
         """Ready means the GCS answers its health RPC and the dashboard its /api/version."""
@@ -160,7 +200,7 @@ class Head:
         expected = self.s.expected_workers
         if expected == 0:
             self.reporter.say("no workers expected: a single-node cluster")
-            return HeadState.SUBMITTING
+            return HeadState.WAITING_REWARD
         self.reporter.say(f"waiting for {expected} worker(s) "
                           f"(timeout {self.s.worker_timeout:g} s)")
         progress = Progress(self.reporter, every=10.0)
@@ -178,6 +218,7 @@ class Head:
                                             registered_ms=worker.start_time_ms)
                 progress(f"still waiting: {len(self.workers)}/{expected} workers joined "
                          f"({step.elapsed:.0f} s)")
+                self._check_reward_alive()
                 return len(self.workers)
 
             Retrying(stop=stop_after_delay(self.s.worker_timeout), wait=wait_fixed(NODE_POLL),
@@ -194,7 +235,7 @@ class Head:
                 self.reporter.warn(f"{joined} of {expected} workers joined ({who}); going on "
                                    f"because PODAGENT_MIN_WORKERS={minimum}")
             step.done(self._census(), nodes=joined + 1, gpus=self._total_gpus())
-        return HeadState.SUBMITTING
+        return HeadState.WAITING_REWARD
 
     def _total_gpus(self) -> int:
         assert self.setup
@@ -213,6 +254,8 @@ class Head:
             PODAGENT_HEAD_ADDR=self.setup.node_ip,
             PODAGENT_RUN_NAME=self.s.run_name,
         )
+        if self.reward:
+            env["REMOTE_RM_URL"] = self.reward.url
         if self.setup.plan.env_overrides.get("RAY_DEBUG"):
             env["RAY_DEBUG"] = "legacy"
         # W&B settings travel with the job; the key itself does not go through the Jobs API
@@ -249,6 +292,8 @@ class Head:
     def _watch_cluster(self) -> None:
         """While the job runs: is this pod's Ray still alive, and did a worker node leave?"""
         assert self.gcs
+        if self.reward and self.reward.failure:
+            raise self.reward.failure
         now = time.monotonic()
         if now < self._next_watch:
             return
@@ -284,6 +329,8 @@ class Head:
             else:
                 self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
             self.reporter.event("job_stopped", status=status)
+        if self.reward:
+            self.reward.stop()
         if self.gcs and not ray_dead:
             self._announce_close(outcome)
             self._wait_workers_left()
@@ -299,7 +346,10 @@ class Head:
         self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
                             killed=killed)
         elapsed = time.monotonic() - self.started
-        self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s; "
+        reward = ""
+        if self.reward:
+            reward = f"; REMOTE_RM_URL={self.reward.url} ({self.reward.restarts} restart(s))"
+        self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s{reward}; "
                           f"logs in {self.s.run_dir}")
 
     def _announce_close(self, outcome: str) -> None:

@@ -249,9 +249,13 @@ def test_expected_workers_flag_wins_over_derivation():
      "PODAGENT_MIN_WORKERS", ["EXPECTED_WORKERS (1)", "'2'"]),
     ({"PODAGENT_MIN_WORKERS": "1"}, {}, "PODAGENT_MIN_WORKERS", ["EXPECTED_WORKERS (0)"]),
     ({"NUM_NODES": "3"}, {"min_workers": "3"}, "--min-workers", ["EXPECTED_WORKERS (2)"]),
-    ({"PODAGENT_RAY_PORT": "8265"}, {}, "PODAGENT_DASHBOARD_PORT", ["Ray port", "'8265'"]),
-    ({"PODAGENT_DASHBOARD_PORT": "6379"}, {}, "PODAGENT_DASHBOARD_PORT", ["Ray port"]),
-    ({}, {"dashboard_port": "6379"}, "--dashboard-port", ["Ray port"]),
+    ({"PODAGENT_RAY_PORT": "8265"}, {}, "PODAGENT_DASHBOARD_PORT",
+     ["PODAGENT_RAY_PORT", "'8265'"]),
+    ({"PODAGENT_DASHBOARD_PORT": "6379"}, {}, "PODAGENT_DASHBOARD_PORT", ["PODAGENT_RAY_PORT"]),
+    ({}, {"dashboard_port": "6379"}, "--dashboard-port", ["PODAGENT_RAY_PORT"]),
+    ({"PODAGENT_REWARD_PORT": "8265"}, {}, "PODAGENT_REWARD_PORT",
+     ["PODAGENT_DASHBOARD_PORT", "'8265'"]),
+    ({"PODAGENT_REWARD": "cmd"}, {}, "PODAGENT_REWARD_CMD", ["PODAGENT_REWARD=cmd"]),
 ])
 def test_relation_checks(env, flags, name, words):
     with pytest.raises(ConfigError) as info:

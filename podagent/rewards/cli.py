@@ -1,0 +1,89 @@
+"""`podagent reward-server` (also `python -m podagent.rewards`): the click command."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from podagent.errors import ConfigError, PortInUse
+from podagent.rewards import settings as reward_settings
+from podagent.rewards.dataset import DatasetError
+
+EXIT_BAD_INPUT = 2  # as podagent's own table: a setting is invalid
+EXIT_PORT_IN_USE = 9
+EXIT_INTERNAL = 70
+
+log = logging.getLogger("podagent.rewards")
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"podagent reward-server: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _default(field: reward_settings.Field) -> str:
+    if field.default_doc:
+        return field.default_doc
+    if field.default is None:
+        return "unset"
+    return f"{field.default:g}" if isinstance(field.default, float) else str(field.default)
+
+
+def reward_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One option per setting, from settings.FIELDS (strings; parsed and checked by build)."""
+    for field in reversed(reward_settings.FIELDS):
+        func = click.option(
+            field.flag, field.attr, default=None, metavar="VALUE",
+            help=f"{field.help} [env: {field.env}; default: {_default(field)}]")(func)
+    return func
+
+
+@click.command(name="reward-server",
+               context_settings={"help_option_names": ["-h", "--help"],
+                                 "max_content_width": 100})
+@reward_options
+def reward_server(**flags: str | None) -> None:
+    """Serve math rewards over HTTP: OpenRLHF's remote reward protocol.
+
+    \b
+    POST /get_reward {"query": [...], "prompts": [...], "labels": [...]}
+      -> {"rewards", "scores", "format_rewards", "acc_rewards"}: one number per query.
+    GET /health -> {"status": "ok", counters}
+
+    \b
+    reward = accuracy + FORMAT_WEIGHT x format   (FORMAT_WEIGHT: --format-weight, 0.5)
+    accuracy: 1 if the final answer (last \\boxed{}, else last <answer> block) equals the
+      gold (labels[i], or the --dataset answer for the prompt) by math-verify, else 0.
+    format: 1 if the response gives exactly one boxed answer or one <answer> block, else 0.
+
+    Stops cleanly on SIGTERM or SIGINT (exit 0).
+    """
+    from podagent.rewards import server
+
+    try:
+        settings = reward_settings.build(flags)
+    except ConfigError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+    try:
+        golds = server.load_golds(settings)
+    except DatasetError as exc:
+        rule = (f"must be a JSONL file of {settings.prompt_key!r} and {settings.answer_key!r} "
+                f"records ({exc})")
+        _fail(str(ConfigError(settings.source_name("dataset"), settings.dataset, rule)),
+              EXIT_BAD_INPUT)
+    try:
+        code = server.serve(settings, golds)
+    except OSError as exc:  # binding the address: the only OSError that reaches here
+        if exc.errno == errno.EADDRINUSE:
+            _fail(str(PortInUse(settings.port, settings.host, None)), EXIT_PORT_IN_USE)
+        _fail(f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc})",
+              EXIT_BAD_INPUT)
+    except Exception as exc:  # a bug: one line here, the traceback in the log just above
+        log.exception("internal error")
+        _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
+    sys.exit(code)

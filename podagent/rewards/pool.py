@@ -1,0 +1,82 @@
+"""Verification off the event loop: a pebble process pool with a time limit on every item.
+
+sympy can run for minutes, or forever, on a hostile answer (`9^{9^{9^{9}}}`), and it does so
+in C where no signal reaches it. A thread cannot be stopped and `concurrent.futures` cannot
+kill a worker; pebble kills the worker running an item past its limit and starts a new one,
+so one bad item costs one item's limit and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+from dataclasses import dataclass
+
+import pebble
+
+from podagent.rewards import verify
+
+log = logging.getLogger("podagent.rewards")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    correct: bool
+    status: str  # "ok", "timeout" or "crashed"
+    gold_parses: int = 0
+
+
+def short(text: str, limit: int = 60) -> str:
+    """A repr for one log line: long inputs are cut, with their length."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}…({len(text)} chars)"
+
+
+def _init_worker() -> None:
+    # Ctrl-C in a terminal reaches the whole process group: only the server decides to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    verify.worker_warm()
+
+
+class VerifierPool:
+    def __init__(self, workers: int, item_timeout: float):
+        self.workers, self.item_timeout = workers, item_timeout
+        # forkserver, not fork: the server has threads (pebble's, the event loop's executor)
+        # and forking a threaded process can copy a held lock into the child. The preload
+        # makes each new worker (also every replacement after a timeout) a cheap fork of a
+        # process that has already imported sympy and math-verify.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["podagent.rewards.verify", "math_verify"])
+        self._pool = pebble.ProcessPool(max_workers=workers, initializer=_init_worker,
+                                        context=context)
+
+    async def warm(self) -> None:
+        """Waits until workers answer, so the first request does not pay for their start."""
+        await asyncio.gather(*(self.check("1/2", "0.5") for _ in range(self.workers)))
+
+    async def check(self, answer: str, gold: str) -> Outcome:
+        future = self._pool.schedule(verify.worker_check, args=(answer, gold),
+                                     timeout=self.item_timeout)
+        try:
+            correct, parses = await asyncio.wrap_future(future)
+        except TimeoutError:
+            log.warning("item timed out after %g s and scored 0 (worker replaced): "
+                        "answer=%s gold=%s", self.item_timeout, short(answer), short(gold))
+            return Outcome(False, "timeout")
+        except pebble.ProcessExpired as exc:
+            log.warning("worker died (exit %s) on an item, which scored 0: answer=%s gold=%s",
+                        exc.exitcode, short(answer), short(gold))
+            return Outcome(False, "crashed")
+        except Exception as exc:  # raised inside the worker (e.g. RecursionError in sympy)
+            log.warning("item failed with %s and scored 0: answer=%s gold=%s",
+                        type(exc).__name__, short(answer), short(gold))
+            return Outcome(False, "crashed")
+        return Outcome(bool(correct), "ok", parses)
+
+    def close(self) -> None:
+        """Stops the workers now; whatever they were verifying is abandoned."""
+        self._pool.stop()
+        self._pool.join(timeout=10)

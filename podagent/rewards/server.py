@@ -1,0 +1,173 @@
+"""The HTTP server: OpenRLHF's remote reward protocol on aiohttp.
+
+    POST /get_reward  {"query": [...], "prompts": [...], "labels": [...]}
+                      -> {"rewards": [...], "scores": [...], "format_rewards": [...],
+                          "acc_rewards": [...]}
+    GET  /health      -> {"status": "ok", counters...}
+
+Every answer is JSON. A request that breaks the protocol gets 400 (413 for a body over
+max_body) with {"error": "..."} saying what is wrong; anything unexpected gets a 500 with
+{"error": ...} and no traceback (the traceback goes to the server's log), and the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from podagent.rewards.dataset import GoldIndex
+from podagent.rewards.pool import VerifierPool
+from podagent.rewards.scorer import BadRequest, Scorer
+from podagent.rewards.settings import RewardSettings
+
+log = logging.getLogger("podagent.rewards")
+
+SCORER = web.AppKey("scorer", Scorer)
+MAX_BODY = web.AppKey("max_body", int)
+# On SIGTERM, requests still running get this long before they are cancelled; their clients
+# then retry elsewhere (or against the restarted server).
+SHUTDOWN_GRACE = 3.0
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Last line of defence: whatever happens, the client gets JSON and the server lives."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        keep = {k: v for k, v in exc.headers.items()
+                if k.lower() not in ("content-type", "content-length")}
+        return _error(exc.status, exc.reason.lower(), keep)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        request.app[SCORER].stats.errors += 1
+        log.exception("internal error answering %s %s", request.method, request.path)
+        return _error(500, "internal error in the reward server (details in its log)")
+
+
+def _too_large(size: int | None, limit: int) -> web.Response:
+    got = f"{size} bytes" if size is not None else "larger than that"
+    return _error(413, f"body is {got}; the limit is {limit} bytes (--max-body)")
+
+
+async def get_reward(request: web.Request) -> web.Response:
+    scorer, limit = request.app[SCORER], request.app[MAX_BODY]
+    if request.content_length is not None and request.content_length > limit:
+        scorer.stats.bad_requests += 1
+        return _too_large(request.content_length, limit)
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+        scorer.stats.bad_requests += 1
+        return _too_large(None, limit)
+    try:
+        return web.json_response(await scorer.score_body(body))
+    except BadRequest as exc:
+        return _error(400, str(exc))
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SCORER].health())
+
+
+def make_app(scorer: Scorer, max_body: int) -> web.Application:
+    # client_max_size a little above max_body, so the handler (not aiohttp) answers bodies
+    # just over the limit, with JSON.
+    app = web.Application(client_max_size=max_body + 1, middlewares=[json_errors])
+    app[SCORER], app[MAX_BODY] = scorer, max_body
+    app.router.add_post("/get_reward", get_reward)
+    app.router.add_get("/health", health)
+    return app
+
+
+@dataclass(frozen=True)
+class Running:
+    scorer: Scorer
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def load_golds(settings: RewardSettings) -> GoldIndex | None:
+    """The dataset's gold table, or None without --dataset. Raises DatasetError."""
+    if settings.dataset is None:
+        return None
+    return GoldIndex.load(settings.dataset, settings.prompt_key, settings.answer_key)
+
+
+@contextlib.asynccontextmanager
+async def running(settings: RewardSettings,
+                  golds: GoldIndex | None = None) -> AsyncIterator[Running]:
+    """The server, listening, inside the current event loop; stopped (pool too) on exit.
+
+    Raises OSError if the address cannot be bound."""
+    pool = VerifierPool(settings.workers, settings.item_timeout)
+    scorer = Scorer(pool, max_items=settings.max_items, format_weight=settings.format_weight,
+                    golds=golds)
+    runner = web.AppRunner(make_app(scorer, settings.max_body), access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE)
+    try:
+        await pool.warm()
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        await site.start()
+        sockets = site._server.sockets if site._server else ()  # type: ignore[union-attr]
+        port = sockets[0].getsockname()[1] if sockets else settings.port
+        yield Running(scorer, settings.host, port)
+    finally:
+        await runner.cleanup()
+        scorer.close()
+        # Not on the loop: joining the workers blocks for up to a few seconds.
+        await asyncio.get_running_loop().run_in_executor(None, pool.close)
+
+
+async def _serve(settings: RewardSettings, golds: GoldIndex | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with running(settings, golds) as server:
+        log.info("listening on %s (%d workers, item timeout %g s, format weight %g%s)",
+                 server.url, settings.workers, settings.item_timeout, settings.format_weight,
+                 f", {len(golds)} dataset prompts" if golds is not None else "")
+        await stop.wait()
+        log.info("stopping: %s", _summary(server.scorer))
+    log.info("stopped")
+
+
+def _summary(scorer: Scorer) -> str:
+    s = scorer.stats
+    return (f"{s.requests} requests, {s.items} items, {s.fast_path} fast path, "
+            f"{s.cache_hits} cache hits, {s.verified} verified, {s.timeouts} timeouts")
+
+
+def configure_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s [reward-server] %(levelname)s %(message)s")
+
+
+def serve(settings: RewardSettings, golds: GoldIndex | None = None) -> int:
+    """Runs until SIGTERM or SIGINT, then stops the pool; returns the exit code (0)."""
+    configure_logging()
+    asyncio.run(_serve(settings, golds))
+    return 0

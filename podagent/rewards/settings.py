@@ -1,0 +1,172 @@
+"""The reward server's settings: flags > PODAGENT_REWARD_* variables > defaults, frozen.
+
+As in podagent.config, each setting is declared once (FIELDS); the CLI makes its options and
+their help from the same table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from podagent import config
+from podagent.errors import ConfigError
+from podagent.rewards.verify import FORMAT_WEIGHT
+
+ENV_PREFIX = "PODAGENT_REWARD_"
+_SIZE = re.compile(r"([0-9]{1,10})\s*(|B|KiB|MiB|GiB)")
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (a container's or taskset's limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def size(raw: str) -> int:
+    rule = "must be a size in bytes from 1KiB to 1GiB (e.g. 16MiB or 1048576)"
+    m = _SIZE.fullmatch(raw)
+    if not m:
+        raise ValueError(rule)
+    value = int(m.group(1)) * _UNITS[m.group(2)]
+    if not 1 << 10 <= value <= 1 << 30:
+        raise ValueError(rule)
+    return value
+
+
+def number(minimum: float, maximum: float, *, above: bool = False) -> Callable[[str], float]:
+    rule = f"must be a number {'>' if above else '>='} {minimum:g} and <= {maximum:g}"
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(rule) from None
+        low_ok = value > minimum if above else value >= minimum
+        if not (math.isfinite(value) and low_ok and value <= maximum):
+            raise ValueError(rule)
+        return value
+
+    return parse
+
+
+def key(raw: str) -> str:
+    if not raw or len(raw) > 200:
+        raise ValueError("must be a JSON field name (1-200 characters)")
+    return raw
+
+
+def existing_file(raw: str) -> str:
+    if "\x00" in raw or not os.path.isfile(raw):
+        raise ValueError("must be an existing JSONL file")
+    return raw
+
+
+@dataclass(frozen=True)
+class Field:
+    attr: str
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = None
+    default_doc: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.attr.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.attr.upper()
+
+
+FIELDS: tuple[Field, ...] = (
+    # Loopback by default: the server has no authentication. The head passes its
+    # cluster-private address.
+    Field("host", config.host, "Address to listen on.", "127.0.0.1"),
+    Field("port", config.port, "TCP port to listen on.", 5000),
+    Field("workers", config.whole(1, 1024), "Verifier processes.",
+          default_doc="CPUs this process may use"),
+    Field("item_timeout", number(0, 600, above=True),
+          "Seconds one item may take to verify; past it the worker is killed and the item "
+          "scores 0.", 5.0),
+    Field("max_items", config.whole(1, 1_000_000), "Most items in one request.", 1024),
+    Field("max_body", size, "Largest request body (bytes, or with KiB/MiB/GiB).", 16 << 20,
+          default_doc="16MiB"),
+    Field("format_weight", number(0, 100),
+          "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", FORMAT_WEIGHT),
+    Field("dataset", existing_file,
+          "JSONL of prompts and gold answers, for requests that send no labels."),
+    Field("prompt_key", key, "Prompt field of --dataset records.", "prompt"),
+    Field("answer_key", key, "Gold answer field of --dataset records.", "answer"),
+)
+FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    host: str = "127.0.0.1"
+    port: int = 5000
+    workers: int = 1
+    item_timeout: float = 5.0
+    max_items: int = 1024
+    max_body: int = 16 << 20
+    format_weight: float = FORMAT_WEIGHT
+    dataset: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    # Where each setting came from: "flag", "env" or "default" (to name it in messages).
+    sources: Mapping[str, str] | None = None
+
+    def source_name(self, attr: str) -> str:
+        f = FIELD_BY_ATTR[attr]
+        return f.flag if (self.sources or {}).get(attr) == "flag" else f.env
+
+
+def build(flags: Mapping[str, str | None] | None = None,
+          environ: Mapping[str, str] | None = None) -> RewardSettings:
+    """Raises ConfigError naming the flag or variable, its value and the rule."""
+    flags = dict(flags or {})
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in FIELDS:
+        raw, name, source = flags.get(f.attr), f.flag, "flag"
+        if raw is None or not str(raw).strip():
+            raw, name, source = env.get(f.env), f.env, "env"
+        if raw is None or not str(raw).strip():  # empty means unset, as in podagent.config
+            sources[f.attr] = "default"
+            continue
+        raw = str(raw).strip()
+        try:
+            values[f.attr] = f.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(name, raw, str(exc)) from None
+        sources[f.attr] = source
+    for f in FIELDS:
+        if f.attr not in values and f.default is not None:
+            values[f.attr] = f.default
+    values.setdefault("workers", cpu_count())
+    return RewardSettings(**values, sources=sources)
+
+
+def settings_table() -> str:
+    """A Markdown table of the options, from FIELDS (for the README)."""
+    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    for f in FIELDS:
+        default = f.default_doc or ("" if f.default is None else f"{f.default:g}"
+                                    if isinstance(f.default, float) else str(f.default))
+        rows.append(f"| `{f.flag}` | `{f.env}` | {default or '—'} | {f.help} |")
+    return "\n".join(rows)
+
+
+assert {f.attr for f in FIELDS} <= {f.name for f in fields(RewardSettings)}
+
+if __name__ == "__main__":
+    print(settings_table())

@@ -1,0 +1,447 @@
+"""Scoring one math response against its gold answer.
+
+    reward = accuracy + FORMAT_WEIGHT × format        (FORMAT_WEIGHT defaults to 0.5)
+
+* The final answer is the content of the last non-empty, brace-balanced `\\boxed{...}` (or
+  `\\fbox{...}`) in the response; without one, the content of the last `<answer>...</answer>`;
+  without either there is no answer. Empty boxes are skipped: prompt templates often say
+  "put your final answer within \\boxed{}".
+* format is 1 when the response gives its final answer in exactly one form: exactly one
+  non-empty box (and no unbalanced, i.e. truncated, box), or no box and exactly one non-empty
+  `<answer>` block. Otherwise 0.
+* accuracy is 1 when the answer equals the gold. Both are first made canonical (`canonical`):
+  spacing, `$`, `\\left`/`\\right`, a trailing `.`, unicode math symbols, prose such as "The
+  answer is", scientific notation, repeating decimals and unit words are normalised. Equal
+  canonical strings are correct at once (no sympy); a few clear mismatches are rejected at once
+  (`quick_verdict`); everything else goes to math-verify (`Verifier`), which compares
+  symbolically: fractions = decimals (rounded to 6 places), LaTeX, sets, intervals, tuples,
+  equations (`x=3` = `3`), percentages (`50\\%` = `50` = `0.5`).
+* Units: math-verify drops units (`5 cm` = `5` = `5 m`) and never converts them (`5 cm` is not
+  `50 mm`). This layer adds one rule: when gold and answer both name a known unit and the units
+  differ, the answer is wrong (`5 cm` vs `5 m`). A unit on one side only is ignored.
+
+Extraction, canonical forms and quick verdicts are plain string work, run by the server's own
+process; only `Verifier` (sympy) runs in the worker pool.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import unicodedata
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+FORMAT_WEIGHT = 0.5
+# Longer "final answers" are not answers: they are scored wrong without parsing (math-verify's
+# LaTeX parser is super-linear in nesting depth; a 200-deep parenthesis takes it seconds).
+MAX_ANSWER_CHARS = 4096
+GOLD_CACHE_SIZE = 4096  # parsed golds per worker
+
+# --- extraction --------------------------------------------------------------------------------
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# `\\` is a LaTeX line break and `\{` `\}` are literal braces: neither opens nor closes a group.
+_BRACE = re.compile(r"\\\\|\\[{}]|[{}]")
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Extraction:
+    answer: str | None  # the final answer as written (stripped), None when there is none
+    source: str | None  # "boxed", "answer" or None
+    well_formed: bool  # the format rule in the module docstring
+
+
+def _boxes(text: str) -> tuple[list[str], int]:
+    """Contents of the balanced boxes in the order they open, and how many never close."""
+    openers = {m.end() - 1 for m in _BOX_OPEN.finditer(text)}
+    if not openers:
+        return [], 0
+    found: list[tuple[int, str]] = []
+    stack: list[int] = []
+    # One pass from the first box: a box's closing brace depends only on what follows it.
+    for m in _BRACE.finditer(text, min(openers)):
+        token = m.group()
+        if token == "{":
+            stack.append(m.start())
+        elif token == "}" and stack:
+            start = stack.pop()
+            if start in openers:
+                found.append((start, text[start + 1 : m.start()]))
+    found.sort()
+    return [content for _, content in found], sum(1 for s in stack if s in openers)
+
+
+def extract(response: str) -> Extraction:
+    boxes, unbalanced = _boxes(response)
+    filled = [b.strip() for b in boxes if b.strip()]
+    blocks = _ANSWER_BLOCK.findall(response) if "<answer>" in response else []
+    if filled:
+        ok = len(filled) == 1 and unbalanced == 0 and len(blocks) <= 1
+        return Extraction(filled[-1], "boxed", ok)
+    filled_blocks = [b.strip() for b in blocks if b.strip()]
+    if filled_blocks:
+        ok = len(blocks) == 1 and unbalanced == 0
+        return Extraction(filled_blocks[-1], "answer", ok)
+    return Extraction(None, None, False)
+
+
+def split_response(query: str, prompt: str | None) -> str:
+    """The model's response: the query after its prompt, or the whole query."""
+    if prompt and query.startswith(prompt):
+        return query[len(prompt) :]
+    return query
+
+
+# --- canonical form ----------------------------------------------------------------------------
+
+_SUPERSCRIPTS = str.maketrans({"²": "^2", "³": "^3", "¹": "^1", "⁰": "^0", "⁻": "^-"})
+_SYMBOLS = (
+    ("⁄", "/"), ("−", "-"), ("–", "-"), ("∞", r"\infty "), ("π", r"\pi "), ("×", r"\times "),
+    ("·", r"\cdot "), ("÷", r"\div "), ("≤", r"\le "), ("≥", r"\ge "), ("≠", r"\ne "),
+    ("°", r"^{\circ}"), ("∅", r"\emptyset "), ("∪", r"\cup "), ("∩", r"\cap "), ("±", r"\pm "),
+)
+_SQRT_SYMBOL = re.compile(r"√\s*(\d+|[A-Za-z]|\{[^{}]*\}|\([^()]*\))")
+_MATH_SPAN = re.compile(r"(?<!\\)\$\$?(.+?)(?<!\\)\$\$?|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_LEAD_PROSE = re.compile(
+    r"^(?:#+|(?:so\s*,?\s*)?(?:the\s+)?(?:final\s+)?answer\b\s*(?:is\b|:|=)?|therefore\s*,?)\s*:?\s*",
+    re.IGNORECASE)
+_WRAPPER = re.compile(r"^\\(?:textbf|mathbf|boldsymbol|displaystyle)\s*\{(.*)\}$"
+                      r"|^\\(?:text|textrm|mbox|mathrm)\{([-+.\d][^{}]*)\}$", re.DOTALL)
+_SPACING = re.compile(r"\\[,;:! ]|\\q?quad\b|~|\\displaystyle\b")
+_LEFT_RIGHT = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])")
+_DOLLAR = re.compile(r"(?<!\\)\$")
+_WHITESPACE = re.compile(r"\s+")
+_DIGIT_GROUP = re.compile(r"(?<=\d) (?=\d{3}(?!\d))")  # 1 000 000: a thousands separator
+_PERCENT = re.compile(r"(?<!\\)%")
+_SCIENTIFIC = re.compile(r"^([-+]?\d+(?:\.\d+)?)[eE]\+?(-?\d+)$")
+_REPEATING = re.compile(r"^(-?)(\d*)\.(\d*)\\overline\{?(\d+)\}?$")
+_WORDS = re.compile(r"^(?:\\text\{)?\(?([A-Za-z][A-Za-z ]*?)\)?\}?$")
+_CHOICE = re.compile(r"^\\text\{\(?([A-Za-z])\)?\}$|^\(([A-Za-z])\)$")
+
+_NUMBER = r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\\times10\^\{-?\d+\})?|\\frac\{\d+\}\{\d+\}"
+_UNIT_TAIL = re.compile(
+    rf"^(?P<num>{_NUMBER})"
+    r"(?:\\(?:text|mathrm|mbox|textrm|rm|operatorname)\{(?P<wrapped>[A-Za-z][A-Za-z. ]*)\}"
+    r"|\s+(?P<bare>[A-Za-z][A-Za-z]*(?: [A-Za-z]+){0,2}))\.?(?:\^\{?(?P<pow>[23])\}?)?$")
+
+# Known units: every spelling maps to one name. Two different known names on the gold and the
+# answer make the answer wrong; unknown words ("apples") are kept as text and then ignored.
+_UNIT_NAMES = {
+    "mm": ("millimeter", "millimeters", "millimetre", "millimetres"),
+    "cm": ("centimeter", "centimeters", "centimetre", "centimetres"),
+    "m": ("meter", "meters", "metre", "metres"),
+    "km": ("kilometer", "kilometers", "kilometre", "kilometres"),
+    "in": ("inch", "inches"),
+    "ft": ("foot", "feet"),
+    "yd": ("yard", "yards"),
+    "mi": ("mile", "miles"),
+    "mg": ("milligram", "milligrams"),
+    "g": ("gram", "grams"),
+    "kg": ("kilogram", "kilograms", "kgs"),
+    "lb": ("pound", "pounds", "lbs"),
+    "oz": ("ounce", "ounces"),
+    "s": ("sec", "secs", "second", "seconds"),
+    "min": ("mins", "minute", "minutes"),
+    "h": ("hr", "hrs", "hour", "hours"),
+    "day": ("days",),
+    "week": ("weeks",),
+    "month": ("months",),
+    "year": ("years", "yr", "yrs"),
+    "ml": ("milliliter", "milliliters", "millilitre", "millilitres", "mL"),
+    "l": ("liter", "liters", "litre", "litres", "L"),
+    "dollar": ("dollars", "usd"),
+    "cent": ("cents",),
+}
+_UNITS = {alias.lower(): name
+          for name, aliases in _UNIT_NAMES.items() for alias in (name, *aliases)}
+_NUMBER_WORDS = {word: str(n) for n, word in enumerate((
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+    "nineteen", "twenty"))}
+_DEGREE_WORDS = {"degree", "degrees", "deg"}
+_PERCENT_WORDS = {"percent", "per cent"}
+_UNIT_SUFFIX = re.compile(r"\\text\{([a-z ]+)\}(?:\^([23]))?$")
+
+
+def _unicode(text: str) -> str:
+    text = text.translate(_SUPERSCRIPTS)  # before NFKC, which would turn x² into x2
+    text = unicodedata.normalize("NFKC", text)
+    for old, new in _SYMBOLS:
+        text = text.replace(old, new)
+    return text
+
+
+def normalise(text: str) -> str:
+    """Strip spacing, `$`, `\\left`/`\\right` and one trailing `.`: the exact-match form.
+
+    Whitespace goes except between two letters or digits, where it can carry meaning
+    (`\\pi r`, `1 2`)."""
+    text = _DOLLAR.sub("", text)
+    text = _LEFT_RIGHT.sub("", text)
+    text = _SPACING.sub(" ", text)
+    text = text.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
+    text = text.replace(r"\lbrace", r"\{").replace(r"\rbrace", r"\}")
+    text = text.replace(r"\varnothing", r"\emptyset").replace(r"^\circ", r"^{\circ}")
+    text = text.replace(r"\leq", r"\le").replace(r"\geq", r"\ge").replace(r"\neq", r"\ne")
+    text = _DIGIT_GROUP.sub("", text.strip())
+    if any(c.isspace() for c in text):
+        text = _WHITESPACE.sub(
+            lambda m: " " if _keeps_space(text, m.start(), m.end()) else "", text)
+    if text.endswith(".") and not text.endswith(".."):
+        text = text[:-1].rstrip()
+    return text
+
+
+def _keeps_space(text: str, start: int, end: int) -> bool:
+    return start > 0 and end < len(text) and text[start - 1].isalnum() and text[end].isalnum()
+
+
+def _unit(raw: str, power: str | None) -> str | None:
+    """`\\text{cm}`-style canonical suffix for a unit word, or None for a non-unit."""
+    word = raw.strip().rstrip(".").strip()
+    low = word.lower()
+    if low in _DEGREE_WORDS:
+        return r"^{\circ}"
+    if low in _PERCENT_WORDS:
+        return r"\%"
+    name = _UNITS.get(low) or _UNITS.get(word)
+    if name is None:
+        if len(word) < 3:  # "3 pi", "2 x": maths, not a unit
+            return None
+        name = low
+    return rf"\text{{{name}}}" + (f"^{power}" if power else "")
+
+
+def _repeating(m: re.Match[str]) -> str:
+    sign, whole, fixed, period = m.groups()
+    value = Fraction(int(whole or "0")) + Fraction(int(fixed or "0"), 10 ** len(fixed))
+    value += Fraction(int(period), (10 ** len(period) - 1) * 10 ** len(fixed))
+    text = str(value.numerator) if value.denominator == 1 else (
+        rf"\frac{{{value.numerator}}}{{{value.denominator}}}")
+    return f"-{text}" if sign and value else text
+
+
+def canonical(answer: str) -> str:
+    """The form answers are compared, cached and verified in.
+
+    Idempotent, so that a canonical gold and a canonical answer meet: the pass repeats until
+    nothing changes (one step can expose another: `$The answer is$ 5`)."""
+    text = answer
+    for _ in range(8):
+        again = _canonical_pass(text)
+        if again == text:
+            break
+        text = again
+    return text
+
+
+def _canonical_pass(answer: str) -> str:
+    text = answer.strip()
+    if not text.isascii():
+        text = _unicode(text)
+    spans = list(_MATH_SPAN.finditer(text))
+    if spans and re.search(r"[A-Za-z]{2}", _MATH_SPAN.sub("", text)):
+        last = spans[-1]  # prose around maths: the last formula is the answer
+        text = next(g for g in last.groups() if g is not None)
+    while text[:1].isalpha() or text[:1] == "#":  # "The answer is", "Answer:", "####"
+        shorter = _LEAD_PROSE.sub("", text, count=1)
+        if shorter == text:
+            break
+        text = shorter
+    text = normalise(text)
+    if "√" in text:  # after normalise, which may drop a `$` between √ and its argument
+        text = _SQRT_SYMBOL.sub(lambda m: r"\sqrt{" + m.group(1).strip("{}()") + "}", text)
+    while m := _WRAPPER.match(text):  # \textbf{5}; \text{5 apples} (a number in text)
+        text = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
+    text = _PERCENT.sub(r"\\%", text)
+    if m := _CHOICE.match(text):  # "(A)", "\text{(A)}": a choice, as math-verify reads it
+        return (m.group(1) or m.group(2)).lower()
+    if m := _WORDS.match(text):  # an answer in words ("North", "\text{yes}", "five")
+        words = m.group(1).strip().lower()
+        return _NUMBER_WORDS.get(words, words)
+    if m := _UNIT_TAIL.match(text):
+        suffix = _unit(m.group("wrapped") or m.group("bare"), m.group("pow"))
+        if suffix is not None:
+            text = m.group("num") + suffix
+    if m := _SCIENTIFIC.match(text):
+        text = rf"{m.group(1)}\times10^{{{m.group(2)}}}"
+    elif m := _REPEATING.match(text):
+        text = _repeating(m)
+    return text
+
+
+def canonical_gold(gold: str) -> str | None:
+    """A gold answer's canonical form; a gold written as a solution gives its last box."""
+    if _BOX_OPEN.search(gold):
+        boxed = extract(gold)
+        if boxed.source == "boxed" and boxed.answer:
+            gold = boxed.answer
+    gold = canonical(gold)
+    return gold or None
+
+
+# --- verdicts ----------------------------------------------------------------------------------
+
+
+def _unit_name(text: str) -> str | None:
+    m = _UNIT_SUFFIX.search(text)
+    if m and m.group(1) in _UNIT_NAMES:
+        return m.group(1) + (m.group(2) or "")
+    return None
+
+
+def _collection(text: str) -> str | None:
+    """"set" for `\\{...\\}`, "ordered" for a bracketed list with a top-level comma."""
+    if text.startswith(r"\{") and text.endswith(r"\}"):
+        return "set"
+    if len(text) > 2 and text[0] in "([" and text[-1] in ")]":
+        depth = 0
+        for c in text[1:-1]:
+            depth += c in "([{"
+            depth -= c in ")]}"
+            if c == "," and depth == 0:
+                return "ordered"
+    return None
+
+
+def quick_verdict(answer: str, gold: str) -> bool | None:
+    """True or False without sympy where the canonical strings decide; None: ask math-verify."""
+    if answer == gold:
+        return True
+    if not answer or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    units = _unit_name(answer), _unit_name(gold)
+    if None not in units and units[0] != units[1]:
+        return False
+    # math-verify reads `(0,1)` as an interval and lets it equal the set `\{0,1\}`.
+    kinds = {_collection(answer), _collection(gold)}
+    if kinds == {"set", "ordered"}:
+        return False
+    return None
+
+
+class LRU:
+    """A bounded mapping that forgets the least recently used entry; counts hits and misses."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.hits = self.misses = 0
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get(self, key: Hashable) -> Any:
+        """The value, or None when absent (None is never stored)."""
+        value = self._data.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._data.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.size:
+            self._data.popitem(last=False)
+
+
+# Two or more words of prose: parse like free text (math-verify finds the formula), not as
+# the content of a box, where "so it is 3/4" would be read as s·o·i·t·i·s·3/4.
+_PROSE = re.compile(r"(?<![\\A-Za-z{])[A-Za-z]{2,}\s+[A-Za-z]{2,}(?![A-Za-z])")
+
+
+class Verifier:
+    """math-verify with parsed golds kept in an LRU. One per process (sympy is not shared).
+
+    math-verify's own timeouts are off (`parsing_timeout=None`, `timeout_seconds=None`): they
+    use SIGALRM, which fires only between bytecodes (a big-integer power in C is never
+    interrupted), has whole-second granularity and restarts for every parse and comparison. The
+    pool's per-item timeout kills the worker process instead, which always works.
+    """
+
+    def __init__(self, gold_cache_size: int = GOLD_CACHE_SIZE):
+        import logging
+
+        import math_verify
+
+        self._mv = math_verify
+        # With timeouts off, math-verify warns once per process that we must bound it: we do.
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        self._golds = LRU(gold_cache_size)
+        self.gold_parses = 0
+        self.verifications = 0
+
+    def _parse(self, text: str) -> list[Any]:
+        if _PROSE.search(text):
+            return self._mv.parse(text, parsing_timeout=None)
+        return self._mv.parse("\\boxed{" + text + "}", parsing_timeout=None)
+
+    def parsed_gold(self, gold: str) -> list[Any]:
+        parsed = self._golds.get(gold)
+        if parsed is None:
+            self.gold_parses += 1
+            parsed = self._parse(gold)
+            self._golds.put(gold, parsed)
+        return parsed
+
+    def check(self, answer: str, gold: str) -> bool:
+        """Is the canonical answer equal to the canonical gold?"""
+        quick = quick_verdict(answer, gold)
+        if quick is not None:
+            return quick
+        self.verifications += 1
+        gold_parsed = self.parsed_gold(gold)
+        answer_parsed = self._parse(answer)
+        if not gold_parsed or not answer_parsed:
+            return False
+        # Set-relation comparison both ways: `x \le 2` answers `(-\infty, 2]` and vice versa.
+        return bool(self._mv.verify(gold_parsed, answer_parsed, timeout_seconds=None,
+                                    allow_set_relation_comp=True))
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    accuracy: float
+    format: float
+    answer: str | None  # canonical answer, None when there was none
+
+
+def score(response: str, gold: str | None, verifier: Verifier,
+          format_weight: float = FORMAT_WEIGHT) -> Score:
+    """Score one response in this process (the server batches, caches and uses a pool)."""
+    found = extract(response)
+    fmt = 1.0 if found.well_formed else 0.0
+    answer = canonical(found.answer) if found.answer is not None else None
+    gold_c = canonical_gold(gold) if gold else None
+    acc = 1.0 if answer and gold_c and verifier.check(answer, gold_c) else 0.0
+    return Score(acc + format_weight * fmt, acc, fmt, answer)
+
+
+# --- the worker side of the pool ---------------------------------------------------------------
+
+_WORKER: Verifier | None = None
+
+
+def worker_check(answer: str, gold: str) -> tuple[bool, int]:
+    """Run in a pool worker: the verdict and how many golds this call parsed (0 or 1)."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = Verifier()
+    before = _WORKER.gold_parses
+    verdict = _WORKER.check(answer, gold)
+    return verdict, _WORKER.gold_parses - before
+
+
+def worker_warm() -> int:
+    """Imports math-verify and runs it once, so the first real item is not slow."""
+    worker_check("1/2", "0.5")
+    return os.getpid()
