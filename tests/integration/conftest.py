@@ -144,7 +144,7 @@ class PodagentRun:
         self.temp_dir = short_temp_dir()
         self.log_dir = scratch / "logs"
         self.run_name = f"it-{name}-{secrets.token_hex(3)}"
-        self.ray_port, self.dashboard_port = free_ports(2)
+        self.ray_port, self.dashboard_port, self.reward_port = free_ports(3)
         self.env = clean_environ()
         self.env.update(
             PODAGENT_RAY_TEMP_DIR=self.temp_dir,
@@ -152,6 +152,7 @@ class PodagentRun:
             PODAGENT_RUN_NAME=self.run_name,
             PODAGENT_RAY_PORT=str(self.ray_port),
             PODAGENT_DASHBOARD_PORT=str(self.dashboard_port),
+            PODAGENT_REWARD_PORT=str(self.reward_port),
         )
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
