@@ -217,5 +217,13 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
             click.echo(f"{key}={variables[key]}")
 
 
+def _register_reward_server() -> None:
+    from podagent.rewards.cli import reward_server
+
+    main.add_command(reward_server, name="reward-server")
+
+
+_register_reward_server()
+
 if __name__ == "__main__":
     main()

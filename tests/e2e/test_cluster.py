@@ -4,6 +4,7 @@ names it (podnet1), a real DNS server for *.runpod.internal, the real podagent i
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Iterator
 
@@ -99,6 +100,26 @@ def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_pa
     assert [w.wait_exit(60) for w in workers] == [0, 0]
 
 
+REWARD_CLIENT = """
+import json, sys, urllib.request
+body = {"query": ["Compute 6 * 7. The answer is \\\\boxed{42}", "Compute 6 * 7. \\\\boxed{41}"],
+        "prompts": ["Compute 6 * 7.", "Compute 6 * 7."], "labels": ["42", "42"]}
+request = urllib.request.Request(sys.argv[1], json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=60) as reply:
+    print(reply.status, json.dumps(json.load(reply)["rewards"]))
+"""
+
+
+def _worker_gets_rewards_from_the_head(head: Agent, worker: Agent) -> None:
+    """A process in a worker pod calls REMOTE_RM_URL: it must reach the head, never loopback."""
+    (url,) = re.findall(r"answers a real request at (http://\S+/get_reward)", head.output)
+    assert url.startswith(f"http://{head.pod.ip}:"), url
+    result = worker.pod.run([sys.executable, "-c", REWARD_CLIENT, url], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "200 [1.5, 0.5]", result.stdout
+
+
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
     """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s."""
     grace = 10.0
@@ -109,6 +130,7 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
     head.wait_output("training", timeout=FORM_TIMEOUT)
     for w in workers:
         w.wait_output("watching the head", timeout=30)
+    _worker_gets_rewards_from_the_head(head, workers[0])
     killed_at = time.monotonic()
     head.kill_pod()
     codes = [w.wait_exit(grace + 5 + 30) for w in workers]
