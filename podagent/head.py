@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import enum
 import json
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import psutil
 import requests
 from tenacity import (
     Retrying,
@@ -63,6 +65,8 @@ class Head:
         self.gcs: GcsClient | None = None
         self.job: JobRunner | None = None
         self.reward: RewardServer | None = None
+        self._dashboard: concurrent.futures.Future[None] | None = None
+        self._raylet: psutil.Process | None = None
         self.job_status: str | None = None
         self.workers: dict[str, NodeInfo] = {}
         self.lost: set[str] = set()
@@ -129,10 +133,56 @@ class Head:
             ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
                              RAY_START_TIMEOUT).start()
             self.gcs = GcsClient(self.address)
-            self._probe_until_healthy()
-            step.done(f"Ray head up at {self.address}, dashboard {self.dashboard_url}",
-                      address=self.address, dashboard=self.dashboard_url)
+            self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
+            step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
+        # The dashboard (Jobs API) comes up seconds after the GCS; workers only need the GCS.
+        # So its readiness is awaited in the background and required before submitting.
+        self._dashboard = concurrent.futures.ThreadPoolExecutor(1, "dashboard").submit(
+            self._probe_until, self._dashboard_answers, "the dashboard's /api/version",
+            time.sleep)
         return HeadState.STARTING_REWARD
+
+    def _gcs_answers(self) -> None:
+        assert self.gcs
+        self.gcs.check_alive(timeout=2.0)
+
+    def _dashboard_answers(self) -> None:
+        reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0)
+        reply.raise_for_status()
+
+    def _probe_until(self, probe: Callable[[], None], what: str,
+                     sleep: Callable[[float], None]) -> None:
+        """Retry a readiness probe until RAY_START_TIMEOUT; the error says what and why."""
+        last = {"error": "not probed yet"}
+
+        def attempt() -> None:
+            try:
+                probe()
+            except (GcsUnavailable, requests.RequestException) as exc:
+                last["error"] = str(exc)
+                raise _NotReady(str(exc)) from None
+
+        try:
+            Retrying(stop=stop_after_delay(RAY_START_TIMEOUT),
+                     wait=wait_exponential(multiplier=0.05, max=1.0),
+                     retry=retry_if_exception_type(_NotReady), sleep=sleep,
+                     reraise=True)(attempt)
+        except _NotReady:
+            raise RayStartError(
+                f"Ray head started but {what} did not answer within {RAY_START_TIMEOUT:g} s; "
+                f"last error: {last['error']}") from None
+
+    def _await_dashboard(self) -> None:
+        assert self._dashboard is not None
+        if self._dashboard.done():
+            self._dashboard.result()
+            self.reporter.say(f"dashboard answers at {self.dashboard_url}")
+            return
+        with self.reporter.step("dashboard_ready") as step:
+            while not self._dashboard.done():
+                self.signals.sleep(0.05)
+            self._dashboard.result()
+            step.done(f"dashboard answers at {self.dashboard_url}")
 
     def _start_reward(self) -> HeadState:
         assert self.setup
@@ -162,31 +212,6 @@ class Head:
                       url=self.reward.url)
         self.reward.supervise()
         return HeadState.SUBMITTING
-
-    def _probe_until_healthy(self) -> None:
-        """Ready means the GCS answers its health RPC and the dashboard its /api/version."""
-        assert self.gcs
-        last = {"error": "not probed yet"}
-
-        def probe() -> None:
-            try:
-                self.gcs.check_alive(timeout=2.0)
-                reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0)
-                reply.raise_for_status()
-            except (GcsUnavailable, requests.RequestException) as exc:
-                last["error"] = str(exc)
-                raise _NotReady(str(exc)) from None
-
-        try:
-            Retrying(stop=stop_after_delay(RAY_START_TIMEOUT),
-                     wait=wait_exponential(multiplier=0.05, max=1.0),
-                     retry=retry_if_exception_type(_NotReady),
-                     sleep=self.signals.sleep, reraise=True)(probe)
-        except _NotReady:
-            raise RayStartError(
-                f"Ray head started but did not become healthy in {RAY_START_TIMEOUT:g} s "
-                f"(GCS health RPC and dashboard /api/version); last error: {last['error']}"
-            ) from None
 
     def _alive_workers(self) -> list[NodeInfo]:
         assert self.gcs
@@ -269,6 +294,7 @@ class Head:
         return self.s.job or (sys.executable, "-m", "podagent.smoke")
 
     def _submit(self) -> HeadState:
+        self._await_dashboard()
         with self.reporter.step("job_submitted") as step:
             self.job = JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
                                  self.s.run_dir / "job.log")
@@ -300,8 +326,10 @@ class Head:
         self._next_watch = now + WATCH_INTERVAL
         try:
             self.gcs.check_alive(timeout=WATCH_INTERVAL)
-            problem = "" if ray_node.RayNode.raylet_alive() else "this pod's raylet exited"
-            alive = {n.node_id for n in self._alive_workers()}
+            self._raylet = self._raylet or ray_node.RayNode.find_raylet()
+            raylet_ok = self._raylet is not None and ray_node.RayNode.running(self._raylet)
+            problem = "" if raylet_ok else "this pod's raylet exited"
+            alive: set[str] | None = {n.node_id for n in self._alive_workers()}
         except (GcsUnavailable, RayStartError) as exc:
             problem, alive = f"the GCS does not answer ({exc})", None
         if not problem:

@@ -57,6 +57,17 @@ def reap_zombies(keep: Iterable[int] = ()) -> None:
                 os.waitpid(child.pid, os.WNOHANG)
 
 
+def reap_orphans() -> None:
+    """Collect every exited child without scanning /proc.
+
+    Only for when no Popen of ours is running (it would lose its exit status to us): the
+    worker's watch loop, whose `ray start` has long returned.
+    """
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
 def stop_processes(
     procs: Sequence[psutil.Process],
     timeout: float,

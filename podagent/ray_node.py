@@ -117,7 +117,7 @@ def check_port_free(address: str, port: int) -> None:
 
 # Without its GCS a raylet cannot shut down gracefully and ignores SIGTERM until it gives up
 # (measured: still there after 10 s), so a node whose GCS is gone gets a short deadline.
-DEAD_GCS_STOP_TIMEOUT = 2.0
+DEAD_GCS_STOP_TIMEOUT = 1.0
 
 
 class RayNode:
@@ -149,12 +149,20 @@ class RayNode:
         return process.ManagedProcess("ray", [], {}, self.log_path).tail(lines)
 
     @staticmethod
-    def raylet_alive() -> bool:
+    def find_raylet() -> psutil.Process | None:
+        """This pod's raylet (one scan of the process table; then watch it by pid)."""
         for proc in process.descendants():
             with contextlib.suppress(psutil.Error):
                 if proc.name() == "raylet" and proc.status() != psutil.STATUS_ZOMBIE:
-                    return True
-        return False
+                    return proc
+        return None
+
+    @staticmethod
+    def running(proc: psutil.Process) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     @staticmethod
     def stop(timeout: float) -> tuple[int, int]:

@@ -132,9 +132,12 @@ class Worker:
                           f"{self.s.head_grace:g} s)")
         last_ok = time.monotonic()
         last_error = ""
+        # Found once, then checked by pid: a full process-table scan every second costs more
+        # CPU than everything else the idle worker does.
+        raylet = ray_node.RayNode.find_raylet()
         while True:
             self.signals.sleep(WATCH_INTERVAL)
-            process.reap_zombies()
+            process.reap_orphans()
             try:
                 state = self.gcs.kv_get(node.KV_NAMESPACE, node.KV_RUN_STATE,
                                         timeout=WATCH_INTERVAL)
@@ -156,7 +159,7 @@ class Worker:
                 self.reporter.say(f"the head is closing the run ({closing.get('outcome')}, "
                                   f"job {closing.get('job_status')}); leaving")
                 return WorkerState.LEFT
-            if not ray_node.RayNode.raylet_alive():
+            if raylet is None or not ray_node.RayNode.running(raylet):
                 raise RayDied("this pod's raylet exited; see Ray's logs in its temp dir")
 
     def _teardown(self, outcome: str) -> None:
