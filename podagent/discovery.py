@@ -18,6 +18,11 @@ from podagent.gcs import GcsClient, GcsUnavailable
 from podagent.report import Progress, Reporter
 from podagent.waiting import Signals
 
+# Retry spacing caps: DNS is a shared service, so at most one lookup a second; a refused
+# connection to the GCS costs nothing, and every second saved here is saved on the join.
+DNS_MAX_WAIT = 1.0
+GCS_MAX_WAIT = 0.25
+
 
 class DnsOutcome(str, enum.Enum):
     ANSWER = "answer"
@@ -100,11 +105,11 @@ class HeadFinder:
         self.last_dns: DnsResult | None = None
         self.last_probe = "not tried yet"
 
-    def _retrying(self) -> Retrying:
+    def _retrying(self, max_wait: float) -> Retrying:
         remaining = max(0.0, self.deadline - time.monotonic())
         return Retrying(
             stop=stop_after_delay(remaining),
-            wait=wait_exponential(multiplier=0.1, max=1.0),
+            wait=wait_exponential(multiplier=0.1, max=max_wait),
             retry=retry_if_exception_type(_NotYet),
             sleep=self.signals.sleep,
             reraise=True,
@@ -146,7 +151,7 @@ class HeadFinder:
             return result.addresses[0]
 
         try:
-            ip = self._retrying()(attempt)
+            ip = self._retrying(DNS_MAX_WAIT)(attempt)
         except _NotYet:
             raise self._timeout(f"DNS name {name}") from None
         return HeadLocation(ip, f"{how} ({name})")
@@ -168,7 +173,7 @@ class HeadFinder:
             self.last_probe = "answered"
 
         try:
-            self._retrying()(attempt)
+            self._retrying(GCS_MAX_WAIT)(attempt)
         except _NotYet:
             client.close()
             raise self._timeout(f"the head's Ray GCS at {ip}:{self.s.ray_port}") from None
