@@ -24,9 +24,10 @@ from tenacity import (
 
 from podagent import node, ray_node
 from podagent.config import Settings, is_secret
-from podagent.errors import PodagentError, RayDied, RayStartError, WorkersTimeout
+from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.jobs import JobRunner
+from podagent.lifecycle import Lifecycle
 from podagent.report import Progress, Reporter
 from podagent.reward import RewardServer
 from podagent.roles import Role, RoleDecision
@@ -56,11 +57,12 @@ class HeadState(str, enum.Enum):
     DONE = "done"
 
 
-class Head:
+class Head(Lifecycle[HeadState]):
+    FIRST, LAST, SUCCESS = HeadState.PREPARING, HeadState.DONE, "succeeded"
+
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
-        self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
-        self.state = HeadState.PREPARING
+        super().__init__(settings, decision, reporter, signals)
         self.setup: node.NodeSetup | None = None
         self.gcs: GcsClient | None = None
         self.job: JobRunner | None = None
@@ -72,8 +74,9 @@ class Head:
         self.lost: set[str] = set()
         self._next_watch = 0.0
         self._unhealthy_since: float | None = None
-        self.started = time.monotonic()
-        self._handlers: dict[HeadState, Callable[[], HeadState]] = {
+
+    def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
+        return {
             HeadState.PREPARING: self._prepare,
             HeadState.CLEANING: self._clean,
             HeadState.STARTING_RAY: self._start_ray,
@@ -83,20 +86,6 @@ class Head:
             HeadState.SUBMITTING: self._submit,
             HeadState.RUNNING: self._follow,
         }
-
-    def run(self) -> None:
-        outcome = "failed"
-        try:
-            while self.state is not HeadState.DONE:
-                self.signals.check()
-                self.reporter.event("state", state=self.state.value)
-                self.state = self._handlers[self.state]()
-            outcome = "succeeded"
-        except PodagentError as exc:
-            outcome = type(exc).__name__
-            raise
-        finally:
-            self._teardown(outcome)
 
     # --- states --------------------------------------------------------------------------------
 
@@ -364,15 +353,7 @@ class Head:
             self._wait_workers_left()
         if self.gcs:
             self.gcs.close()
-        timeout = self.s.stop_timeout
-        if ray_dead:
-            timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
-        termed, killed = ray_node.RayNode.stop(timeout)
-        if termed or killed:
-            extra = f", {killed} needed SIGKILL" if killed else ""
-            self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
-        self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
-                            killed=killed)
+        self._stop_ray(outcome, gcs_gone=ray_dead)
         elapsed = time.monotonic() - self.started
         reward = ""
         if self.reward:

@@ -12,8 +12,9 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from podagent import node, process, ray_node
 from podagent.config import Settings
 from podagent.discovery import HeadFinder, HeadLocation
-from podagent.errors import HeadLost, HeadUnreachable, PodagentError, RayDied, RayStartError
+from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError
 from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.lifecycle import Lifecycle
 from podagent.report import Reporter
 from podagent.roles import Role, RoleDecision
 from podagent.waiting import Signals
@@ -35,37 +36,25 @@ class WorkerState(str, enum.Enum):
     LEFT = "left"
 
 
-class Worker:
+class Worker(Lifecycle[WorkerState]):
+    FIRST, LAST, SUCCESS = WorkerState.FINDING_HEAD, WorkerState.LEFT, "left"
+
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
-        self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
-        self.state = WorkerState.FINDING_HEAD
+        super().__init__(settings, decision, reporter, signals)
         self.finder = HeadFinder(settings, reporter, signals)
         self.head: HeadLocation | None = None
         self.gcs: GcsClient | None = None
         self.setup: node.NodeSetup | None = None
-        self.started = time.monotonic()
-        self._handlers: dict[WorkerState, Callable[[], WorkerState]] = {
+
+    def handlers(self) -> dict[WorkerState, Callable[[], WorkerState]]:
+        return {
             WorkerState.FINDING_HEAD: self._find_head,
             WorkerState.PREPARING: self._prepare,
             WorkerState.CLEANING: self._clean,
             WorkerState.JOINING: self._join,
             WorkerState.WATCHING: self._watch,
         }
-
-    def run(self) -> None:
-        outcome = "failed"
-        try:
-            while self.state is not WorkerState.LEFT:
-                self.signals.check()
-                self.reporter.event("state", state=self.state.value)
-                self.state = self._handlers[self.state]()
-            outcome = "left"
-        except PodagentError as exc:
-            outcome = type(exc).__name__
-            raise
-        finally:
-            self._teardown(outcome)
 
     def _find_head(self) -> WorkerState:
         with self.reporter.step("head_found") as step:
@@ -165,13 +154,5 @@ class Worker:
     def _teardown(self, outcome: str) -> None:
         if self.gcs:
             self.gcs.close()
-        timeout = self.s.stop_timeout
-        if outcome == "HeadLost":
-            timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
-        termed, killed = ray_node.RayNode.stop(timeout)
-        if termed or killed:
-            extra = f", {killed} needed SIGKILL" if killed else ""
-            self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
-        self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
-                            killed=killed)
+        self._stop_ray(outcome, gcs_gone=outcome == HeadLost.__name__)
         self.reporter.say(f"worker done: {outcome} after {time.monotonic() - self.started:.1f} s")

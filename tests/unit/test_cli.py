@@ -223,6 +223,8 @@ EXIT_CODES = [
     (errors.RayStartError("ray start failed"), 8),
     (errors.PortInUse(6379, "0.0.0.0", None), 9),
     (errors.RayDied("raylet died"), 10),
+    (errors.RewardServerFailed("exited at start"), 11),
+    (errors.RewardServerTimeout("never answered"), 12),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),

@@ -1,0 +1,66 @@
+"""What the head's and the worker's lifecycles share: one loop over named states, teardown
+from `finally`, and stopping this pod's Ray with a report."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import ClassVar, Generic, TypeVar
+
+from podagent import ray_node
+from podagent.config import Settings
+from podagent.errors import PodagentError
+from podagent.report import Reporter
+from podagent.roles import RoleDecision
+from podagent.waiting import Signals
+
+State = TypeVar("State", bound=enum.Enum)
+
+
+class Lifecycle(Generic[State]):
+    """Subclasses name their first and last state, map each other state to a handler that
+    returns the next one, and implement `_teardown(outcome)`."""
+
+    FIRST: ClassVar[enum.Enum]
+    LAST: ClassVar[enum.Enum]
+    SUCCESS: ClassVar[str]
+
+    def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
+                 signals: Signals):
+        self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
+        self.state: State = self.FIRST  # type: ignore[assignment]
+        self.started = time.monotonic()
+
+    def handlers(self) -> dict[State, Callable[[], State]]:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        handlers = self.handlers()
+        outcome = "failed"
+        try:
+            while self.state is not self.LAST:
+                self.signals.check()
+                self.reporter.event("state", state=self.state.value)
+                self.state = handlers[self.state]()
+            outcome = self.SUCCESS
+        except PodagentError as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self._teardown(outcome)
+
+    def _teardown(self, outcome: str) -> None:
+        raise NotImplementedError
+
+    def _stop_ray(self, outcome: str, gcs_gone: bool) -> None:
+        """Stop every process podagent started; a node without its GCS gets a short deadline."""
+        timeout = self.s.stop_timeout
+        if gcs_gone:
+            timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
+        termed, killed = ray_node.RayNode.stop(timeout)
+        if termed or killed:
+            extra = f", {killed} needed SIGKILL" if killed else ""
+            self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
+        self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
+                            killed=killed)
