@@ -316,7 +316,9 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
         try:
             agents, t0 = start_agents(
                 c, logdir,
+                # The floor starts no reward server: compare the bring-up alone.
                 head_env={"EXPECTED_WORKERS": str(n), "PODAGENT_JOB": TRIVIAL_JOB,
+                          "PODAGENT_REWARD": "none",
                           "PODAGENT_WORKER_TIMEOUT": str(int(timeout - 30))},
                 worker_env={"PODAGENT_HEAD_TIMEOUT": str(int(timeout - 30))})
             head = agents[0]
