@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from podagent.errors import ConfigError, PortInUse
+from podagent.errors import ConfigError, PodagentError, PortInUse
 from podagent.rewards import settings as reward_settings
 from podagent.rewards.dataset import DatasetError
 
@@ -83,6 +83,8 @@ def reward_server(**flags: str | None) -> None:
             _fail(str(PortInUse(settings.port, settings.host, None)), EXIT_PORT_IN_USE)
         _fail(f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc})",
               EXIT_BAD_INPUT)
+    except PodagentError as exc:  # e.g. the verifier workers could not start
+        _fail(str(exc), EXIT_INTERNAL)
     except Exception as exc:  # a bug: one line here, the traceback in the log just above
         log.exception("internal error")
         _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)

@@ -16,9 +16,14 @@ from dataclasses import dataclass
 
 import pebble
 
+from podagent.errors import PodagentError
 from podagent.rewards import verify
 
 log = logging.getLogger("podagent.rewards")
+
+
+class WorkersFailed(PodagentError):
+    """The verifier processes could not start or could not verify a known-good pair."""
 
 
 @dataclass(frozen=True)
@@ -47,36 +52,52 @@ class VerifierPool:
         # forkserver, not fork: the server has threads (pebble's, the event loop's executor)
         # and forking a threaded process can copy a held lock into the child. The preload
         # makes each new worker (also every replacement after a timeout) a cheap fork of a
-        # process that has already imported sympy and math-verify.
+        # process that has already imported and warmed sympy and math-verify.
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["podagent.rewards.verify", "math_verify"])
+        context.set_forkserver_preload(["podagent.rewards.warm"])
         self._pool = pebble.ProcessPool(max_workers=workers, initializer=_init_worker,
                                         context=context)
+        self._closing = False
 
-    async def warm(self) -> None:
-        """Waits until workers answer, so the first request does not pay for their start."""
-        await asyncio.gather(*(self.check("1/2", "0.5") for _ in range(self.workers)))
+    async def warm(self, timeout: float = 300.0) -> None:
+        """Waits until workers answer right; raises WorkersFailed if they cannot.
+
+        A server whose workers cannot verify would score every item 0 and look healthy."""
+        probes = [self.check(r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}")
+                  for _ in range(self.workers)]
+        try:
+            outcomes = await asyncio.wait_for(asyncio.gather(*probes), timeout)
+        except asyncio.TimeoutError:
+            raise WorkersFailed(f"verifier workers did not answer within {timeout:g} s") from None
+        if not all(o.status == "ok" and o.correct for o in outcomes):
+            raise WorkersFailed("verifier workers failed their first item (see the log above)")
 
     async def check(self, answer: str, gold: str) -> Outcome:
         future = self._pool.schedule(verify.worker_check, args=(answer, gold),
                                      timeout=self.item_timeout)
         try:
             correct, parses = await asyncio.wrap_future(future)
-        except TimeoutError:
+        except Exception as exc:
+            return self._failed(exc, answer, gold)
+        return Outcome(bool(correct), "ok", parses)
+
+    def _failed(self, exc: Exception, answer: str, gold: str) -> Outcome:
+        if self._closing:  # the server is stopping: the item was abandoned, not failed
+            return Outcome(False, "crashed")
+        if isinstance(exc, TimeoutError):
             log.warning("item timed out after %g s and scored 0 (worker replaced): "
                         "answer=%s gold=%s", self.item_timeout, short(answer), short(gold))
             return Outcome(False, "timeout")
-        except pebble.ProcessExpired as exc:
+        if isinstance(exc, pebble.ProcessExpired):
             log.warning("worker died (exit %s) on an item, which scored 0: answer=%s gold=%s",
                         exc.exitcode, short(answer), short(gold))
-            return Outcome(False, "crashed")
-        except Exception as exc:  # raised inside the worker (e.g. RecursionError in sympy)
+        else:  # raised inside the worker (e.g. RecursionError in sympy)
             log.warning("item failed with %s and scored 0: answer=%s gold=%s",
                         type(exc).__name__, short(answer), short(gold))
-            return Outcome(False, "crashed")
-        return Outcome(bool(correct), "ok", parses)
+        return Outcome(False, "crashed")
 
     def close(self) -> None:
         """Stops the workers now; whatever they were verifying is abandoned."""
+        self._closing = True
         self._pool.stop()
         self._pool.join(timeout=10)

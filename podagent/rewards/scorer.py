@@ -139,6 +139,8 @@ class Scorer:
     # --- preparation (in the prep thread) -------------------------------------------------------
 
     def _gold_form(self, label: str) -> str | None:
+        if len(label) > MAX_CACHED_PAIR_CHARS:  # a whole solution as the label: not cached
+            return verify.canonical_gold(label)
         form = self._gold_forms.get(label)
         if form is None:
             form = verify.canonical_gold(label) or _NO_GOLD
@@ -153,7 +155,8 @@ class Scorer:
             label: str | None = labels[index] if labels is not None else None
             if labels is None and self.golds is not None:
                 label, matched = self.golds.lookup(prompt, text)
-                prompt = prompt if prompt is not None else matched
+                if not (prompt and text.startswith(prompt)):
+                    prompt = matched  # the dataset's prompt is what the response follows
             found = verify.extract(verify.split_response(text, prompt))
             answer = verify.canonical(found.answer) if found.answer is not None else None
             gold = self._gold_form(label) if label and label.strip() else None

@@ -72,8 +72,10 @@ async def get_reward(request: web.Request) -> web.Response:
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+        body = None
+    if body is None or len(body) > limit:
         scorer.stats.bad_requests += 1
-        return _too_large(None, limit)
+        return _too_large(None if body is None else len(body), limit)
     try:
         return web.json_response(await scorer.score_body(body))
     except BadRequest as exc:
@@ -120,21 +122,24 @@ async def running(settings: RewardSettings,
 
     Raises OSError if the address cannot be bound."""
     pool = VerifierPool(settings.workers, settings.item_timeout)
-    scorer = Scorer(pool, max_items=settings.max_items, format_weight=settings.format_weight,
-                    golds=golds)
-    runner = web.AppRunner(make_app(scorer, settings.max_body), access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE)
     try:
+        # Listening only once the workers answer: a probe that gets 200 means ready.
         await pool.warm()
+        scorer = Scorer(pool, max_items=settings.max_items,
+                        format_weight=settings.format_weight, golds=golds)
+        runner = web.AppRunner(make_app(scorer, settings.max_body), access_log=None,
+                               shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-        await site.start()
-        sockets = site._server.sockets if site._server else ()  # type: ignore[union-attr]
-        port = sockets[0].getsockname()[1] if sockets else settings.port
-        yield Running(scorer, settings.host, port)
+        try:
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+            await site.start()
+            sockets = site._server.sockets if site._server else ()  # type: ignore[union-attr]
+            port = sockets[0].getsockname()[1] if sockets else settings.port
+            yield Running(scorer, settings.host, port)
+        finally:
+            await runner.cleanup()
+            scorer.close()
     finally:
-        await runner.cleanup()
-        scorer.close()
         # Not on the loop: joining the workers blocks for up to a few seconds.
         await asyncio.get_running_loop().run_in_executor(None, pool.close)
 

@@ -41,16 +41,15 @@ def size(raw: str) -> int:
     return value
 
 
-def number(minimum: float, maximum: float, *, above: bool = False) -> Callable[[str], float]:
-    rule = f"must be a number {'>' if above else '>='} {minimum:g} and <= {maximum:g}"
+def number(minimum: float, maximum: float) -> Callable[[str], float]:
+    rule = f"must be a number >= {minimum:g} and <= {maximum:g}"
 
     def parse(raw: str) -> float:
         try:
             value = float(raw)
         except ValueError:
             raise ValueError(rule) from None
-        low_ok = value > minimum if above else value >= minimum
-        if not (math.isfinite(value) and low_ok and value <= maximum):
+        if not (math.isfinite(value) and minimum <= value <= maximum):
             raise ValueError(rule)
         return value
 
@@ -93,7 +92,7 @@ FIELDS: tuple[Field, ...] = (
     Field("port", config.port, "TCP port to listen on.", 5000),
     Field("workers", config.whole(1, 1024), "Verifier processes.",
           default_doc="CPUs this process may use"),
-    Field("item_timeout", number(0, 600, above=True),
+    Field("item_timeout", number(0.1, 600),
           "Seconds one item may take to verify; past it the worker is killed and the item "
           "scores 0.", 5.0),
     Field("max_items", config.whole(1, 1_000_000), "Most items in one request.", 1024),

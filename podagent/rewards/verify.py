@@ -11,11 +11,14 @@
   `<answer>` block. Otherwise 0.
 * accuracy is 1 when the answer equals the gold. Both are first made canonical (`canonical`):
   spacing, `$`, `\\left`/`\\right`, a trailing `.`, unicode math symbols, prose such as "The
-  answer is", scientific notation, repeating decimals and unit words are normalised. Equal
-  canonical strings are correct at once (no sympy); a few clear mismatches are rejected at once
-  (`quick_verdict`); everything else goes to math-verify (`Verifier`), which compares
-  symbolically: fractions = decimals (rounded to 6 places), LaTeX, sets, intervals, tuples,
-  equations (`x=3` = `3`), percentages (`50\\%` = `50` = `0.5`).
+  answer is", scientific notation, repeating decimals and unit words are normalised.
+  `quick_verdict` then decides without sympy where it can: equal canonical strings are
+  correct; plain numbers, percentages and tuples, intervals and sets of plain numbers are
+  compared by exact arithmetic under math-verify's rules (`50\\%` = `50` = `0.5`; values within
+  6-place rounding of each other are left to math-verify); a few clear mismatches are wrong.
+  Everything else goes to math-verify (`Verifier`), which compares symbolically: fractions =
+  decimals (rounded to 6 places), LaTeX, sets, intervals, tuples, equations (`x=3` = `3`),
+  percentages.
 * Units: math-verify drops units (`5 cm` = `5` = `5 m`) and never converts them (`5 cm` is not
   `50 mm`). This layer adds one rule: when gold and answer both name a known unit and the units
   differ, the answer is wrong (`5 cm` vs `5 m`). A unit on one side only is ignored.
@@ -26,7 +29,6 @@ process; only `Verifier` (sympy) runs in the worker pool.
 
 from __future__ import annotations
 
-import os
 import re
 import unicodedata
 from collections import OrderedDict
@@ -46,7 +48,7 @@ GOLD_CACHE_SIZE = 4096  # parsed golds per worker
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # `\\` is a LaTeX line break and `\{` `\}` are literal braces: neither opens nor closes a group.
 _BRACE = re.compile(r"\\\\|\\[{}]|[{}]")
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN_TAG, _CLOSE_TAG = "<answer>", "</answer>"
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,24 @@ def _boxes(text: str) -> tuple[list[str], int]:
     return [content for _, content in found], sum(1 for s in stack if s in openers)
 
 
+def _answer_blocks(text: str) -> list[str]:
+    """Contents of the <answer>...</answer> blocks (str.find: linear even on a flood of tags,
+    where a lazy regex would rescan the rest of the text from every unclosed tag)."""
+    blocks: list[str] = []
+    start = text.find(_OPEN_TAG)
+    while start != -1:
+        end = text.find(_CLOSE_TAG, start + len(_OPEN_TAG))
+        if end == -1:
+            break
+        blocks.append(text[start + len(_OPEN_TAG) : end])
+        start = text.find(_OPEN_TAG, end + len(_CLOSE_TAG))
+    return blocks
+
+
 def extract(response: str) -> Extraction:
     boxes, unbalanced = _boxes(response)
     filled = [b.strip() for b in boxes if b.strip()]
-    blocks = _ANSWER_BLOCK.findall(response) if "<answer>" in response else []
+    blocks = _answer_blocks(response)
     if filled:
         ok = len(filled) == 1 and unbalanced == 0 and len(blocks) <= 1
         return Extraction(filled[-1], "boxed", ok)
@@ -231,6 +247,8 @@ def canonical(answer: str) -> str:
 
     Idempotent, so that a canonical gold and a canonical answer meet: the pass repeats until
     nothing changes (one step can expose another: `$The answer is$ 5`)."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return answer.strip()  # never parsed; only an identical gold can match it
     text = answer
     for _ in range(8):
         again = _canonical_pass(text)
@@ -309,12 +327,118 @@ def _collection(text: str) -> str | None:
     return None
 
 
+_RATIONAL = re.compile(
+    r"^([-+]?)(?:(\d+(?:\.\d*)?|\.\d+)(?:\\times10\^\{([-+]?\d{1,3})\})?"
+    r"|\\frac\{(-?\d{1,50})\}\{(-?\d{1,50})\}|(\d{1,50})/(\d{1,50}))$")
+# math-verify compares a decimal with a number after rounding both to 6 places: numbers
+# further apart than this can never round to the same value.
+_ROUNDING = Fraction(1, 10**6)
+
+
+def rational(text: str) -> Fraction | None:
+    """The exact value of a plain number (integer, decimal, fraction, a×10^{e}), else None."""
+    m = _RATIONAL.match(text)
+    if not m or len(text) > 120:
+        return None
+    sign, decimal, exponent, num, den, snum, sden = m.groups()
+    if decimal is not None:
+        value = Fraction(decimal) * Fraction(10) ** int(exponent or 0)
+    else:
+        top, bottom = int(num or snum), int(den or sden)
+        if bottom == 0:
+            return None
+        value = Fraction(top, bottom)
+    return -value if sign == "-" else value
+
+
+@dataclass(frozen=True)
+class _Numeric:
+    """A plain number, a percentage, or a tuple/interval/set of plain numbers."""
+
+    kind: str  # "number", "percent" (values holds p/100) , "ordered" or "set"
+    values: tuple[Fraction, ...]
+    brackets: str = ""  # "()", "[)", ... for "ordered"
+    integer: int | None = None  # a number or percentage written as a whole number: its value
+
+
+_INTEGER = re.compile(r"[-+]?\d+")
+
+
+def _numeric(text: str) -> _Numeric | None:
+    if (value := rational(text)) is not None:
+        return _Numeric("number", (value,), integer=int(text) if _INTEGER.fullmatch(text) else None)
+    if text.endswith(r"\%") and (value := rational(text[:-2])) is not None:
+        whole = int(text[:-2]) if _INTEGER.fullmatch(text[:-2]) else None
+        return _Numeric("percent", (value / 100,), integer=whole)
+    if text.startswith(r"\{") and text.endswith(r"\}"):
+        kind, inner, brackets = "set", text[2:-2], ""
+    elif len(text) > 2 and text[0] in "([" and text[-1] in ")]":
+        kind, inner, brackets = "ordered", text[1:-1], text[0] + text[-1]
+    else:
+        return None
+    parts = inner.split(",")  # no nesting: every element must be a plain number
+    values = [rational(part) for part in parts]
+    if (kind == "ordered" and len(parts) < 2) or any(v is None for v in values):
+        return None
+    return _Numeric(kind, tuple(v for v in values if v is not None), brackets)
+
+
+def _close(a: Fraction, b: Fraction) -> bool | None:
+    """Equal, surely different, or None: within rounding distance (math-verify decides)."""
+    if a == b:
+        return True
+    return False if abs(a - b) > _ROUNDING else None
+
+
+def _all_close(pairs: list[tuple[Fraction, Fraction]]) -> bool | None:
+    verdicts = [_close(a, b) for a, b in pairs]
+    if False in verdicts:
+        return False
+    return True if all(verdicts) else None
+
+
+def _numeric_verdict(answer: _Numeric, gold: _Numeric) -> bool | None:
+    """math-verify's verdict, by exact arithmetic, on plain-number answers; None if unsure."""
+    scalar = ("number", "percent")
+    if answer.kind in scalar and gold.kind in scalar:
+        # math-verify: a percentage equals its fraction (12.5\% = 0.125, 100\% = 1), and a
+        # whole-number one also that whole number (50\% = 50, but 12.5\% is not 12.5).
+        if answer.kind != gold.kind and answer.integer is not None \
+                and answer.integer == gold.integer:
+            return True
+        return _close(answer.values[0], gold.values[0])
+    if answer.kind == gold.kind == "ordered":
+        if len(answer.values) != len(gold.values):
+            return False
+        if any(len(x.values) == 2 and x.values[0] >= x.values[1] for x in (answer, gold)):
+            return None  # sympy makes an empty interval of [2,1), and all of those are equal
+        if answer.brackets != gold.brackets:  # [0,1) vs [0,1]; longer lists are left alone
+            return False if len(gold.values) == 2 else None
+        if len(gold.values) > 2 and gold.brackets != "()":
+            return None
+        return _all_close(list(zip(answer.values, gold.values, strict=True)))
+    if answer.kind == gold.kind == "set":
+        ours, theirs = set(answer.values), set(gold.values)
+        if ours == theirs:
+            return True
+        near = any(_close(a, b) is None for a in ours - theirs for b in theirs - ours)
+        return None if near else False
+    return None
+
+
 def quick_verdict(answer: str, gold: str) -> bool | None:
     """True or False without sympy where the canonical strings decide; None: ask math-verify."""
     if answer == gold:
         return True
     if not answer or len(answer) > MAX_ANSWER_CHARS:
         return False
+    # Plain numbers, percentages and tuples, intervals and sets of plain numbers on both sides
+    # (most math golds): exact arithmetic gives math-verify's verdict without sympy.
+    numbers = _numeric(answer), _numeric(gold)
+    if numbers[0] is not None and numbers[1] is not None:
+        verdict = _numeric_verdict(numbers[0], numbers[1])
+        if verdict is not None:
+            return verdict
     units = _unit_name(answer), _unit_name(gold)
     if None not in units and units[0] != units[1]:
         return False
@@ -395,8 +519,10 @@ class Verifier:
     def check(self, answer: str, gold: str) -> bool:
         """Is the canonical answer equal to the canonical gold?"""
         quick = quick_verdict(answer, gold)
-        if quick is not None:
-            return quick
+        return quick if quick is not None else self.by_math_verify(answer, gold)
+
+    def by_math_verify(self, answer: str, gold: str) -> bool:
+        """The verdict of math-verify alone (what quick_verdict must agree with)."""
         self.verifications += 1
         gold_parsed = self.parsed_gold(gold)
         answer_parsed = self._parse(answer)
@@ -441,7 +567,22 @@ def worker_check(answer: str, gold: str) -> tuple[bool, int]:
     return verdict, _WORKER.gold_parses - before
 
 
-def worker_warm() -> int:
-    """Imports math-verify and runs it once, so the first real item is not slow."""
-    worker_check("1/2", "0.5")
-    return os.getpid()
+# One of each kind of work: sympy imports much of itself on first use (simplify, sets,
+# relations), which would otherwise land on a worker's first real items.
+_WARM_UP = ((r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"), ("(x+1)^2", "x^2+2x+1"),
+            ("x=3", "3"), (r"x\le2", r"(-\infty,2]"), (r"\{1,\pi\}", r"\{\pi,1\}"),
+            (r"\frac{\pi}{2}", r"2\pi"), ("0.3333333", r"\frac{1}{3}"))
+
+
+def worker_warm() -> None:
+    """Runs math-verify on a few pairs, so a worker's first real items are not slow.
+
+    The pool's forkserver does this once (module `warm`) and every worker forked from it
+    starts warm; the call in each worker then finds the work done."""
+    global _WORKER
+    if _WORKER is not None:
+        return
+    _WORKER = Verifier()
+    for answer, gold in _WARM_UP:
+        _WORKER.by_math_verify(answer, gold)
+    _WORKER.gold_parses = _WORKER.verifications = 0

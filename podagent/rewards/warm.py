@@ -1,0 +1,7 @@
+"""Imported by the verifier pool's forkserver, and only there: math-verify is imported and run
+once in that process, and every worker forked from it (replacements after a timeout too)
+starts warm instead of paying about a second of sympy's first-use imports."""
+
+from podagent.rewards import verify
+
+verify.worker_warm()
