@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -325,18 +325,17 @@ def _default_log_dir() -> str:
     return "/workspace/podagent/logs" if Path("/workspace").is_dir() else "podagent-logs"
 
 
-def build(
-    flags: Mapping[str, str | None] | None = None,
-    environ: Mapping[str, str] | None = None,
-    job_argv: tuple[str, ...] | None = None,
-    now: float | None = None,
-) -> Settings:
-    """Flags > environment > defaults. Raises ConfigError naming the variable, value and rule."""
-    flags = dict(flags or {})
-    env = dict(os.environ if environ is None else environ)
+def read_fields(
+    table: Iterable[Any], flags: Mapping[str, str | None], env: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parse each field of a table (attr, flag, env, parse): flag, else environment.
+
+    Returns (values given, source of every field: "flag", "env" or "default"); raises
+    ConfigError naming the flag or variable, the value and the rule.
+    """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for f in FIELDS:
+    for f in table:
         raw, name, source = flags.get(f.attr), f.flag, "flag"
         if raw is None or not str(raw).strip():
             raw, name, source = env.get(f.env), f.env, "env"
@@ -350,7 +349,31 @@ def build(
         except ValueError as exc:
             raise ConfigError(name or f.env, raw, str(exc)) from None
         sources[f.attr] = source
+    return values, sources
 
+
+def markdown_table(table: Iterable[Any]) -> str:
+    """flag | variable | default | meaning, one row per field (for the README)."""
+    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    for f in table:
+        default = f.default_doc or ("" if f.default is None else str(f.default))
+        if isinstance(f.default, bool):
+            default = str(int(f.default))
+        elif isinstance(f.default, float):
+            default = f"{f.default:g}"
+        rows.append(f"| `{f.flag}` | `{f.env}` | {default or '—'} | {f.help} |")
+    return "\n".join(rows)
+
+
+def build(
+    flags: Mapping[str, str | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    job_argv: tuple[str, ...] | None = None,
+    now: float | None = None,
+) -> Settings:
+    """Flags > environment > defaults. Raises ConfigError naming the variable, value and rule."""
+    env = dict(os.environ if environ is None else environ)
+    values, sources = read_fields(FIELDS, flags or {}, env)
     if job_argv:
         values["job"], sources["job"] = tuple(job_argv), "flag"
     if "expected_workers" not in values:
@@ -394,15 +417,7 @@ def _check_relations(s: Settings) -> None:
 
 def settings_table() -> str:
     """The README's settings table, generated from FIELDS."""
-    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
-    for f in FIELDS:
-        default = f.default_doc or ("" if f.default is None else str(f.default))
-        if isinstance(f.default, bool):
-            default = str(int(f.default))
-        elif isinstance(f.default, float):
-            default = f"{f.default:g}"
-        rows.append(f"| `{f.flag}` | `{f.env}` | {default or '—'} | {f.help} |")
-    return "\n".join(rows)
+    return markdown_table(FIELDS)
 
 
 assert {f.attr for f in FIELDS} <= {f.name for f in fields(Settings)}

@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from podagent import config
-from podagent.errors import ConfigError
 from podagent.rewards.verify import FORMAT_WEIGHT
 
 ENV_PREFIX = "PODAGENT_REWARD_"
@@ -131,23 +130,8 @@ class RewardSettings:
 def build(flags: Mapping[str, str | None] | None = None,
           environ: Mapping[str, str] | None = None) -> RewardSettings:
     """Raises ConfigError naming the flag or variable, its value and the rule."""
-    flags = dict(flags or {})
     env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for f in FIELDS:
-        raw, name, source = flags.get(f.attr), f.flag, "flag"
-        if raw is None or not str(raw).strip():
-            raw, name, source = env.get(f.env), f.env, "env"
-        if raw is None or not str(raw).strip():  # empty means unset, as in podagent.config
-            sources[f.attr] = "default"
-            continue
-        raw = str(raw).strip()
-        try:
-            values[f.attr] = f.parse(raw)
-        except ValueError as exc:
-            raise ConfigError(name, raw, str(exc)) from None
-        sources[f.attr] = source
+    values, sources = config.read_fields(FIELDS, flags or {}, env)
     for f in FIELDS:
         if f.attr not in values and f.default is not None:
             values[f.attr] = f.default
@@ -157,12 +141,7 @@ def build(flags: Mapping[str, str | None] | None = None,
 
 def settings_table() -> str:
     """A Markdown table of the options, from FIELDS (for the README)."""
-    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
-    for f in FIELDS:
-        default = f.default_doc or ("" if f.default is None else f"{f.default:g}"
-                                    if isinstance(f.default, float) else str(f.default))
-        rows.append(f"| `{f.flag}` | `{f.env}` | {default or '—'} | {f.help} |")
-    return "\n".join(rows)
+    return config.markdown_table(FIELDS)
 
 
 assert {f.attr for f in FIELDS} <= {f.name for f in fields(RewardSettings)}
