@@ -187,7 +187,7 @@ class Head(Lifecycle[HeadState]):
 
     def _check_reward_alive(self) -> None:
         """Fail fast: a reward server that exits while the workers join is not waited for."""
-        if self.reward and self.state is not HeadState.RUNNING:
+        if self.reward:
             code = self.reward.exited()
             if code is not None:
                 raise self.reward.died_error(code, "while starting")
@@ -221,7 +221,12 @@ class Head(Lifecycle[HeadState]):
         with self.reporter.step("workers_joined") as step:
 
             def poll() -> int:
-                for worker in self._alive_workers():
+                alive = {w.node_id: w for w in self._alive_workers()}
+                for node_id in [n for n in self.workers if n not in alive]:
+                    gone = self.workers.pop(node_id)
+                    self.reporter.warn(f"worker {gone.ip} left again before the job started")
+                    self.reporter.event("worker_lost", ip=gone.ip, node_id=node_id)
+                for worker in alive.values():
                     if worker.node_id not in self.workers:
                         self.workers[worker.node_id] = worker
                         self.reporter.say(
