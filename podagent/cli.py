@@ -17,7 +17,7 @@ import psutil
 
 from podagent import __version__, config, errors, process
 from podagent.report import Reporter
-from podagent.roles import Role, detect_role
+from podagent.roles import Role, RoleDecision, detect_role
 from podagent.waiting import Signals
 
 # Exit codes: documented in the README's table. Signals give 128 + the signal number.
@@ -90,8 +90,35 @@ def _secret_values() -> list[str]:
     return [v for k, v in os.environ.items() if config.is_secret(k) and v]
 
 
+def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
+    """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
+    from podagent import node, ray_node
+
+    reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values())
+    reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}); "
+                 f"run {settings.run_name}, logs in {settings.run_dir}")
+    if decision.role is Role.WORKER:
+        where = settings.head_addr or settings.head_dns_name or settings.primary_addr
+        reporter.say(f"would find the head at {where} within {settings.head_timeout:g} s, "
+                     f"then join it (grace {settings.head_grace:g} s once joined)")
+    setup = node.prepare(settings, decision.role, reporter)
+    # A worker learns the head's address only by looking it up, which a dry run does not do.
+    plan = ray_node.plan(settings, decision.role, setup.node_ip, setup.gpus,
+                         setup.nccl.variables, head_ip="HEAD")
+    reporter.say(f"would run: {shlex.join(plan.argv)}")
+    for key in sorted(plan.env_overrides):
+        reporter.say(f"  with {key}={plan.env_overrides[key]}")
+    if decision.role is Role.HEAD:
+        job = shlex.join(settings.job) if settings.job else "the built-in smoke job"
+        reward = settings.reward if settings.reward != "cmd" else shlex.join(
+            settings.reward_cmd or ())
+        reporter.say(f"would wait for {settings.expected_workers} worker(s) "
+                     f"(timeout {settings.worker_timeout:g} s), start reward server: {reward}, "
+                     f"then run the job: {job}")
+
+
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
-              job_argv: tuple[str, ...] | None = None) -> None:
+              job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
     from podagent.head import Head
     from podagent.worker import Worker
 
@@ -100,6 +127,9 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
         decision = detect_role(settings, explicit)
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
+    if dry_run:
+        _dry_run(settings, decision)
+        sys.exit(EXIT_OK)
     pod = settings.pod_id or socket.gethostname()
     reporter = Reporter(decision.role.value, pod, settings.run_dir, secrets=_secret_values())
     reporter.say(f"podagent {__version__}: this pod is the {decision.role.value} "
@@ -144,34 +174,49 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+dry_run_option = click.option(
+    "--dry-run", is_flag=True, default=None,
+    help="Print what podagent would do on this pod (role, preset, Ray command) and exit 0.")
+
+
+def _dry(ctx: click.Context, own: bool | None) -> bool:
+    parent = ctx.parent.params.get("dry_run") if ctx.parent else None
+    return bool(own or parent)
+
+
 @click.group(invoke_without_command=True, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="podagent")
 @settings_options
+@dry_run_option
 @click.pass_context
-def main(ctx: click.Context, **flags: Any) -> None:
+def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """Bring a multi-node Ray cluster up on GPU pods: run the same command on every pod.
 
     With no subcommand, podagent works out this pod's role (see `podagent env`) and acts.
     """
     if ctx.invoked_subcommand is None:
-        _run_role(_flags(ctx, flags), explicit=None)
+        _run_role(_flags(ctx, flags), explicit=None, dry_run=bool(dry_run))
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})
 @settings_options
+@dry_run_option
 @click.argument("entrypoint", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def head(ctx: click.Context, entrypoint: tuple[str, ...], **flags: Any) -> None:
+def head(ctx: click.Context, entrypoint: tuple[str, ...], dry_run: bool | None,
+         **flags: Any) -> None:
     """Be the head: start Ray, wait for the workers, run the job (ENTRYPOINT after --)."""
-    _run_role(_flags(ctx, flags), Role.HEAD, tuple(entrypoint) or None)
+    _run_role(_flags(ctx, flags), Role.HEAD, tuple(entrypoint) or None,
+              dry_run=_dry(ctx, dry_run))
 
 
 @main.command(context_settings=CONTEXT)
 @settings_options
+@dry_run_option
 @click.pass_context
-def worker(ctx: click.Context, **flags: Any) -> None:
+def worker(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """Be a worker: find the head, join its Ray, stay until the head closes the run."""
-    _run_role(_flags(ctx, flags), Role.WORKER)
+    _run_role(_flags(ctx, flags), Role.WORKER, dry_run=_dry(ctx, dry_run))
 
 
 @main.command(name="env", context_settings=CONTEXT)

@@ -245,3 +245,29 @@ def test_exit_code_table_documents_every_code():
         cell = row.split("|")[1]
         documented.update(int(code) for code in cell.split("/"))
     assert documented == {0} | {code for _, code in EXIT_CODES}
+
+
+# --- dry run: the configuration path that touches nothing -------------------------------------
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path: Path) -> None:
+    env = clean_env(HEAD_POD_ID="abc", RUNPOD_POD_ID="xyz", DEBUG_RAY="1",
+                    PODAGENT_LOG_DIR=str(tmp_path / "logs"), WANDB_API_KEY="s3cr3t-w4ndb-k3y")
+    run = run_cli(tmp_path, ("--dry-run",), env)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "dry run: this pod would be the worker (RUNPOD_POD_ID=xyz differs" in out
+    assert "would find the head at abc.runpod.internal" in out
+    assert "would run: " in out and " start --address HEAD:6379 " in out
+    assert "--ray-debugger-external" in out and "with RAY_DEBUG=legacy" in out
+    assert "s3cr3t-w4ndb-k3y" not in out + run.stderr
+    assert not (tmp_path / "logs").exists()  # no run dir: nothing was touched
+
+
+def test_dry_run_of_a_head_names_job_and_reward_server(tmp_path: Path) -> None:
+    env = clean_env(PODAGENT_LOG_DIR=str(tmp_path / "logs"), PODAGENT_JOB="python train.py")
+    run = run_cli(tmp_path, ("head", "--dry-run"), env)
+    assert run.returncode == 0, run.stderr
+    assert " start --head " in run.stdout
+    assert "start reward server: builtin, then run the job: python train.py" in run.stdout
+    assert not (tmp_path / "logs").exists()
