@@ -37,6 +37,7 @@ RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray need
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
 WATCH_INTERVAL = 1.0  # while the job runs: own Ray health and node losses
 OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
+PROBE_MAX_WAIT = 0.1  # readiness probes of local ports: a refused connection costs nothing
 
 
 class HeadState(str, enum.Enum):
@@ -67,7 +68,7 @@ class Head(Lifecycle[HeadState]):
         self.gcs: GcsClient | None = None
         self.job: JobRunner | None = None
         self.reward: RewardServer | None = None
-        self._dashboard: concurrent.futures.Future[None] | None = None
+        self._jobs_api: concurrent.futures.Future[JobRunner] | None = None
         self._raylet: psutil.Process | None = None
         self.job_status: str | None = None
         self.workers: dict[str, NodeInfo] = {}
@@ -125,11 +126,19 @@ class Head(Lifecycle[HeadState]):
             self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
             step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
         # The dashboard (Jobs API) comes up seconds after the GCS; workers only need the GCS.
-        # So its readiness is awaited in the background and required before submitting.
-        self._dashboard = concurrent.futures.ThreadPoolExecutor(1, "dashboard").submit(
-            self._probe_until, self._dashboard_answers, "the dashboard's /api/version",
-            time.sleep)
+        # So it is awaited, and the job client made, in the background while workers join.
+        self._jobs_api = concurrent.futures.ThreadPoolExecutor(1, "jobs-api").submit(
+            self._connect_jobs_api)
         return HeadState.STARTING_REWARD
+
+    def _connect_jobs_api(self) -> JobRunner:
+        self._probe_until(self._dashboard_answers, "the dashboard's /api/version", time.sleep)
+        try:
+            return JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
+                             self.s.run_dir / "job.log")
+        except Exception as exc:  # Ray's client raises plain exceptions of several kinds
+            raise RayStartError(f"the Jobs API at {self.dashboard_url} refused a client: "
+                                f"{exc}") from None
 
     def _gcs_answers(self) -> None:
         assert self.gcs
@@ -153,7 +162,7 @@ class Head(Lifecycle[HeadState]):
 
         try:
             Retrying(stop=stop_after_delay(RAY_START_TIMEOUT),
-                     wait=wait_exponential(multiplier=0.05, max=1.0),
+                     wait=wait_exponential(multiplier=0.02, max=PROBE_MAX_WAIT),
                      retry=retry_if_exception_type(_NotReady), sleep=sleep,
                      reraise=True)(attempt)
         except _NotReady:
@@ -161,17 +170,17 @@ class Head(Lifecycle[HeadState]):
                 f"Ray head started but {what} did not answer within {RAY_START_TIMEOUT:g} s; "
                 f"last error: {last['error']}") from None
 
-    def _await_dashboard(self) -> None:
-        assert self._dashboard is not None
-        if self._dashboard.done():
-            self._dashboard.result()
+    def _await_jobs_api(self) -> JobRunner:
+        assert self._jobs_api is not None
+        if self._jobs_api.done():
             self.reporter.say(f"dashboard answers at {self.dashboard_url}")
-            return
+            return self._jobs_api.result()
         with self.reporter.step("dashboard_ready") as step:
-            while not self._dashboard.done():
-                self.signals.sleep(0.05)
-            self._dashboard.result()
+            while not self._jobs_api.done():
+                self.signals.sleep(0.02)
+            runner = self._jobs_api.result()
             step.done(f"dashboard answers at {self.dashboard_url}")
+        return runner
 
     def _start_reward(self) -> HeadState:
         assert self.setup
@@ -288,10 +297,8 @@ class Head(Lifecycle[HeadState]):
         return self.s.job or (sys.executable, "-m", "podagent.smoke")
 
     def _submit(self) -> HeadState:
-        self._await_dashboard()
+        self.job = self._await_jobs_api()
         with self.reporter.step("job_submitted") as step:
-            self.job = JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
-                                 self.s.run_dir / "job.log")
             entrypoint = self._entrypoint()
             new = self.job.submit(entrypoint, self._job_env(), self.s.working_dir,
                                   {"podagent_run": self.s.run_name})
