@@ -7,6 +7,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -120,17 +121,47 @@ def _worker_gets_rewards_from_the_head(head: Agent, worker: Agent) -> None:
     assert result.stdout.strip() == "200 [1.5, 0.5]", result.stdout
 
 
+# Secrets set on every pod, as a RunPod template's secrets would be.
+SECRETS = {"WANDB_API_KEY": "wandb-e2e-3f9a1c77d2", "HF_TOKEN": "hf_e2eTokenZq81",
+           "RUNPOD_API_KEY": "rpa_e2e_K3y_91xx", "MY_SERVICE_SECRET": "svc-e2e-S3cr3t"}
+
+
+def _no_secret_on_any_command_line(*agents: Agent) -> None:
+    """Every process of every pod (podagent, Ray's daemons, the job, the reward server)."""
+    for agent in agents:
+        for pid in agent.pod.pids():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue  # it exited meanwhile
+            for name, value in SECRETS.items():
+                assert value not in cmdline, f"{name} on the command line of pid {pid}"
+
+
+def _no_secret_in_output_or_logs(root: Path, *agents: Agent) -> None:
+    # podagent's output and run dirs, and Ray's own logs in each pod's Ray temp dir.
+    roots = [root, *(Path(a.ray_tmp) for a in agents)]
+    files = [p for r in roots for p in r.rglob("*") if p.is_file() and not p.is_symlink()]
+    for path in files:
+        text = path.read_bytes().decode(errors="replace")
+        for name, value in SECRETS.items():
+            assert value not in text, f"{name} appears in {path}"
+
+
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
     """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s."""
     grace = 10.0
     head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
-                             head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB})
+                             head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
+                                       **SECRETS},
+                             worker_env=SECRETS)
     for a in (head, *workers):
         a.start()
     head.wait_output("training", timeout=FORM_TIMEOUT)
     for w in workers:
         w.wait_output("watching the head", timeout=30)
     _worker_gets_rewards_from_the_head(head, workers[0])
+    _no_secret_on_any_command_line(head, *workers)
     killed_at = time.monotonic()
     head.kill_pod()
     codes = [w.wait_exit(grace + 5 + 30) for w in workers]
@@ -140,3 +171,4 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
     for w in workers:
         assert "has been unreachable" in w.output
         assert w.pod.pids() == [], f"{w.pod.name} left processes behind: {w.pod.pids()}"
+    _no_secret_in_output_or_logs(tmp_path, head, *workers)
