@@ -57,17 +57,24 @@ def _name(proc: psutil.Process) -> str:
         return "(gone)"
 
 
+def _long_job(run: PodagentRun, *args: str) -> list[str]:
+    script = run.scratch / "long_job.py"
+    script.write_text(LONG_JOB)
+    return [sys.executable, str(script), *args]
+
+
+def _await_started(run: PodagentRun) -> None:
+    wait_for(lambda: run.read("job.log").splitlines(), lambda got: "started" in got,
+             timeout=180, what="the job's 'started' line in job.log")
+
+
 @pytest.fixture(scope="module")
 def stopped(podagent_runs: Runs) -> tuple[PodagentRun, Seen]:
     run = podagent_runs.new("sigterm")
-    script = run.scratch / "long_job.py"
-    script.write_text(LONG_JOB)
     seen = Seen()
-    job = [sys.executable, str(script), *JOB_VARIABLES]
-    with run.running(["head", "--", *job],
+    with run.running(["head", "--", *_long_job(run, *JOB_VARIABLES)],
                      env={"DEBUG_RAY": "1", "PODAGENT_NCCL_PRESET": "runpod-global"}):
-        wait_for(lambda: run.read("job.log").splitlines(), lambda got: "started" in got,
-                 timeout=180, what="the job's 'started' line in job.log")
+        _await_started(run)
         daemons = wait_for(lambda: _daemons(run), lambda d: len(d) == 2, timeout=10,
                            what="gcs_server and raylet under the run's temp dir")
         for name, proc in daemons.items():
@@ -142,13 +149,9 @@ class AfterDeath:
 @pytest.fixture(scope="module")
 def gcs_killed(podagent_runs: Runs) -> tuple[PodagentRun, AfterDeath]:
     run = podagent_runs.new("gcsdead")
-    script = run.scratch / "long_job.py"
-    script.write_text(LONG_JOB)
     after = AfterDeath()
-    with run.running(["head", "--", sys.executable, str(script)],
-                     env={"PODAGENT_STOP_TIMEOUT": "3"}):
-        wait_for(lambda: run.read("job.log").splitlines(), lambda got: "started" in got,
-                 timeout=180, what="the job's 'started' line in job.log")
+    with run.running(["head", "--", *_long_job(run)], env={"PODAGENT_STOP_TIMEOUT": "3"}):
+        _await_started(run)
         gcs = wait_for(lambda: _daemons(run).get("gcs_server"), lambda p: p is not None,
                        timeout=10, what="the gcs_server under the run's temp dir")
         gcs.kill()  # as the OOM killer would
@@ -184,12 +187,8 @@ def gcs_killed_then_sigterm(podagent_runs: Runs) -> tuple[PodagentRun, float]:
     """The GCS dies and the user sends SIGTERM at once, before podagent noticed by itself:
     every Jobs API call of the teardown meets a dashboard that cannot reach its GCS."""
     run = podagent_runs.new("gcsterm")
-    script = run.scratch / "long_job.py"
-    script.write_text(LONG_JOB)
-    with run.running(["head", "--", sys.executable, str(script)],
-                     env={"PODAGENT_STOP_TIMEOUT": "3"}):
-        wait_for(lambda: run.read("job.log").splitlines(), lambda got: "started" in got,
-                 timeout=180, what="the job's 'started' line in job.log")
+    with run.running(["head", "--", *_long_job(run)], env={"PODAGENT_STOP_TIMEOUT": "3"}):
+        _await_started(run)
         gcs = wait_for(lambda: _daemons(run).get("gcs_server"), lambda p: p is not None,
                        timeout=10, what="the gcs_server under the run's temp dir")
         gcs.kill()
