@@ -37,6 +37,9 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                     "often than PODAGENT_REWARD_RESTARTS allows"),
     (errors.RewardServerTimeout, 12, "head: the reward server never answered a real request "
                                      "within PODAGENT_REWARD_TIMEOUT"),
+    (errors.AuthRefused, 13, "worker: the head's Ray refused this pod's cluster token"),
+    (errors.JobSubmitFailed, 14, "head: Ray's Jobs API refused the job or did not accept it "
+                                 "in time"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -107,7 +110,8 @@ def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
                          setup.nccl.variables, head_ip="HEAD")
     reporter.say(f"would run: {shlex.join(plan.argv)}")
     for key in sorted(plan.env_overrides):
-        reporter.say(f"  with {key}={plan.env_overrides[key]}")
+        value = config.REDACTED_VALUE if config.is_secret(key) else plan.env_overrides[key]
+        reporter.say(f"  with {key}={value}")
     if decision.role is Role.HEAD:
         job = shlex.join(settings.job) if settings.job else "the built-in smoke job"
         reward = settings.reward if settings.reward != "cmd" else shlex.join(
@@ -260,6 +264,15 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
             click.echo(f"export {key}={shlex.quote(variables[key])}")
         else:
             click.echo(f"{key}={variables[key]}")
+
+
+@main.command(context_settings=CONTEXT)
+def token() -> None:
+    """Print a fresh random cluster token: put it in the pod template as a secret
+    (PODAGENT_TOKEN) on every pod; Ray then refuses anyone without it."""
+    import secrets
+
+    click.echo(secrets.token_hex(32))
 
 
 def _register_reward_server() -> None:

@@ -27,6 +27,9 @@ SECRET_NAMES = frozenset(
 SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
 
 
+REDACTED_VALUE = "<redacted>"
+
+
 def is_secret(name: str) -> bool:
     return name in SECRET_NAMES or name.upper().endswith(SECRET_SUFFIXES)
 
@@ -308,6 +311,26 @@ class Settings:
         return Path(self.log_dir) / self.run_name
 
     @property
+    def auth_token(self) -> str | None:
+        """The cluster token (RAY_AUTH_TOKEN, or PODAGENT_TOKEN mapped onto it).
+
+        Environment only, never a flag: a secret must not appear on a command line.
+        """
+        for name in TOKEN_VARIABLES:
+            value = self.environ.get(name, "").strip()
+            if value:
+                return value
+        return None
+
+    def auth_headers(self) -> dict[str, str]:
+        token = self.auth_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self.auth_token
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    @property
     def instant_cluster(self) -> bool:
         return self.node_rank is not None or self.primary_addr is not None
 
@@ -392,7 +415,24 @@ def build(
         **values, environ=MappingProxyType(env), sources=MappingProxyType(sources)
     )
     _check_relations(settings)
+    _check_token(settings)
     return settings
+
+
+TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN")
+
+
+def _check_token(s: Settings) -> None:
+    # Values are never shown: the message names the variable and the rule only.
+    given = {n: s.environ[n].strip() for n in TOKEN_VARIABLES if s.environ.get(n, "").strip()}
+    for name, value in given.items():
+        if len(value) < 16 or any(c.isspace() for c in value) or not value.isprintable():
+            raise ConfigError(name, REDACTED_VALUE,
+                              "must be at least 16 printable characters without spaces "
+                              "(`podagent token` makes one)")
+    if len(set(given.values())) > 1:
+        raise ConfigError("PODAGENT_TOKEN", REDACTED_VALUE,
+                          "must equal RAY_AUTH_TOKEN when both are set")
 
 
 def _check_relations(s: Settings) -> None:

@@ -13,8 +13,8 @@ import dns.resolver
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent.config import Settings
-from podagent.errors import HeadUnreachable
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.errors import AuthRefused, HeadUnreachable
+from podagent.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
 from podagent.report import Progress, Reporter
 from podagent.waiting import Signals
 
@@ -158,13 +158,20 @@ class HeadFinder:
 
     def wait_for_gcs(self, ip: str) -> GcsClient:
         """Until the GCS answers its health RPC (an open port is not enough)."""
-        client = GcsClient(f"{ip}:{self.s.ray_port}")
+        client = GcsClient(f"{ip}:{self.s.ray_port}", metadata=self.s.grpc_metadata())
         progress = Progress(self.reporter)
         started = time.monotonic()
 
         def attempt() -> None:
             try:
                 client.check_alive(timeout=2.0)
+            except GcsAuthRefused as exc:
+                client.close()
+                which = "a different cluster token" if self.s.auth_token else "no cluster token"
+                raise AuthRefused(
+                    f"the head's Ray at {ip}:{self.s.ray_port} refused this pod: it has {which} "
+                    f"({exc}); set the same PODAGENT_TOKEN (or RAY_AUTH_TOKEN) on every pod"
+                ) from None
             except GcsUnavailable as exc:
                 self.last_probe = str(exc)
                 progress(f"waiting for the head's Ray at {ip}:{self.s.ray_port}: {exc} "

@@ -12,7 +12,8 @@ class ConfigError(PodagentError):
 
     def __init__(self, name: str, value: object, rule: str):
         self.name, self.value, self.rule = name, value, rule
-        super().__init__(f"{name}={value!r} {rule}")
+        shown = value if value == "<redacted>" else repr(value)
+        super().__init__(f"{name}={shown} {rule}")
 
 
 class RoleConflict(PodagentError):
@@ -54,12 +55,20 @@ class JobStopped(PodagentError):
     pass
 
 
+class JobSubmitFailed(PodagentError):
+    """Ray's Jobs API refused the job, or did not accept it in time."""
+
+
 class RewardServerFailed(PodagentError):
     """The reward server exited while starting, or died more often than it may be restarted."""
 
 
 class RewardServerTimeout(PodagentError):
     """The reward server never answered a real request within its timeout."""
+
+
+class AuthRefused(PodagentError):
+    """The head's Ray refused this pod's cluster token."""
 
 
 class Interrupted(PodagentError):

@@ -95,6 +95,10 @@ class GcsUnavailable(Exception):
     """The GCS did not answer; the message says how (refused, timed out, ...)."""
 
 
+class GcsAuthRefused(GcsUnavailable):
+    """The GCS answered, and refused our token (or its absence)."""
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
@@ -128,7 +132,8 @@ class GcsClient:
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
             name = code.name if code else "ERROR"
-            raise GcsUnavailable(f"{name}: {detail}".strip()) from None
+            kind = GcsAuthRefused if code == grpc.StatusCode.UNAUTHENTICATED else GcsUnavailable
+            raise kind(f"{name}: {detail}".strip()) from None
 
     def check_alive(self, timeout: float = 2.0) -> None:
         """Returns when the GCS answers its own health RPC; raises GcsUnavailable."""

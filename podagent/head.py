@@ -96,8 +96,18 @@ class Head(Lifecycle[HeadState]):
 
     def _clean(self) -> HeadState:
         assert self.setup
+        if not self.s.auth_token and not self.setup.node_ip.startswith("127."):
+            # An open Jobs API is remote code execution for anyone who reaches it
+            # (CVE-2023-48022).
+            self.reporter.warn(
+                f"NO CLUSTER TOKEN: the Ray dashboard and Jobs API on {self.setup.node_ip}:"
+                f"{self.s.dashboard_port} will run jobs for anyone who can reach them; set "
+                f"PODAGENT_TOKEN on every pod (`podagent token` makes one)")
+            self.reporter.event("auth_off", dashboard=f"{self.setup.node_ip}:"
+                                                     f"{self.s.dashboard_port}")
         node.clean_stale_ray(self.s, self.reporter)
-        ports = [self.s.ray_port, self.s.dashboard_port]
+        # Ray's dashboard agent (its default port): without it the Jobs API accepts no job.
+        ports = [self.s.ray_port, self.s.dashboard_port, ray_node.DASHBOARD_AGENT_PORT]
         if self.s.reward != "none":
             ports.append(self.s.reward_port)
         for port in ports:
@@ -122,7 +132,7 @@ class Head(Lifecycle[HeadState]):
         with self.reporter.step("ray_head") as step:
             ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
                              RAY_START_TIMEOUT).start()
-            self.gcs = GcsClient(self.address)
+            self.gcs = GcsClient(self.address, metadata=self.s.grpc_metadata())
             self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
             step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
         # The dashboard (Jobs API) comes up seconds after the GCS; workers only need the GCS.
@@ -135,7 +145,7 @@ class Head(Lifecycle[HeadState]):
         self._probe_until(self._dashboard_answers, "the dashboard's /api/version", time.sleep)
         try:
             return JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
-                             self.s.run_dir / "job.log")
+                             self.s.run_dir / "job.log", headers=self.s.auth_headers())
         except Exception as exc:  # Ray's client raises plain exceptions of several kinds
             raise RayStartError(f"the Jobs API at {self.dashboard_url} refused a client: "
                                 f"{exc}") from None
@@ -145,7 +155,8 @@ class Head(Lifecycle[HeadState]):
         self.gcs.check_alive(timeout=2.0)
 
     def _dashboard_answers(self) -> None:
-        reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0)
+        reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0,
+                             headers=self.s.auth_headers())
         reply.raise_for_status()
 
     def _probe_until(self, probe: Callable[[], None], what: str,
@@ -297,11 +308,12 @@ class Head(Lifecycle[HeadState]):
         return self.s.job or (sys.executable, "-m", "podagent.smoke")
 
     def _submit(self) -> HeadState:
-        self.job = self._await_jobs_api()
+        runner = self._await_jobs_api()
         with self.reporter.step("job_submitted") as step:
             entrypoint = self._entrypoint()
-            new = self.job.submit(entrypoint, self._job_env(), self.s.working_dir,
-                                  {"podagent_run": self.s.run_name})
+            new = runner.submit(entrypoint, self._job_env(), self.s.working_dir,
+                                {"podagent_run": self.s.run_name}, self.signals)
+            self.job = runner  # from here on, teardown stops it
             what = "submitted" if new else "already running: following it"
             label = "the built-in smoke job" if not self.s.job else " ".join(entrypoint)
             step.done(f"job {self.s.run_name} {what} ({label})", submission_id=self.s.run_name,

@@ -12,9 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_delay,
+    wait_fixed,
+)
 
-from podagent.errors import JobFailed, JobStopped
+from podagent.errors import JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
 from podagent.waiting import Signals
 
@@ -24,8 +30,15 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 HTTP_TIMEOUT = 5.0
 
 
+SUBMIT_TIMEOUT = 120.0
+
+
 class JobApiUnreachable(Exception):
     """The dashboard did not answer in time (or at all)."""
+
+
+class _Retry(Exception):
+    pass
 
 
 class JobRunner:
@@ -76,17 +89,41 @@ class JobRunner:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def submit(self, entrypoint: Sequence[str], env_vars: Mapping[str, str],
-               working_dir: str | None, metadata: Mapping[str, str]) -> bool:
-        """Submit, or find the job this run already submitted. True when newly submitted."""
+               working_dir: str | None, metadata: Mapping[str, str], signals: Signals) -> bool:
+        """Submit, or find the job this run already submitted. True when newly submitted.
+
+        Right after start-up the Jobs API can answer before the head's dashboard agent has
+        registered ("No available agent to submit job, please try again later"): that, and
+        other 5xx answers, are retried for SUBMIT_TIMEOUT.
+        """
         if self.status() is not None:
             return False
         runtime_env: dict[str, Any] = {"env_vars": dict(env_vars)}
         if working_dir:
             runtime_env["working_dir"] = working_dir
-        self.client.submit_job(
-            entrypoint=shlex.join(entrypoint), submission_id=self.submission_id,
-            runtime_env=runtime_env, metadata=dict(metadata),
-        )
+        last = {"error": ""}
+
+        def attempt() -> None:
+            try:
+                self.client.submit_job(
+                    entrypoint=shlex.join(entrypoint), submission_id=self.submission_id,
+                    runtime_env=runtime_env, metadata=dict(metadata),
+                )
+            except RuntimeError as exc:  # Ray's client raises RuntimeError for HTTP errors
+                last["error"] = str(exc)
+                if "status code 5" not in str(exc):
+                    raise JobSubmitFailed(f"Ray refused the job: {exc}") from None
+                if self.status() is not None:  # it was accepted after all
+                    return
+                raise _Retry(str(exc)) from None
+
+        try:
+            Retrying(stop=stop_after_delay(SUBMIT_TIMEOUT), wait=wait_fixed(0.5),
+                     retry=retry_if_exception_type(_Retry), sleep=signals.sleep,
+                     reraise=True)(attempt)
+        except _Retry:
+            raise JobSubmitFailed(f"the Jobs API did not accept the job within "
+                                  f"{SUBMIT_TIMEOUT:g} s; last answer: {last['error']}") from None
         return True
 
     def _write(self, chunk: str) -> None:

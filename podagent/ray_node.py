@@ -95,6 +95,10 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
     if settings.ray_temp_dir:
         argv += ["--temp-dir", settings.ray_temp_dir]
     env = dict(nccl_vars)
+    if settings.auth_token:
+        # Ray >= 2.52: the GCS, dashboard and Jobs API then refuse anyone without the token.
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN"] = settings.auth_token
     if settings.debug_ray:
         # An environment entry, not a word on a shell line: the seed's `${VAR} ray start` ran a
         # command literally named RAY_DEBUG=legacy and never started Ray.
@@ -118,6 +122,7 @@ def check_port_free(address: str, port: int) -> None:
 # Without its GCS a raylet cannot shut down gracefully and ignores SIGTERM until it gives up
 # (measured: still there after 10 s), so a node whose GCS is gone gets a short deadline.
 DEAD_GCS_STOP_TIMEOUT = 1.0
+DASHBOARD_AGENT_PORT = 52365  # Ray's default --dashboard-agent-listen-port
 
 
 class RayNode:

@@ -17,7 +17,7 @@ from tests.e2e.pods import wait_for
 # Three Ray nodes on a 2-core machine are slow to form: generous, bounded waits.
 FORM_TIMEOUT = 240.0
 LONG_JOB = "python -c 'import time; print(\"training\", flush=True); time.sleep(600)'"
-EXIT_WORKERS_TIMEOUT, EXIT_HEAD_LOST = 5, 7
+EXIT_WORKERS_TIMEOUT, EXIT_HEAD_LOST, EXIT_AUTH_REFUSED = 5, 7, 13
 
 
 @pytest.fixture
@@ -172,3 +172,22 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
         assert "has been unreachable" in w.output
         assert w.pod.pids() == [], f"{w.pod.name} left processes behind: {w.pod.pids()}"
     _no_secret_in_output_or_logs(tmp_path, head, *workers)
+
+
+def test_worker_with_a_wrong_token_is_refused_and_never_joins(make_pod, dns_server, tmp_path,
+                                                             agents):
+    """l) token auth: a worker whose cluster token differs is refused at once (exit 13)."""
+    head, (worker,) = _cluster(make_pod, dns_server, tmp_path, agents, workers=1,
+                               head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
+                                         "PODAGENT_TOKEN": "right-" + "1" * 32},
+                               worker_env={"PODAGENT_TOKEN": "wrong-" + "2" * 32})
+    head.start()
+    head.wait_output("waiting for 1 worker(s)", timeout=FORM_TIMEOUT)
+    worker.start()
+    assert worker.wait_exit(60) == EXIT_AUTH_REFUSED, worker.output[-3000:]
+    errors = [line for line in worker.output.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "refused this pod: it has a different cluster token" in errors[0]
+    assert "joined the cluster" not in worker.output
+    assert "worker joined" not in head.output
+    assert "NO CLUSTER TOKEN" not in head.output
+    assert worker.pod.pids() == []

@@ -55,6 +55,9 @@ def test_smoke_job_succeeds_and_shows_each_step(smoke: PodagentRun) -> None:
     assert re.search(r"^\[head\] job SUCCEEDED \(\d+\.\d s\)$", out, re.M), out
     # The job's output is shown once: the live stream and the final catch-up do not overlap.
     assert lines(out).count("smoke: OK") == 1, out
+    # No cluster token and a dashboard beyond loopback: a loud warning (CVE-2023-48022).
+    if not head["ip"].startswith("127."):
+        assert "WARNING: NO CLUSTER TOKEN: the Ray dashboard and Jobs API" in out, out
     assert smoke.stderr.strip() == ""
 
 

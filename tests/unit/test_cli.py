@@ -225,6 +225,8 @@ EXIT_CODES = [
     (errors.RayDied("raylet died"), 10),
     (errors.RewardServerFailed("exited at start"), 11),
     (errors.RewardServerTimeout("never answered"), 12),
+    (errors.AuthRefused("wrong token"), 13),
+    (errors.JobSubmitFailed("no agent"), 14),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),

@@ -372,3 +372,44 @@ def test_fields_defaults_match_settings_defaults():
         assert f.attr in {x.name for x in dataclasses.fields(config.Settings)}
         if f.default is not None:
             assert defaults[f.attr] == f.default, f.attr
+
+
+# --- the cluster token: environment only, validated, never shown -----------------------------
+
+
+def test_token_from_either_variable_and_its_headers():
+    token = "t0ken-" + "a" * 20
+    for name in ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN"):
+        s = build({name: token})
+        assert s.auth_token == token
+        assert s.auth_headers() == {"Authorization": f"Bearer {token}"}
+        assert s.grpc_metadata() == (("authorization", f"Bearer {token}"),)
+    assert build({}).auth_token is None and build({}).auth_headers() == {}
+
+
+@pytest.mark.parametrize("bad", ["short", "has a space in it ok", "x" * 15, "tab\tinside-long-x"])
+def test_bad_token_is_refused_without_showing_it(bad):
+    with pytest.raises(ConfigError) as info:
+        build({"PODAGENT_TOKEN": bad})
+    message = str(info.value)
+    assert message.startswith("PODAGENT_TOKEN=<redacted> must be at least 16")
+    assert bad not in message
+
+
+def test_two_different_tokens_are_refused():
+    with pytest.raises(ConfigError) as info:
+        build({"PODAGENT_TOKEN": "a" * 32, "RAY_AUTH_TOKEN": "b" * 32})
+    assert "must equal RAY_AUTH_TOKEN" in str(info.value)
+    assert "a" * 32 not in str(info.value) and "b" * 32 not in str(info.value)
+
+
+def test_token_goes_to_ray_through_the_environment_never_argv():
+    from podagent import ray_node
+    from podagent.roles import Role
+
+    token = "c" * 40
+    s = build({"PODAGENT_TOKEN": token})
+    plan = ray_node.plan(s, Role.HEAD, "10.0.0.1", 0, {})
+    assert plan.env_overrides["RAY_AUTH_MODE"] == "token"
+    assert plan.env_overrides["RAY_AUTH_TOKEN"] == token
+    assert not any(token in word for word in plan.argv)
