@@ -191,3 +191,21 @@ def test_worker_with_a_wrong_token_is_refused_and_never_joins(make_pod, dns_serv
     assert "worker joined" not in head.output
     assert "NO CLUSTER TOKEN" not in head.output
     assert worker.pod.pids() == []
+
+
+def test_flaky_dns_then_answers_worker_joins(make_pod, dns_server, tmp_path, agents):
+    """b) the DNS server answers SERVFAIL, then not at all, then properly: the worker joins,
+    and what it printed told DNS trouble apart from a name that does not exist."""
+    head, (worker,) = _cluster(make_pod, dns_server, tmp_path, agents, workers=1,
+                               head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none"})
+    dns_server.mode = "servfail"
+    worker.start()
+    worker.wait_output("SERVFAIL (the DNS server failed or refused to answer", timeout=30)
+    dns_server.mode = "timeout"
+    worker.wait_output("timeout (no DNS server answered in time)", timeout=30)
+    dns_server.mode = "normal"
+    head.start()
+    assert [a.wait_exit(FORM_TIMEOUT) for a in (head, worker)] == [0, 0], (
+        head.output[-2000:] + "\n\n" + worker.output[-2000:])
+    assert f"worker joined: {worker.pod.ip}" in head.output
+    assert "NXDOMAIN" not in worker.output  # the name existed all along
