@@ -44,7 +44,10 @@ def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
     stale = process.pod_ray_processes(settings.ray_temp_dir)
     if not stale:
         return
-    termed, killed = process.stop_processes(stale, settings.stop_timeout)
+    pids = {p.pid for p in stale}
+    termed, killed = process.stop_in_phases(
+        ray_node.RAY_STOP_ORDER, settings.stop_timeout,
+        candidates=lambda: [p for p in stale if p.pid in pids and p.is_running()])
     how = f", {killed} needed SIGKILL" if killed else ""
     reporter.say(f"stopped a stale Ray on this pod ({termed + killed} processes{how})")
     reporter.event("stale_ray_stopped", processes=termed + killed, killed=killed)

@@ -89,18 +89,20 @@ def stop_processes(
     return len(procs) - len(alive), len(alive)
 
 
-def stop_tree_in_phases(
-    phases: Sequence[Callable[[psutil.Process], bool]], timeout: float
+def stop_in_phases(
+    phases: Sequence[Callable[[psutil.Process], bool]], timeout: float,
+    candidates: Callable[[], list[psutil.Process]] = descendants,
 ) -> tuple[int, int]:
-    """Stop our descendants in phases (each picks from what is still running), then the rest.
+    """Stop processes in phases (each picks from the candidates still running), then the rest.
 
-    One overall deadline; returns (terminated, killed) over all phases.
+    Candidates default to our descendants. One overall deadline; returns (terminated, killed)
+    over all phases.
     """
     deadline = time.monotonic() + timeout
     termed = killed = 0
     for wanted in (*phases, lambda _p: True):
         picked = []
-        for proc in descendants():
+        for proc in candidates():
             with contextlib.suppress(psutil.Error):
                 if proc.status() != psutil.STATUS_ZOMBIE and wanted(proc):
                     picked.append(proc)
@@ -134,6 +136,17 @@ def is_ray_process(proc: psutil.Process) -> bool:
     )
 
 
+def _mentions(proc: psutil.Process, text: str) -> bool:
+    """On its command line or in its environment: Ray's client server, for one, shows the
+    temp dir only in the environment it inherited from the run that started it."""
+    try:
+        if text in " ".join(proc.cmdline()):
+            return True
+        return any(text in value for value in proc.environ().values())
+    except psutil.Error:
+        return False
+
+
 def pod_ray_processes(temp_dir: str | None = None) -> list[psutil.Process]:
     """Ray processes of this pod: same network namespace as us, not us or our ancestors.
 
@@ -146,12 +159,16 @@ def pod_ray_processes(temp_dir: str | None = None) -> list[psutil.Process]:
     for proc in psutil.process_iter():
         if proc.pid in skip or _netns_inode(proc.pid) != ours or not is_ray_process(proc):
             continue
-        if temp_dir:
-            with contextlib.suppress(psutil.Error):
-                if temp_dir not in " ".join(proc.cmdline()):
-                    continue
+        if temp_dir and not _mentions(proc, temp_dir):
+            continue
         found.append(proc)
-    return found
+    # What those started goes too: agents renamed by setproctitle ("ray::DashboardAgent")
+    # no longer show the temp dir on their command line.
+    children = []
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            children += proc.children(recursive=True)
+    return list({p.pid: p for p in found + children}.values())
 
 
 def port_holder(port: int) -> str | None:

@@ -123,6 +123,8 @@ def check_port_free(address: str, port: int) -> None:
 # (measured: still there after 10 s), so a node whose GCS is gone gets a short deadline.
 DEAD_GCS_STOP_TIMEOUT = 1.0
 DASHBOARD_AGENT_PORT = 52365  # Ray's default --dashboard-agent-listen-port
+# Raylets first, then everything but the GCS, then the GCS (see RayNode.stop).
+RAY_STOP_ORDER = (lambda p: p.name() == "raylet", lambda p: p.name() != "gcs_server")
 
 
 class RayNode:
@@ -177,9 +179,5 @@ class RayNode:
         takes its workers and agents along; signalled all together, raylet and GCS each wait
         for the other and needed SIGKILL after the deadline (measured: 0.8 s vs 10 s).
         """
-        return process.stop_tree_in_phases(
-            [lambda p: p.name() == "raylet",
-             lambda p: p.name() != "gcs_server"],
-            timeout,
-        )
+        return process.stop_in_phases(RAY_STOP_ORDER, timeout)
 

@@ -215,3 +215,27 @@ def test_port_already_held_exits_9_without_starting_ray(podagent_runs: Runs) -> 
     assert run.events()[-1]["event"] == "exit" and run.events()[-1]["code"] == 9
     assert os.listdir(run.temp_dir) == [], "Ray wrote into its temp dir"
     assert run.leftovers == []
+
+
+# --- a stale Ray from an earlier run on this pod is cleaned before the start -----------------
+
+
+def test_stale_ray_of_an_earlier_run_is_stopped_first(podagent_runs: Runs) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = podagent_runs.new("stale")
+    ray = str(Path(sys.executable).parent / "ray")
+    # An earlier run's Ray, on the same ports and temp dir, not started by this podagent.
+    subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1",
+                    "--port", str(run.ray_port), "--dashboard-port", str(run.dashboard_port),
+                    "--temp-dir", run.temp_dir, "--num-gpus", "0", "--disable-usage-stats"],
+                   env=run.env, check=True, capture_output=True, timeout=180)
+    run.execute(["head"], env={"PODAGENT_NODE_IP": "127.0.0.1", "PODAGENT_REWARD": "none"})
+    assert_exit(run, 0)
+    assert re.search(r"^\[head\] stopped a stale Ray on this pod \(\d+ processes", run.stdout,
+                     re.M), run.stdout
+    (stale,) = run.events_named("stale_ray_stopped")
+    assert stale["processes"] > 0
+    assert run.leftovers == []
