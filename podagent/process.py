@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -48,12 +48,20 @@ def descendants() -> list[psutil.Process]:
         return []
 
 
-def reap_zombies(keep: Iterable[int] = ()) -> None:
-    """Collect exit statuses of adopted orphans; Popen objects reap their own (keep)."""
-    keep = set(keep)
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last lines of a log file ('' when there is none yet)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines)).rstrip()
+    except OSError:
+        return ""
+
+
+def reap_zombies() -> None:
+    """Collect exit statuses of adopted orphans (zombie children only)."""
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error, ChildProcessError):
-            if child.pid not in keep and child.status() == psutil.STATUS_ZOMBIE:
+            if child.status() == psutil.STATUS_ZOMBIE:
                 os.waitpid(child.pid, os.WNOHANG)
 
 
@@ -207,23 +215,11 @@ class ManagedProcess:
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
 
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
-
     def tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(deque(f, maxlen=lines)).rstrip()
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)
 
     def stop(self, timeout: float) -> tuple[int, int]:
         """The process and everything it started, TERM -> deadline -> KILL."""

@@ -153,7 +153,7 @@ class RayNode:
             )
 
     def tail(self, lines: int = 15) -> str:
-        return process.ManagedProcess("ray", [], {}, self.log_path).tail(lines)
+        return process.log_tail(self.log_path, lines)
 
     @staticmethod
     def find_raylet() -> psutil.Process | None:
