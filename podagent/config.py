@@ -262,6 +262,18 @@ FIELDS: tuple[Field, ...] = (
           default=3),
     Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
           "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
+    Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
+          "Directory the job writes checkpoints to; podagent checks its free space and "
+          "resumes from it (PODAGENT_RESUME).",
+          default_doc="/workspace/checkpoints if /workspace exists, else unset"),
+    Field("resume", "PODAGENT_RESUME", "--resume", choice("auto", "never"),
+          "auto: when PODAGENT_CHECKPOINT_DIR already holds a checkpoint, append "
+          "PODAGENT_RESUME_FLAG to the job; never: do not.", default="auto"),
+    Field("resume_flag", "PODAGENT_RESUME_FLAG", "--resume-flag", command_line,
+          "Arguments appended to the job to resume from a checkpoint.",
+          default=("--load_checkpoint",), default_doc="--load_checkpoint"),
+    Field("rendezvous_port", "PODAGENT_RENDEZVOUS_PORT", "--rendezvous-port", port,
+          "Port of torch's c10d rendezvous on the head (`podagent torchrun`).", default=29500),
 )
 
 FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
@@ -301,6 +313,10 @@ class Settings:
     reward_timeout: float = 600.0
     reward_restarts: int = 3
     debug_ray: bool = False
+    checkpoint_dir: str | None = None
+    resume: str = "auto"
+    resume_flag: tuple[str, ...] = ("--load_checkpoint",)
+    rendezvous_port: int = 29500
     # The process environment as it was at start (user variables win over presets).
     environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # Where each setting came from: "flag", "env" or "default".
@@ -346,6 +362,11 @@ class Settings:
 
 def _default_log_dir() -> str:
     return "/workspace/podagent/logs" if Path("/workspace").is_dir() else "podagent-logs"
+
+
+def _default_checkpoint_dir() -> str | None:
+    # RunPod's volume survives the pod; elsewhere there is no safe guess.
+    return "/workspace/checkpoints" if Path("/workspace").is_dir() else None
 
 
 def read_fields(
@@ -407,6 +428,8 @@ def build(
     started = time.gmtime(time.time() if now is None else now)
     values.setdefault("run_name", time.strftime("podagent-%Y%m%d-%H%M%S", started))
     values.setdefault("log_dir", _default_log_dir())
+    if "checkpoint_dir" not in values and _default_checkpoint_dir():
+        values["checkpoint_dir"] = _default_checkpoint_dir()
     for f in FIELDS:
         if f.attr not in values and f.default is not None:
             values[f.attr] = f.default
