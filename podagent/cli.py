@@ -113,7 +113,7 @@ def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
         value = config.REDACTED_VALUE if config.is_secret(key) else plan.env_overrides[key]
         reporter.say(f"  with {key}={value}")
     if decision.role is Role.HEAD:
-        job = shlex.join(settings.job) if settings.job else "the built-in smoke job"
+        job = shlex.join(settings.job) if settings.job else "the built-in cluster check"
         reward = settings.reward if settings.reward != "cmd" else shlex.join(
             settings.reward_cmd or ())
         reporter.say(f"would wait for {settings.expected_workers} worker(s) "

@@ -242,7 +242,7 @@ FIELDS: tuple[Field, ...] = (
           default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
     Field("job", "PODAGENT_JOB", "--job", command_line,
           "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it.",
-          default_doc="the built-in smoke job"),
+          default_doc="the built-in cluster check"),
     Field("working_dir", "PODAGENT_WORKING_DIR", "--working-dir", directory,
           "Directory uploaded as the job's working dir."),
     Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,

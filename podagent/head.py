@@ -22,7 +22,7 @@ from tenacity import (
     wait_fixed,
 )
 
-from podagent import node, ray_node
+from podagent import checkpoint, node, ray_node
 from podagent.config import Settings, is_secret
 from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
@@ -286,7 +286,9 @@ class Head(Lifecycle[HeadState]):
 
     def _job_env(self) -> dict[str, str]:
         assert self.setup
-        env = dict(self.setup.nccl.variables)
+        # No NCCL variables here: Ray would impose the head's on every node, while each pod's Ray
+        # node already carries its own pod's (its interface may be named differently).
+        env: dict[str, str] = {}
         env.update(
             PODAGENT_NUM_NODES=str(len(self.workers) + 1),
             PODAGENT_NUM_GPUS=str(self._total_gpus()),
@@ -305,7 +307,16 @@ class Head(Lifecycle[HeadState]):
         return env
 
     def _entrypoint(self) -> tuple[str, ...]:
-        return self.s.job or (sys.executable, "-m", "podagent.smoke")
+        if not self.s.job:
+            return (sys.executable, "-m", "podagent.clustercheck")
+        resume = checkpoint.resume_args(self.s)
+        if resume.args:
+            self.reporter.say(resume.reason)
+            self.reporter.event("resume", checkpoint_dir=self.s.checkpoint_dir,
+                                args=list(resume.args))
+        elif resume.reason:
+            self.reporter.say(resume.reason)
+        return (*self.s.job, *resume.args)
 
     def _submit(self) -> HeadState:
         runner = self._await_jobs_api()
@@ -315,7 +326,7 @@ class Head(Lifecycle[HeadState]):
                                 {"podagent_run": self.s.run_name}, self.signals)
             self.job = runner  # from here on, teardown stops it
             what = "submitted" if new else "already running: following it"
-            label = "the built-in smoke job" if not self.s.job else " ".join(entrypoint)
+            label = "the built-in cluster check" if not self.s.job else " ".join(entrypoint)
             step.done(f"job {self.s.run_name} {what} ({label})", submission_id=self.s.run_name,
                       new=new)
         return HeadState.RUNNING

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shlex
 import threading
@@ -20,6 +21,7 @@ from tenacity import (
     wait_fixed,
 )
 
+from podagent.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
 from podagent.errors import JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
 from podagent.waiting import Signals
@@ -133,6 +135,12 @@ class JobRunner:
             self._log_file.write(chunk)
             self._log_file.flush()
             for line in chunk.splitlines():
+                if line.startswith(CHECK_JSON_PREFIX):
+                    # The cluster check's machine-readable summary: an event, not screen text.
+                    with contextlib.suppress(ValueError):
+                        result = json.loads(line[len(CHECK_JSON_PREFIX):])
+                        self.reporter.event("check", **result)
+                    continue
                 self.reporter.raw(line)
 
     def _tail_forever(self) -> None:

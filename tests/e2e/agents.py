@@ -90,3 +90,20 @@ class Agent:
             self.proc.wait(timeout=10)
         self._out.close()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def form_cluster(make_pod, dns_server, tmp_path: Path, agents: list[Agent], workers: int,
+                 head_env: Mapping[str, str] | None = None,
+                 worker_env: Mapping[str, str] | None = None,
+                 register_head: bool = True) -> tuple[Agent, list[Agent]]:
+    """A head pod and N worker pods, each with an Agent (not started) sharing HEAD_POD_ID."""
+    head_pod = make_pod("head", register=register_head)
+    worker_pods = [make_pod(f"w{i}", register=True) for i in range(1, workers + 1)]
+
+    def agent(pod: Pod, env: Mapping[str, str]) -> Agent:
+        a = Agent(pod, dns_server, tmp_path, {"HEAD_POD_ID": head_pod.pod_id, **env})
+        agents.append(a)
+        return a
+
+    head = agent(head_pod, head_env or {})
+    return head, [agent(p, worker_env or {}) for p in worker_pods]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.agents import Agent
 from tests.e2e.pods import DnsServer, Pod, PodNetwork, cleanup_stale
 
 
@@ -67,3 +68,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here in item.path.parents:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """podagent processes a test started; each is killed (if still running) and closed."""
+    started: list[Agent] = []
+    yield started
+    for agent in started:
+        agent.close()

@@ -6,12 +6,9 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.e2e.agents import Agent
+from tests.e2e.agents import Agent, form_cluster
 from tests.e2e.pods import wait_for
 
 # Three Ray nodes on a 2-core machine are slow to form: generous, bounded waits.
@@ -20,33 +17,11 @@ LONG_JOB = "python -c 'import time; print(\"training\", flush=True); time.sleep(
 EXIT_WORKERS_TIMEOUT, EXIT_HEAD_LOST, EXIT_AUTH_REFUSED = 5, 7, 13
 
 
-@pytest.fixture
-def agents(tmp_path) -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        agent.close()
-
-
-def _cluster(make_pod, dns_server, tmp_path, agents, workers: int, head_env=None,
-             worker_env=None, register_head=True):
-    head_pod = make_pod("head", register=register_head)
-    worker_pods = [make_pod(f"w{i}", register=True) for i in range(1, workers + 1)]
-
-    def agent(pod, env):
-        a = Agent(pod, dns_server, tmp_path, {"HEAD_POD_ID": head_pod.pod_id, **env})
-        agents.append(a)
-        return a
-
-    head = agent(head_pod, head_env or {})
-    return head, [agent(p, (worker_env or {})) for p in worker_pods]
-
-
 def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server, tmp_path,
                                                             agents):
-    """a) head + 2 workers form a cluster, the smoke job sees 3 node IPs, all exit 0;
+    """a) head + 2 workers form a cluster, the default cluster check passes on 3 nodes, all exit 0;
     b) the workers start first and get NXDOMAIN for the head until it appears in DNS."""
-    head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+    head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2"}, register_head=False)
     # One worker declares itself as the seed did (RAY_WORKER=1); the other is found a worker
     # by comparing RUNPOD_POD_ID with HEAD_POD_ID.
@@ -66,9 +41,7 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
     assert codes == [0, 0, 0], "\n\n".join(a.output[-2500:] for a in (head, *workers))
 
     out = head.output
-    smoke_ips = set(re.findall(r"smoke: node (\S+) ", out))
-    assert smoke_ips == {head.pod.ip, *(w.pod.ip for w in workers)}
-    assert "smoke: OK" in out
+    _check_passed_on(out, [head, *workers])
     assert re.search(r"cluster ready: 3 nodes, 0 GPUs .*\(\d+\.\d s\)", out)
     for w in workers:
         assert f"worker joined: {w.pod.ip}" in out
@@ -79,14 +52,30 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
     assert "differs from HEAD_POD_ID" in workers[1].output
     # Per run: the pod's podagent log, job.log and events.jsonl.
     run_dir = tmp_path / "head" / "e2e"
-    assert "smoke: OK" in (run_dir / "job.log").read_text()
+    assert "check: ALL CHECKS PASSED" in (run_dir / "job.log").read_text()
     assert (run_dir / f"podagent-head-{head.pod.pod_id}.log").exists()
     assert '"event": "worker_joined"' in (run_dir / "events.jsonl").read_text()
 
 
+def _check_passed_on(out: str, pods: list[Agent]) -> None:
+    """The cluster check's table: one row per pod, every check ticked, gloo over podnet1."""
+    assert "check: 3 ranks on 3 nodes, backend gloo" in out, out[-4000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^check: ([\d.]+) +\d .*$", out, re.M)}
+    assert set(rows) == {a.pod.ip for a in pods}, out[-4000:]
+    for row in rows.values():
+        assert "gloo/TCP via podnet1" in row and "✗" not in row, row
+        assert row.count("✓") == 6, row  # all_reduce, gather, all_gather, gathers, reward, data
+    # Data distribution: 1000 samples, batch 8: the steps per epoch shrink as nodes are added.
+    assert ("steps per epoch 125 on 1 node (world 1), 63 on 2 nodes (world 2), "
+            "42 on 3 nodes (world 3)") in out
+    assert re.search(r"^check: all_reduce 16 MiB: algbw [\d.]+ GB/s, busbw [\d.]+ GB/s$", out,
+                     re.M)
+    assert "check: ALL CHECKS PASSED" in out
+
+
 def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_path, agents):
     """c) EXPECTED_WORKERS=3 with 2 workers: the head exits 5 and names the two that joined."""
-    head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+    head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "3",
                                        "PODAGENT_WORKER_TIMEOUT": "60"})
     for a in (head, *workers):
@@ -151,7 +140,7 @@ def _no_secret_in_output_or_logs(root: Path, *agents: Agent) -> None:
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
     """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s."""
     grace = 10.0
-    head, workers = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+    head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
                                        **SECRETS},
                              worker_env=SECRETS)
@@ -177,7 +166,7 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
 def test_worker_with_a_wrong_token_is_refused_and_never_joins(make_pod, dns_server, tmp_path,
                                                              agents):
     """l) token auth: a worker whose cluster token differs is refused at once (exit 13)."""
-    head, (worker,) = _cluster(make_pod, dns_server, tmp_path, agents, workers=1,
+    head, (worker,) = form_cluster(make_pod, dns_server, tmp_path, agents, workers=1,
                                head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
                                          "PODAGENT_TOKEN": "right-" + "1" * 32},
                                worker_env={"PODAGENT_TOKEN": "wrong-" + "2" * 32})
@@ -196,7 +185,7 @@ def test_worker_with_a_wrong_token_is_refused_and_never_joins(make_pod, dns_serv
 def test_flaky_dns_then_answers_worker_joins(make_pod, dns_server, tmp_path, agents):
     """b) the DNS server answers SERVFAIL, then not at all, then properly: the worker joins,
     and what it printed told DNS trouble apart from a name that does not exist."""
-    head, (worker,) = _cluster(make_pod, dns_server, tmp_path, agents, workers=1,
+    head, (worker,) = form_cluster(make_pod, dns_server, tmp_path, agents, workers=1,
                                head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none"})
     dns_server.mode = "servfail"
     worker.start()

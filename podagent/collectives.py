@@ -1,0 +1,161 @@
+"""The collective checks themselves: plain torch.distributed, no Ray.
+
+The cluster check runs them in Ray actors; `bench/gpu_two_pods.sh` runs the same bandwidth
+measurement in plain processes as the reference, so the two figures differ only in how the
+processes were started.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    size_bytes: int
+    seconds: float  # per all_reduce, averaged over the timed iterations
+    algbw: float  # GB/s: bytes / time
+    busbw: float  # GB/s: algbw * 2(n-1)/n, the ring all_reduce's per-link traffic (nccl-tests)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bus_factor(world: int) -> float:
+    return 2 * (world - 1) / world if world > 1 else 1.0
+
+
+def device_for(backend: str) -> Any:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+
+
+def _sync(backend: str) -> None:
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def check_all_reduce(rank: int, world: int, backend: str) -> str | None:
+    """Each rank gives rank+1 in every element; every rank must see n(n+1)/2 everywhere."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.full((1024,), float(rank + 1), device=device_for(backend))
+    dist.all_reduce(x)
+    expected = world * (world + 1) / 2
+    got = x.cpu()
+    if not torch.all(got == expected):
+        return f"all_reduce gave {float(got[0])} (and others), expected {expected}"
+    return None
+
+
+def check_gather(rank: int, world: int, backend: str) -> str | None:
+    """gather to rank 0: rank 0 must receive every rank's own value, in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    device = device_for(backend)
+    mine = torch.tensor([float(rank)], device=device)
+    if backend == "nccl":
+        # NCCL has no gather; all_gather then keep it on rank 0 is what trainers do.
+        parts = [torch.zeros(1, device=device) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        bucket = parts if rank == 0 else None
+    else:
+        bucket = [torch.zeros(1) for _ in range(world)] if rank == 0 else None
+        dist.gather(mine, bucket, dst=0)
+    if rank == 0:
+        assert bucket is not None
+        got = [float(t.item()) for t in bucket]
+        if got != [float(r) for r in range(world)]:
+            return f"rank 0 gathered {got}, expected {list(range(world))}"
+    return None
+
+
+def check_all_gather(rank: int, world: int, backend: str) -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    device = device_for(backend)
+    parts = [torch.zeros(2, device=device) for _ in range(world)]
+    dist.all_gather(parts, torch.tensor([float(rank), float(rank) * 10], device=device))
+    got = [t.cpu().tolist() for t in parts]
+    expected = [[float(r), float(r) * 10] for r in range(world)]
+    if got != expected:
+        return f"all_gather gave {got}, expected {expected}"
+    return None
+
+
+def check_sequential_gathers(rank: int, world: int, backend: str,
+                             count: int = 200) -> tuple[str | None, float]:
+    """Many small all_gathers in a row, as batch processing does; returns (error, ms per op)."""
+    import torch
+    import torch.distributed as dist
+
+    device = device_for(backend)
+    parts = [torch.zeros(4, device=device) for _ in range(world)]
+    started = time.perf_counter()
+    for step in range(count):
+        dist.all_gather(parts, torch.full((4,), float(step * world + rank), device=device))
+        # Checked on the CPU every 50th step only: a copy each step would time the copy.
+        if step % 50 == 49 or step == count - 1:
+            got = [float(t[0].item()) for t in parts]
+            if got != [float(step * world + r) for r in range(world)]:
+                return f"gather {step + 1} of {count} gave {got}", 0.0
+    _sync(backend)
+    return None, (time.perf_counter() - started) / count * 1000
+
+
+def measure_all_reduce(size_bytes: int, world: int, backend: str, warmup: int = 2,
+                       iterations: int = 5) -> Bandwidth:
+    """algbw and busbw of a float32 all_reduce of size_bytes, as nccl-tests define them."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(max(1, size_bytes // 4), dtype=torch.float32,
+                        device=device_for(backend))
+    for _ in range(warmup):
+        dist.all_reduce(tensor)
+    _sync(backend)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(tensor)
+    _sync(backend)
+    seconds = (time.perf_counter() - started) / iterations
+    algbw = size_bytes / seconds / 1e9
+    return Bandwidth(size_bytes, seconds, algbw, algbw * bus_factor(world))
+
+
+def payload_sizes(max_bytes: int) -> list[int]:
+    """1 MiB, then x16 steps, always ending at max_bytes."""
+    sizes, size = [], MB
+    while size < max_bytes:
+        sizes.append(size)
+        size *= 16
+    return [*sizes, max_bytes]
+
+
+def sampler_shard(dataset_size: int, world: int, rank: int, batch: int,
+                  seed: int = 0) -> dict[str, Any]:
+    """What this rank's DistributedSampler gives: its indices and its steps per epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dataset = range(dataset_size)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=seed)
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler)  # type: ignore[arg-type]
+    return {"indices": list(sampler), "steps": len(loader)}
+
+
+def expected_steps(dataset_size: int, world: int, batch: int) -> int:
+    """Steps per epoch per rank: ceil(M / world) samples each (the sampler pads), in batches."""
+    return math.ceil(math.ceil(dataset_size / world) / batch)
