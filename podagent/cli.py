@@ -267,6 +267,111 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
 
 
 @main.command(context_settings=CONTEXT)
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--cluster", is_flag=True,
+              help="Run the cluster check job on the running cluster instead (from any pod).")
+@click.pass_context
+def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> None:
+    """Preflight this pod: GPUs, the preset's interface, /dev/shm, open files, disk, and on a
+    worker the head's DNS and ports. Exit 0 when nothing is fatal, 1 otherwise."""
+    from podagent import preflight
+
+    settings = _build(_flags(ctx, flags))
+    try:
+        role = detect_role(settings).role
+    except (errors.ConfigError, errors.RoleConflict) as exc:
+        _fail(str(exc), exit_code(exc))
+    if cluster:
+        _check_cluster(settings, role)
+    results = preflight.run_checks(settings, role)
+    click.echo(preflight.to_json(results) if as_json else preflight.render_table(results))
+    sys.exit(1 if preflight.fatal(results) else EXIT_OK)
+
+
+def _check_cluster(settings: config.Settings, role: Role) -> None:
+    """Submit the cluster check to the running cluster's Jobs API and follow it."""
+    import time
+
+    from podagent import discovery, ray_node
+    from podagent.jobs import JobRunner
+
+    reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
+                        secrets=_secret_values())
+    signals = Signals()
+    signals.install()
+    try:
+        if role is Role.HEAD:
+            head_ip, _ = ray_node.choose_node_ip(settings, None)
+        else:
+            head_ip = discovery.HeadFinder(settings, reporter, signals).locate().ip
+        url = f"http://{head_ip}:{settings.dashboard_port}"
+        submission = time.strftime(f"{settings.run_name}-check-%H%M%S", time.gmtime())
+        log = settings.run_dir / f"{submission}.log"
+        runner = JobRunner(url, submission, reporter, log, headers=settings.auth_headers())
+        env = {}
+        if settings.reward != "none":
+            env["REMOTE_RM_URL"] = f"http://{head_ip}:{settings.reward_port}/get_reward"
+        runner.submit((sys.executable, "-m", "podagent.clustercheck"), env, None,
+                      {"podagent_check": "1"}, signals)
+        reporter.say(f"cluster check {submission} submitted to {url}")
+        status = runner.follow(signals)
+    except errors.PodagentError as exc:
+        _fail(str(exc), exit_code(exc))
+    except Exception as exc:  # the Jobs API client raises plain exceptions
+        _fail(f"the Jobs API at {head_ip}:{settings.dashboard_port} did not take the check: "
+              f"{exc}", exit_code(errors.JobSubmitFailed()))
+    sys.exit(EXIT_OK if status == "SUCCEEDED" else 1)
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})
+@dry_run_option
+@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool | None) -> None:
+    """Run torchrun on every pod with the ranks worked out: [TORCHRUN OPTIONS] [--] SCRIPT ARGS.
+
+    The head's address comes from the same discovery as the Ray path, --nnodes from the expected
+    workers, --nproc-per-node from the GPUs, and torch's c10d rendezvous at the head gives each
+    node its rank. Options you pass win over podagent's.
+    """
+    from podagent import discovery, node
+    from podagent import torchrun as torchrun_mod
+
+    if not torchrun_args:
+        _fail("podagent torchrun needs a training script: podagent torchrun [OPTIONS] -- "
+              "SCRIPT ARGS", 2)
+    settings = _build(_flags(ctx, {}))
+    try:
+        decision = detect_role(settings)
+    except (errors.ConfigError, errors.RoleConflict) as exc:
+        _fail(str(exc), exit_code(exc))
+    reporter = Reporter(decision.role.value, settings.pod_id or socket.gethostname(), None,
+                        secrets=_secret_values())
+    reporter.say(f"podagent {__version__} torchrun: this pod is the {decision.role.value} "
+                 f"({decision.reason})")
+    try:
+        if decision.role is Role.HEAD:
+            setup = node.prepare(settings, Role.HEAD, reporter)
+            head_ip = setup.node_ip
+        else:
+            where = discovery.HeadFinder(settings, reporter, Signals()).locate()
+            reporter.say(f"head found at {where.ip} ({where.how})")
+            setup = node.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
+            head_ip = where.ip
+    except errors.PodagentError as exc:
+        _fail(str(exc), exit_code(exc))
+    plan = torchrun_mod.plan(settings, decision.role, setup.node_ip, head_ip, setup.gpus,
+                             setup.nccl.variables, torchrun_args)
+    reporter.say(f"rendezvous {plan.rdzv_id} at {head_ip}:{settings.rendezvous_port}, "
+                 f"{settings.expected_workers + 1} node(s) x {setup.gpus or 1} process(es)")
+    reporter.say(f"{'would run' if _dry(ctx, dry_run) else 'exec'}: {shlex.join(plan.argv)}")
+    if _dry(ctx, dry_run):
+        sys.exit(EXIT_OK)
+    torchrun_mod.execute(plan)
+
+
+@main.command(context_settings=CONTEXT)
 def token() -> None:
     """Print a fresh random cluster token: put it in the pod template as a secret
     (PODAGENT_TOKEN) on every pod; Ray then refuses anyone without it."""

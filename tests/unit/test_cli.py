@@ -273,3 +273,43 @@ def test_dry_run_of_a_head_names_job_and_reward_server(tmp_path: Path) -> None:
     assert " start --head " in run.stdout
     assert "start reward server: builtin, then run the job: python train.py" in run.stdout
     assert not (tmp_path / "logs").exists()
+
+
+# --- podagent check and podagent torchrun (dry) ------------------------------------------------
+
+
+def test_check_exit_code_follows_fatal_results(tmp_path):
+    import json
+
+    fine = run_cli(tmp_path, ("check", "--json"), {"NCCL_SOCKET_IFNAME": "lo"})
+    assert fine.returncode == 0, fine.stderr
+    assert json.loads(fine.stdout)["ok"] is True
+    broken = run_cli(tmp_path, ("check",), {"NCCL_SOCKET_IFNAME": "nosuch0"})
+    assert broken.returncode == 1
+    assert "✗ interface" in broken.stdout and "nosuch0" in broken.stdout
+
+
+def test_check_cluster_without_a_cluster_names_the_dashboard(tmp_path):
+    closed = str(_closed_port())
+    result = run_cli(tmp_path, ("check", "--cluster"),
+                     {"PODAGENT_DASHBOARD_PORT": closed, "PODAGENT_NODE_IP": "127.0.0.1"})
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and f"127.0.0.1:{closed}" in result.stderr
+
+
+def test_torchrun_dry_run_works_out_ranks_without_node_rank(tmp_path):
+    result = run_cli(tmp_path, ("torchrun", "--dry-run", "--max-restarts", "2", "--",
+                                "train.py", "--lr", "3"),
+                     {"RUNPOD_POD_ID": "podh", "HEAD_POD_ID": "podh",
+                      "PODAGENT_NODE_IP": "127.0.0.1", "PODAGENT_NCCL_PRESET": "none"})
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stdout.splitlines() if "would run:" in x]
+    assert ("--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "
+            "127.0.0.1:29500 --rdzv-id podagent-podh --rdzv-conf is_host=1 "
+            "--local-addr 127.0.0.1 --max-restarts 2 train.py --lr 3") in line
+    assert "NODE_RANK" not in result.stdout
+
+
+def test_torchrun_without_a_script_is_bad_input(tmp_path):
+    result = run_cli(tmp_path, ("torchrun",), {})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1

@@ -1,0 +1,71 @@
+"""`podagent torchrun` on two namespaced pods: a DDP step with gloo, ranks from the rendezvous
+(nobody sets NODE_RANK), and both pods agree on the averaged gradient."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.e2e.agents import Agent, form_cluster
+
+DDP_STEP = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+ddp = DistributedDataParallel(model)  # kept referenced: its reducer syncs in backward()
+x = torch.full((8, 4), float(rank + 1))
+loss = torch.nn.functional.mse_loss(ddp(x), torch.zeros(8, 1))
+loss.backward()  # DDP averages the gradient over the ranks here
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump({"world": dist.get_world_size(), "node": int(os.environ["GROUP_RANK"]),
+               "node_rank_set": "NODE_RANK" in os.environ,
+               "master": os.environ["MASTER_ADDR"],
+               "grad": [g for p in model.parameters() for g in p.grad.flatten().tolist()]}, f)
+dist.destroy_process_group()
+"""
+
+
+def _expected_mean_gradient(world: int) -> list[float]:
+    grads = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        x = torch.full((8, 4), float(rank + 1))
+        torch.nn.functional.mse_loss(model(x), torch.zeros(8, 1)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return (sum(grads) / world).tolist()
+
+
+def test_ddp_step_over_two_pods_agrees_on_the_averaged_gradient(make_pod, dns_server, tmp_path,
+                                                                 agents):
+    script = tmp_path / "ddp_step.py"
+    script.write_text(DDP_STEP)
+    out = tmp_path / "ranks"
+    out.mkdir()
+    head, (worker,) = form_cluster(make_pod, dns_server, tmp_path, agents, workers=1)
+    argv = ("torchrun", "--", str(script), str(out))
+    pods: list[Agent] = []
+    for a in (worker, head):  # the worker first: it waits for the head's rendezvous
+        a.argv = (*a.argv, *argv)
+        pods.append(a.start())
+    codes = [a.wait_exit(180) for a in pods]
+    assert codes == [0, 0], "\n\n".join(a.output[-3000:] for a in pods)
+
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in results] == [2, 2]
+    assert sorted(r["node"] for r in results) == [0, 1]  # the rendezvous gave each node a rank
+    assert not any(r["node_rank_set"] for r in results)
+    expected = _expected_mean_gradient(2)
+    for r in results:
+        assert r["grad"] == results[0]["grad"]  # the same averaged gradient on both pods
+        assert all(abs(a - b) < 1e-6 for a, b in zip(r["grad"], expected, strict=True))
+    assert results[0]["master"] in (head.pod.ip, worker.pod.ip)
+    assert f"--rdzv-endpoint {head.pod.ip}:29500" in head.output
+    assert f"head found at {head.pod.ip}" in worker.output
+    assert "is_host=0" in worker.output and "is_host=1" in head.output
