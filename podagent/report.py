@@ -6,7 +6,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -55,6 +55,7 @@ class Reporter:
         self._lock = threading.Lock()
         self._log: TextIO | None = None
         self._events: TextIO | None = None
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self.run_dir = run_dir
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,14 +100,39 @@ class Reporter:
             return [self._redact_values(v) for v in value]
         return value
 
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Also hand each event's record, redacted, to listener (e.g. the W&B bring-up run).
+
+        A listener that raises is dropped with one warning: it never breaks podagent."""
+        with self._lock:
+            self._listeners.append(listener)
+
     def event(self, event: str, **fields: Any) -> None:
-        if not self._events:
+        if not self._events and not self._listeners:
             return
         record = {"ts": round(time.time(), 3), "pod": self.pod, "role": self.role,
                   "event": event, **fields}
         line = json.dumps(self._redact_values(record), default=str)
         with self._lock:
-            self._events.write(line + "\n")
+            if self._events:
+                self._events.write(line + "\n")
+            listeners = list(self._listeners)
+        for listener in listeners:
+            self._notify(listener, line)
+
+    def _notify(self, listener: Callable[[dict[str, Any]], None], line: str) -> None:
+        try:
+            # What events.jsonl holds, parsed afresh: one listener cannot change what the next
+            # one sees, and none sees a value the redaction did not.
+            listener(json.loads(line))
+        except Exception as exc:
+            with self._lock:
+                if listener not in self._listeners:
+                    return
+                self._listeners.remove(listener)
+            name = getattr(listener, "__qualname__", type(listener).__name__)
+            self.warn(f"event listener {name} failed and is switched off: "
+                      f"{type(exc).__name__}: {exc}")
 
     @contextmanager
     def step(self, event: str) -> Iterator[Step]:
