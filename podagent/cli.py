@@ -140,6 +140,9 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
                  f"({decision.reason}); run {settings.run_name}")
     reporter.event("role", role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__)
+    from podagent import wandb_run
+
+    bringup = wandb_run.attach(reporter, settings, decision.role)
 
     signals = Signals()
 
@@ -171,6 +174,8 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     else:
         reporter.event("exit", code=code)
     finally:
+        if bringup:
+            bringup.finish(code)
         reporter.close()
     sys.exit(code)
 
