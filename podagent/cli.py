@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -40,6 +41,7 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.AuthRefused, 13, "worker: the head's Ray refused this pod's cluster token"),
     (errors.JobSubmitFailed, 14, "head: Ray's Jobs API refused the job or did not accept it "
                                  "in time"),
+    (errors.StopTimeout, 15, "`podagent stop`: the cluster was still up when --timeout ran out"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -327,6 +329,82 @@ def _check_cluster(settings: config.Settings, role: Role) -> None:
         _fail(f"the Jobs API at {head_ip}:{settings.dashboard_port} did not take the check: "
               f"{exc}", exit_code(errors.JobSubmitFailed()))
     sys.exit(EXIT_OK if status == "SUCCEEDED" else 1)
+
+
+def _asking(ctx: click.Context, flags: dict[str, Any]) -> tuple[config.Settings, Role, Reporter]:
+    """Settings, role and a screen-only reporter for the commands that ask the cluster."""
+    # gRPC's core logs connection chatter (a GOAWAY when the head goes down) unless told not
+    # to; it reads this when first loaded, which is after this line for these commands.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    settings = _build(_flags(ctx, flags))
+    try:
+        role = detect_role(settings).role
+    except (errors.ConfigError, errors.RoleConflict) as exc:
+        _fail(str(exc), exit_code(exc))
+    reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
+                        secrets=_secret_values(), stream=sys.stderr)
+    return settings, role, reporter
+
+
+@main.command(context_settings=CONTEXT)
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--local", is_flag=True,
+              help="Only this pod: exit 0 when its podagent runs (a container HEALTHCHECK).")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None:
+    """From any pod: the head, Ray's nodes (IP, GPUs, alive), the job, the reward server."""
+    settings, role, reporter = _asking(ctx, flags)
+    from podagent import control
+
+    if local:
+        healthy, line = control.local_health(settings)
+        click.echo(line)
+        sys.exit(EXIT_OK if healthy else 1)
+    try:
+        state = control.cluster_status(settings, role, reporter)
+    except errors.PodagentError as exc:
+        _fail(str(exc), exit_code(exc))
+    click.echo(json.dumps(state, indent=2) if as_json else control.render_status(state))
+
+
+@main.command(context_settings=CONTEXT)
+@settings_options
+@click.option("--timeout", "wait", type=click.FloatRange(1, 3600), default=300.0,
+              show_default=True, help="Seconds to wait for the cluster to go down.")
+@click.pass_context
+def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
+    """From any pod: stop the job and bring the whole cluster down in order (workers leave,
+    then the head); every podagent exits 0."""
+    settings, role, reporter = _asking(ctx, flags)
+    from podagent import control
+
+    try:
+        took = control.request_stop(settings, role, reporter,
+                                    by=settings.pod_id or socket.gethostname(), timeout=wait)
+    except errors.PodagentError as exc:
+        _fail(str(exc), exit_code(exc))
+    reporter.say(f"the cluster is down ({took:.1f} s)")
+
+
+@main.command(context_settings=CONTEXT)
+@settings_options
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+@click.pass_context
+def logs(ctx: click.Context, follow: bool, **flags: Any) -> None:
+    """From any pod: the run's job log (from the head's Jobs API)."""
+    settings, role, reporter = _asking(ctx, flags)
+    from podagent import control
+
+    signals = Signals()
+    signals.install()
+    try:
+        control.follow_logs(settings, role, reporter, follow,
+                            lambda text: click.echo(text, nl=False), signals)
+    except errors.PodagentError as exc:
+        if isinstance(exc, errors.Interrupted):
+            sys.exit(exit_code(exc))
+        _fail(str(exc), exit_code(exc))
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})

@@ -71,6 +71,10 @@ class AuthRefused(PodagentError):
     """The head's Ray refused this pod's cluster token."""
 
 
+class StopTimeout(PodagentError):
+    """`podagent stop`: the cluster did not go down in time after the stop request."""
+
+
 class Interrupted(PodagentError):
     """A signal asked podagent to stop; teardown has run."""
 
