@@ -72,6 +72,10 @@ def _fail(message: str, code: int) -> None:
 def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """One option per setting, generated from config.FIELDS (strings; parsed by config)."""
     for field in reversed(config.FIELDS):
+        if field.is_flag:
+            func = click.option(field.flag, field.attr, is_flag=True, flag_value="1",
+                                default=None, help=f"{field.help} [env: {field.env}]")(func)
+            continue
         func = click.option(field.flag, field.attr, default=None, metavar="VALUE",
                             help=f"{field.help} [env: {field.env}]")(func)
     return func
@@ -99,7 +103,8 @@ def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
     """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
     from podagent import node, ray_node
 
-    reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values())
+    reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values(),
+                        log_format=settings.log_format, quiet=settings.quiet)
     reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}); "
                  f"run {settings.run_name}, logs in {settings.run_dir}")
     if decision.role is Role.WORKER:
@@ -137,7 +142,8 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
         _dry_run(settings, decision)
         sys.exit(EXIT_OK)
     pod = settings.pod_id or socket.gethostname()
-    reporter = Reporter(decision.role.value, pod, settings.run_dir, secrets=_secret_values())
+    reporter = Reporter(decision.role.value, pod, settings.run_dir, secrets=_secret_values(),
+                        log_format=settings.log_format, quiet=settings.quiet)
     reporter.say(f"podagent {__version__}: this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     reporter.event("role", role=decision.role.value, reason=decision.reason,
@@ -304,7 +310,8 @@ def _check_cluster(settings: config.Settings, role: Role) -> None:
     from podagent.jobs import JobRunner
 
     reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values())
+                        secrets=_secret_values(), log_format=settings.log_format,
+                        quiet=settings.quiet)
     signals = Signals()
     signals.install()
     try:
@@ -342,7 +349,8 @@ def _asking(ctx: click.Context, flags: dict[str, Any]) -> tuple[config.Settings,
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
     reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(), stream=sys.stderr)
+                        secrets=_secret_values(), stream=sys.stderr,
+                        log_format=settings.log_format, quiet=settings.quiet)
     return settings, role, reporter
 
 
@@ -430,7 +438,8 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
     reporter = Reporter(decision.role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values())
+                        secrets=_secret_values(), log_format=settings.log_format,
+                        quiet=settings.quiet)
     reporter.say(f"podagent {__version__} torchrun: this pod is the {decision.role.value} "
                  f"({decision.reason})")
     try:

@@ -40,7 +40,14 @@ class Step:
         self.message, self.fields = message, fields
 
 
+LOG_FORMATS = ("text", "json")
+LIVE_INTERVAL = 0.5  # seconds between rewrites of a live progress line
+
+
 class Reporter:
+    """podagent's own lines: on screen (text or JSON, all or --quiet), in the pod's log file
+    (always all, as text), and events in events.jsonl."""
+
     def __init__(
         self,
         role: str,
@@ -48,10 +55,17 @@ class Reporter:
         run_dir: Path | None,
         secrets: Iterable[str] = (),
         stream: TextIO | None = None,
+        log_format: str = "text",
+        quiet: bool = False,
     ):
         self.role, self.pod = role, pod
         self.redact = Redactor(secrets)
         self.stream = stream or sys.stdout
+        self.log_format, self.quiet = log_format, quiet
+        # A live, rewritten progress line only for a person at a terminal; log collectors and
+        # files get plain periodic lines instead.
+        self.live = log_format == "text" and not quiet and _is_terminal(self.stream)
+        self._live_shown = False
         self._lock = threading.Lock()
         self._log: TextIO | None = None
         self._events: TextIO | None = None
@@ -64,31 +78,71 @@ class Reporter:
             self._events = open(run_dir / "events.jsonl", "a", buffering=1)
 
     def close(self) -> None:
+        with self._lock:
+            self._clear_live()
         for f in (self._log, self._events):
             if f:
                 f.close()
         self._log = self._events = None
 
-    def _write(self, text: str, stream: TextIO) -> None:
-        text = self.redact(text)
+    def _clear_live(self) -> None:
+        if self._live_shown:
+            self.stream.write("\r\x1b[2K")
+            self._live_shown = False
+
+    def _write(self, level: str, message: str, stream: TextIO) -> None:
+        """level: info, warning, error, or job (a line of the job's own output)."""
+        message = self.redact(message)
+        if level == "job":
+            text = message
+        else:
+            label = {"warning": "WARNING: ", "error": "ERROR: "}.get(level, "")
+            text = f"[{self.role}] {label}{message}"
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        # --quiet keeps what needs a person: warnings, errors and the job's own output.
+        shown = not (self.quiet and level == "info")
+        if shown and self.log_format == "json":
+            text_out = json.dumps({"ts": stamp, "level": level, "role": self.role,
+                                   "pod": self.pod, "message": message})
+        else:
+            text_out = text
         with self._lock:
-            print(text, file=stream, flush=True)
+            if shown:
+                if stream is self.stream:
+                    self._clear_live()
+                print(text_out, file=stream, flush=True)
             if self._log:
                 self._log.write(f"{stamp} {text}\n")
 
     def say(self, message: str) -> None:
-        self._write(f"[{self.role}] {message}", self.stream)
+        self._write("info", message, self.stream)
 
     def warn(self, message: str) -> None:
-        self._write(f"[{self.role}] WARNING: {message}", self.stream)
+        self._write("warning", message, self.stream)
 
     def error(self, message: str) -> None:
-        self._write(f"[{self.role}] ERROR: {message}", sys.stderr)
+        self._write("error", message, sys.stderr)
 
     def raw(self, text: str) -> None:
         """A line of someone else's output (the job's), passed through as it is."""
-        self._write(text, self.stream)
+        self._write("job", text, self.stream)
+
+    def log_only(self, message: str) -> None:
+        """A line for the pod's log file but not the screen (the live line showed it)."""
+        if self._log:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            with self._lock:
+                self._log.write(f"{stamp} {self.redact(f'[{self.role}] {message}')}\n")
+
+    def live_line(self, message: str) -> None:
+        """Rewrite the terminal's last line (a wait in progress); nothing when not live."""
+        if not self.live:
+            return
+        text = self.redact(f"[{self.role}] {message}")
+        with self._lock:
+            self.stream.write(f"\r\x1b[2K{text}")
+            self.stream.flush()
+            self._live_shown = True
 
     def _redact_values(self, value: Any) -> Any:
         # Before serialising: JSON escapes quotes and non-ASCII, which would hide a secret.
@@ -150,14 +204,29 @@ class Reporter:
 
 
 class Progress:
-    """Rate-limited 'still waiting' lines for long waits."""
+    """Long waits: a live line on a terminal (every call), and plain 'still waiting' lines
+    every `every` seconds otherwise (and always in the pod's log file)."""
 
     def __init__(self, reporter: Reporter, every: float = 5.0):
         self.reporter, self.every = reporter, every
         self._next = time.monotonic() + every
+        self._next_live = 0.0
 
     def __call__(self, message: str) -> None:
         now = time.monotonic()
+        if self.reporter.live and now >= self._next_live:
+            self._next_live = now + LIVE_INTERVAL
+            self.reporter.live_line(message)
         if now >= self._next:
             self._next = now + self.every
-            self.reporter.say(message)
+            if self.reporter.live:
+                self.reporter.log_only(message)
+            else:
+                self.reporter.say(message)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed or not a real file
+        return False

@@ -314,3 +314,17 @@ def test_torchrun_dry_run_works_out_ranks_without_node_rank(tmp_path):
 def test_torchrun_without_a_script_is_bad_input(tmp_path):
     result = run_cli(tmp_path, ("torchrun",), {})
     assert result.returncode == 2 and result.stderr.count("\n") == 1
+
+
+def test_log_format_json_and_quiet_through_the_cli(tmp_path):
+    import json
+
+    shown = run_cli(tmp_path, ("--log-format", "json", "head", "--dry-run"), {})
+    assert shown.returncode == 0, shown.stderr
+    records = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert records and all(r["level"] == "info" and r["role"] == "head" for r in records)
+    quiet = run_cli(tmp_path, ("head", "--dry-run", "--quiet"), {})
+    assert quiet.returncode == 0 and quiet.stdout == "", quiet.stdout
+    bad = run_cli(tmp_path, ("--dry-run",), {"PODAGENT_LOG_FORMAT": "xml"})
+    assert bad.returncode == 2 and "PODAGENT_LOG_FORMAT='xml' must be one of text, json" in (
+        bad.stderr)
