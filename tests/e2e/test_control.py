@@ -1,4 +1,5 @@
-"""`podagent status`, `logs` and `stop` from a worker pod of a running three-pod cluster."""
+"""`podagent status`, `logs`, `check --cluster` and `stop` from a worker pod of a running
+three-pod cluster."""
 
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     assert logs.returncode == 0 and "training" in logs.stdout, logs.stdout + logs.stderr
     health = ask("status", "--local")
     assert health.returncode == 0 and "podagent runs" in health.stdout, health.stdout
+
+    # The cluster check, submitted to the running cluster from the worker beside the job.
+    checked = ask("check", "--cluster", timeout=240)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert "check: 3 ranks on 3 nodes, backend gloo" in checked.stdout
+    assert "check: ALL CHECKS PASSED" in checked.stdout
 
     stopped = ask("stop", timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
