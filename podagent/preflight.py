@@ -256,16 +256,16 @@ def check_shm(path: str = "/dev/shm", ram: int | None = None) -> CheckResult:
     return CheckResult(name, Status.OK, detail)
 
 
-def check_nofile() -> CheckResult:
+def check_nofile(wanted: int = NOFILE_WANTED) -> CheckResult:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     detail = f"open files: soft limit {soft}, hard {shown}"
-    if soft != resource.RLIM_INFINITY and soft < NOFILE_WANTED:
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         return CheckResult(
             "nofile", Status.WARN,
-            f"{detail}; below {NOFILE_WANTED} Ray and NCCL can run out of sockets and files",
-            f"run `ulimit -n {NOFILE_WANTED}` before podagent, or raise the container's nofile "
-            f"limit (docker run --ulimit nofile={NOFILE_WANTED}:{NOFILE_WANTED})")
+            f"{detail}; below {wanted} Ray and NCCL can run out of sockets and files",
+            f"run `ulimit -n {wanted}` before podagent, or raise the container's nofile "
+            f"limit (docker run --ulimit nofile={wanted}:{wanted})")
     return CheckResult("nofile", Status.OK, detail)
 
 
