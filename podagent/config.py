@@ -183,6 +183,7 @@ class Field:
     help: str
     default: Any = None
     default_doc: str = ""
+    is_flag: bool = False  # the CLI option takes no value and means "1"
 
 
 FIELDS: tuple[Field, ...] = (
@@ -274,6 +275,16 @@ FIELDS: tuple[Field, ...] = (
           default=("--load_checkpoint",), default_doc="--load_checkpoint"),
     Field("rendezvous_port", "PODAGENT_RENDEZVOUS_PORT", "--rendezvous-port", port,
           "Port of torch's c10d rendezvous on the head (`podagent torchrun`).", default=29500),
+    Field("log_format", "PODAGENT_LOG_FORMAT", "--log-format", choice("text", "json"),
+          "Screen output: text, or json (one object per line, for log collectors); the pod's "
+          "log file stays text.", default="text"),
+    Field("quiet", "PODAGENT_QUIET", "--quiet", zero_one,
+          "Show only warnings, errors and the job's own output (the variable: 1).",
+          default=False, is_flag=True),
+    Field("listen", "PODAGENT_LISTEN", "--listen", choice("private", "all"),
+          "Where the head's dashboard (Jobs API) and reward server listen: private (this "
+          "pod's cluster address) or all (0.0.0.0: every interface; use a cluster token).",
+          default="private"),
 )
 
 FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
@@ -317,6 +328,11 @@ class Settings:
     resume: str = "auto"
     resume_flag: tuple[str, ...] = ("--load_checkpoint",)
     rendezvous_port: int = 29500
+    log_format: str = "text"
+    quiet: bool = False
+    listen: str = "private"
+    # The cluster token read from the file RAY_AUTH_TOKEN_PATH names (read once, at build).
+    token_from_file: str | None = field(default=None, repr=False)
     # The process environment as it was at start (user variables win over presets).
     environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # Where each setting came from: "flag", "env" or "default".
@@ -328,15 +344,16 @@ class Settings:
 
     @property
     def auth_token(self) -> str | None:
-        """The cluster token (RAY_AUTH_TOKEN, or PODAGENT_TOKEN mapped onto it).
+        """The cluster token: RAY_AUTH_TOKEN, or PODAGENT_TOKEN mapped onto it, or the content
+        of the file RAY_AUTH_TOKEN_PATH names (Ray's own way to keep it out of environments).
 
-        Environment only, never a flag: a secret must not appear on a command line.
+        Never a flag: a secret must not appear on a command line.
         """
         for name in TOKEN_VARIABLES:
             value = self.environ.get(name, "").strip()
             if value:
                 return value
-        return None
+        return self.token_from_file
 
     def auth_headers(self) -> dict[str, str]:
         token = self.auth_token
@@ -435,7 +452,8 @@ def build(
             values[f.attr] = f.default
 
     settings = Settings(
-        **values, environ=MappingProxyType(env), sources=MappingProxyType(sources)
+        **values, environ=MappingProxyType(env), sources=MappingProxyType(sources),
+        token_from_file=_read_token_file(env),
     )
     _check_relations(settings)
     _check_token(settings)
@@ -443,19 +461,49 @@ def build(
 
 
 TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN")
+TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"  # Ray's own: a file that holds the token
+TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
+
+
+def _valid_token(value: str) -> bool:
+    return len(value) >= 16 and not any(c.isspace() for c in value) and value.isprintable()
+
+
+def _read_token_file(env: Mapping[str, str]) -> str | None:
+    """The token in the file RAY_AUTH_TOKEN_PATH names, read once; errors name the variable,
+    the path and the rule, never the content."""
+    raw = env.get(TOKEN_PATH_VARIABLE, "").strip()
+    if not raw:
+        return None
+    try:
+        # A token file is tiny; reading a few KiB at most keeps a wrong path (a device, a
+        # huge log) from hanging or flooding podagent.
+        with open(raw, "rb") as f:
+            content = f.read(4096)
+        value = content.decode().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
+        raise ConfigError(TOKEN_PATH_VARIABLE, raw,
+                          f"must name a readable file that holds the cluster token ({why})"
+                          ) from None
+    if not _valid_token(value):
+        raise ConfigError(TOKEN_PATH_VARIABLE, raw, f"must name a file that holds {TOKEN_RULE}")
+    return value
 
 
 def _check_token(s: Settings) -> None:
     # Values are never shown: the message names the variable and the rule only.
     given = {n: s.environ[n].strip() for n in TOKEN_VARIABLES if s.environ.get(n, "").strip()}
     for name, value in given.items():
-        if len(value) < 16 or any(c.isspace() for c in value) or not value.isprintable():
-            raise ConfigError(name, REDACTED_VALUE,
-                              "must be at least 16 printable characters without spaces "
-                              "(`podagent token` makes one)")
+        if not _valid_token(value):
+            raise ConfigError(name, REDACTED_VALUE, f"must be {TOKEN_RULE}")
     if len(set(given.values())) > 1:
         raise ConfigError("PODAGENT_TOKEN", REDACTED_VALUE,
                           "must equal RAY_AUTH_TOKEN when both are set")
+    if s.token_from_file and given and s.token_from_file not in given.values():
+        raise ConfigError(TOKEN_PATH_VARIABLE, s.environ[TOKEN_PATH_VARIABLE].strip(),
+                          f"must name a file holding the same token as {', '.join(given)} "
+                          f"when both are set")
 
 
 def _check_relations(s: Settings) -> None:

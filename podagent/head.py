@@ -27,7 +27,7 @@ from podagent.config import Settings, is_secret
 from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.jobs import JobRunner
-from podagent.lifecycle import Lifecycle
+from podagent.lifecycle import EndRequested, Lifecycle
 from podagent.report import Progress, Reporter
 from podagent.reward import RewardServer
 from podagent.roles import Role, RoleDecision
@@ -38,14 +38,21 @@ NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at 
 WATCH_INTERVAL = 1.0  # while the job runs: own Ray health and node losses
 OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
 PROBE_MAX_WAIT = 0.1  # readiness probes of local ports: a refused connection costs nothing
+STOP_POLL = 1.0  # a stop request is looked for at most this often (one tiny KV read)
+STOP_LOOK_TIMEOUT = 0.5
+REATTACH_PROBE_TIMEOUT = 15.0  # a live Ray's Jobs API gets this long to say what job it runs
+LIVE_JOB = ("PENDING", "RUNNING")
 
 
 class HeadState(str, enum.Enum):
     """PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
     -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE.
 
-    The reward server loads while the workers join. Any state may raise (an error or a
-    signal); teardown then runs from `finally`.
+    The reward server loads while the workers join. Re-attaching (CLEANING finds this pod's Ray
+    still running this run's job) skips STARTING_RAY: the reward server is kept if it answers,
+    the workers are counted, not awaited, and SUBMITTING finds the job and follows it.
+    Any state may raise (an error or a signal) or end on a stop request; teardown then runs
+    from `finally`.
     """
     PREPARING = "preparing"
     CLEANING = "cleaning"
@@ -63,18 +70,22 @@ class Head(Lifecycle[HeadState]):
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
-        super().__init__(settings, decision, reporter, signals)
+        # Every wait of the head sleeps through this: it also ends on a stop request.
+        super().__init__(settings, decision, reporter, _Waits(signals, self._look_for_stop))
         self.setup: node.NodeSetup | None = None
         self.gcs: GcsClient | None = None
         self.job: JobRunner | None = None
         self.reward: RewardServer | None = None
         self._jobs_api: concurrent.futures.Future[JobRunner] | None = None
+        self._closing = threading.Event()
         self._raylet: psutil.Process | None = None
         self.job_status: str | None = None
         self.workers: dict[str, NodeInfo] = {}
         self.lost: set[str] = set()
         self._next_watch = 0.0
         self._unhealthy_since: float | None = None
+        self._next_stop_look = 0.0
+        self._stop_seen = False
 
     def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
         return {
@@ -96,23 +107,108 @@ class Head(Lifecycle[HeadState]):
 
     def _clean(self) -> HeadState:
         assert self.setup
-        if not self.s.auth_token and not self.setup.node_ip.startswith("127."):
-            # An open Jobs API is remote code execution for anyone who reaches it
-            # (CVE-2023-48022).
-            self.reporter.warn(
-                f"NO CLUSTER TOKEN: the Ray dashboard and Jobs API on {self.setup.node_ip}:"
-                f"{self.s.dashboard_port} will run jobs for anyone who can reach them; set "
-                f"PODAGENT_TOKEN on every pod (`podagent token` makes one)")
-            self.reporter.event("auth_off", dashboard=f"{self.setup.node_ip}:"
-                                                     f"{self.s.dashboard_port}")
+        self._warn_exposure()
+        if self._reattach():
+            return HeadState.STARTING_REWARD
         node.clean_stale_ray(self.s, self.reporter)
         # Ray's dashboard agent (its default port): without it the Jobs API accepts no job.
-        ports = [self.s.ray_port, self.s.dashboard_port, ray_node.DASHBOARD_AGENT_PORT]
+        # The dashboard and the reward server are checked where they will listen (with
+        # PODAGENT_LISTEN=all, a holder on any address of the port is in the way).
+        node_ip, listen = self.setup.node_ip, ray_node.listen_address(self.s, self.setup.node_ip)
+        ports = [(node_ip, self.s.ray_port), (listen, self.s.dashboard_port),
+                 (node_ip, ray_node.DASHBOARD_AGENT_PORT)]
         if self.s.reward != "none":
-            ports.append(self.s.reward_port)
-        for port in ports:
-            ray_node.check_port_free(self.setup.node_ip, port)
+            ports.append((listen, self.s.reward_port))
+        for address, port in ports:
+            ray_node.check_port_free(address, port)
         return HeadState.STARTING_RAY
+
+    def _warn_exposure(self) -> None:
+        """Say loudly who can reach the dashboard (and so run code here) and the reward server."""
+        assert self.setup
+        listen = ray_node.listen_address(self.s, self.setup.node_ip)
+        dashboard = f"{listen}:{self.s.dashboard_port}"
+        if self.s.listen == "all":
+            reward = ("" if self.s.reward == "none"
+                      else f" and the reward server on port {self.s.reward_port}")
+            if self.s.auth_token:
+                self.reporter.say(f"PODAGENT_LISTEN=all: the dashboard{reward} listen on every "
+                                  f"interface ({dashboard}); the Jobs API asks for the token, "
+                                  f"the reward server asks for nothing")
+            else:
+                self.reporter.warn(
+                    f"PODAGENT_LISTEN=all WITHOUT A CLUSTER TOKEN: the Ray dashboard{reward} "
+                    f"listen on EVERY interface of this pod ({dashboard}), public ones too: "
+                    f"anyone who reaches port {self.s.dashboard_port} can run any code here. "
+                    f"Set PODAGENT_TOKEN on every pod, or use PODAGENT_LISTEN=private")
+            self.reporter.event("listen_all", dashboard=dashboard, token=bool(self.s.auth_token))
+        if not self.s.auth_token and not listen.startswith("127."):
+            # An open Jobs API is remote code execution for anyone who reaches it
+            # (CVE-2023-48022).
+            if self.s.listen != "all":  # that warning said it already, louder
+                self.reporter.warn(
+                    f"NO CLUSTER TOKEN: the Ray dashboard and Jobs API on {dashboard} will run "
+                    f"jobs for anyone who can reach them; set PODAGENT_TOKEN on every pod "
+                    f"(`podagent token` makes one)")
+            self.reporter.event("auth_off", dashboard=dashboard)
+
+    def _reattach(self) -> bool:
+        """This pod's Ray still runs this run's job (an earlier podagent of the run died and
+        its Ray lived on): adopt both instead of cleaning up, so the job is never submitted
+        twice. Needs the run name set explicitly; anything else is cleaned as a stale Ray."""
+        if self.s.sources.get("run_name", "default") == "default":
+            return False  # a generated name never matches an earlier podagent's job
+        gcs = GcsClient(self.address, metadata=self.s.grpc_metadata())
+        try:
+            gcs.check_alive(timeout=2.0)
+        except GcsUnavailable:  # no Ray here, or one of another cluster (another token)
+            gcs.close()
+            return False
+        status = self._live_job_status()
+        if status not in LIVE_JOB:
+            gcs.close()
+            self.reporter.say(f"a Ray from an earlier run answers at {self.address} without a "
+                              f"running job {self.s.run_name} ({status}): cleaning it up")
+            return False
+        self.gcs, self.adopted_ray = gcs, True
+        self.reporter.say(f"re-attaching: this pod's Ray at {self.address} still runs job "
+                          f"{self.s.run_name} ({status}); following it, not submitting again")
+        self.reporter.event("reattached", address=self.address, job_status=status)
+        # Ray's modules are imported here, before the Jobs API thread imports them too: two
+        # threads importing Ray at once can see a partly initialised module (ImportError).
+        _preload_ray_clients()
+        self._jobs_api = concurrent.futures.ThreadPoolExecutor(1, "jobs-api").submit(
+            self._connect_jobs_api)
+        return True
+
+    def _live_job_status(self) -> str:
+        """This run's job status in the Jobs API on this pod ('no such job', 'no answer: ...')."""
+        url = f"{self.dashboard_url}/api/jobs/{self.s.run_name}"
+        last = {"answer": "no answer"}
+
+        def attempt() -> str:
+            try:
+                reply = requests.get(url, timeout=5.0, headers=self.s.auth_headers())
+            except requests.RequestException as exc:
+                last["answer"] = f"the Jobs API does not answer: {exc}"
+                raise _NotReady(str(exc)) from None
+            if reply.status_code == 404:
+                return "no such job"
+            if reply.status_code >= 400:
+                return f"the Jobs API answered HTTP {reply.status_code}"
+            try:
+                return str(reply.json()["status"])
+            except (ValueError, KeyError, TypeError):
+                return "the Jobs API's answer has no status"
+
+        try:
+            # A dashboard busy for a moment must not get its job killed: retry a little.
+            return Retrying(stop=stop_after_delay(REATTACH_PROBE_TIMEOUT),
+                            wait=wait_exponential(multiplier=0.2, max=2.0),
+                            retry=retry_if_exception_type(_NotReady), sleep=self.signals.sleep,
+                            reraise=True)(attempt)
+        except _NotReady:
+            return last["answer"]
 
     @property
     def address(self) -> str:
@@ -142,13 +238,19 @@ class Head(Lifecycle[HeadState]):
         return HeadState.STARTING_REWARD
 
     def _connect_jobs_api(self) -> JobRunner:
-        self._probe_until(self._dashboard_answers, "the dashboard's /api/version", time.sleep)
+        self._probe_until(self._dashboard_answers, "the dashboard's /api/version",
+                          self._sleep_unless_closing)
         try:
             return JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
                              self.s.run_dir / "job.log", headers=self.s.auth_headers())
         except Exception as exc:  # Ray's client raises plain exceptions of several kinds
             raise RayStartError(f"the Jobs API at {self.dashboard_url} refused a client: "
                                 f"{exc}") from None
+
+    def _sleep_unless_closing(self, seconds: float) -> None:
+        # The background probe must end with the run: Python joins its thread at exit.
+        if self._closing.wait(seconds):
+            raise RayStartError("the head is closing the run")
 
     def _gcs_answers(self) -> None:
         assert self.gcs
@@ -200,6 +302,15 @@ class Head(Lifecycle[HeadState]):
             return HeadState.WAITING_WORKERS
         self.reward = RewardServer(self.s, self.setup.node_ip, self.s.run_dir, self.reporter,
                                    self.setup.nccl.variables)
+        if self.adopted_ray and self.reward.adopt():
+            if self.reward.adopted:
+                self.reporter.say(f"{self.reward.label} still answers at {self.reward.url} "
+                                  f"(pid {self.reward.adopted.pid}): keeping it")
+            else:
+                self.reporter.warn(f"{self.reward.label} still answers at {self.reward.url}, "
+                                   f"but its process is not visible from here: keeping it; "
+                                   f"podagent cannot stop it at the end")
+            return HeadState.WAITING_WORKERS
         self.reward.start()
         self.reporter.say(f"{self.reward.label} starting for {self.reward.url} "
                           f"(log: {self.reward.process.log_path})")
@@ -230,7 +341,24 @@ class Head(Lifecycle[HeadState]):
             raise RayStartError(f"this pod's Ray GCS stopped answering: {exc}") from None
         return [n for n in nodes if n.alive and not n.is_head]
 
+    def _count_workers(self) -> HeadState:
+        """On re-attach: the job runs already, so the workers are counted, never awaited."""
+        expected = self.s.expected_workers
+        self.workers = {w.node_id: w for w in self._alive_workers()}
+        for worker in self.workers.values():
+            self.reporter.say(f"worker still joined: {worker.ip} ({worker.gpus:g} GPUs)")
+        counted = f"{len(self.workers)} of {expected} expected worker(s) alive in the node table"
+        if len(self.workers) < expected:
+            self.reporter.warn(f"re-attached with {counted}; following the job anyway")
+        else:
+            self.reporter.say(f"re-attached: {counted}")
+        self.reporter.event("workers_counted", workers=len(self.workers), expected=expected,
+                            ips=sorted(w.ip for w in self.workers.values()))
+        return HeadState.WAITING_REWARD
+
     def _wait_workers(self) -> HeadState:
+        if self.adopted_ray:
+            return self._count_workers()
         expected = self.s.expected_workers
         if expected == 0:
             self.reporter.say("no workers expected: a single-node cluster")
@@ -321,15 +449,26 @@ class Head(Lifecycle[HeadState]):
     def _submit(self) -> HeadState:
         runner = self._await_jobs_api()
         with self.reporter.step("job_submitted") as step:
-            entrypoint = self._entrypoint()
+            # Re-attached: the job runs already (no resume flag to work out, nothing to send).
+            entrypoint = (self._entrypoint() if not self.adopted_ray else
+                          self.s.job or (sys.executable, "-m", "podagent.clustercheck"))
             new = runner.submit(entrypoint, self._job_env(), self.s.working_dir,
                                 {"podagent_run": self.s.run_name}, self.signals)
             self.job = runner  # from here on, teardown stops it
+            if not new:
+                self._set_aside_job_log()
             what = "submitted" if new else "already running: following it"
             label = "the built-in cluster check" if not self.s.job else " ".join(entrypoint)
             step.done(f"job {self.s.run_name} {what} ({label})", submission_id=self.s.run_name,
                       new=new)
         return HeadState.RUNNING
+
+    def _set_aside_job_log(self) -> None:
+        """Following a job again streams its log from the start: the earlier podagent's copy
+        (a prefix of it) is kept beside, so job.log holds the job's output exactly once."""
+        job_log = self.s.run_dir / "job.log"
+        if job_log.exists() and job_log.stat().st_size:
+            job_log.replace(self.s.run_dir / "job-before-reattach.log")
 
     def _follow(self) -> HeadState:
         assert self.job
@@ -350,7 +489,8 @@ class Head(Lifecycle[HeadState]):
         self._next_watch = now + WATCH_INTERVAL
         try:
             self.gcs.check_alive(timeout=WATCH_INTERVAL)
-            self._raylet = self._raylet or ray_node.RayNode.find_raylet()
+            self._raylet = self._raylet or ray_node.RayNode.find_raylet(
+                adopted_from=self.s.ray_temp_dir, adopted=self.adopted_ray)
             raylet_ok = self._raylet is not None and ray_node.RayNode.running(self._raylet)
             problem = "" if raylet_ok else "this pod's raylet exited"
             alive: set[str] | None = {n.node_id for n in self._alive_workers()}
@@ -365,12 +505,20 @@ class Head(Lifecycle[HeadState]):
         for node_id, worker in self.workers.items():
             if alive is not None and node_id not in alive and node_id not in self.lost:
                 self.lost.add(node_id)
-                self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran")
-                self.reporter.event("worker_lost", ip=worker.ip, node_id=node_id)
+                # Ray marks a node dead after its health checks fail (ray_node.HEALTH_CHECK_ENV:
+                # seconds, not a minute); the job decides whether it can go on without it.
+                now_s = time.time()
+                at = time.strftime("%H:%M:%S", time.gmtime(now_s))
+                self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran "
+                                   f"(Ray marked its node dead; noticed {at} UTC); the job "
+                                   f"decides whether it goes on")
+                self.reporter.event("worker_lost", ip=worker.ip, node_id=node_id,
+                                    at=round(now_s, 3))
 
     # --- teardown ------------------------------------------------------------------------------
 
     def _teardown(self, outcome: str) -> None:
+        self._closing.set()
         # With this pod's Ray dead there is no job to stop and nobody to tell: just clean up.
         ray_dead = outcome == RayDied.__name__
         if self.job and self.job_status is None and not ray_dead:
@@ -380,6 +528,7 @@ class Head(Lifecycle[HeadState]):
                                    f"did not confirm it (Ray is stopped next either way)")
             else:
                 self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
+                self.job_status = status  # the workers' closing announcement carries it
             self.reporter.event("job_stopped", status=status)
         if self.reward:
             self.reward.stop()
@@ -420,6 +569,73 @@ class Head(Lifecycle[HeadState]):
                         retry_error_callback=lambda state: state.outcome.result())(remaining)
         if left:
             self.reporter.warn(f"{left} worker(s) still connected; stopping Ray anyway")
+
+    # --- a stop request (`podagent stop`) --------------------------------------------------------
+
+    def _look_for_stop(self) -> None:
+        """Called from every wait: at most once a second, one KV read; raises EndRequested."""
+        if self.gcs is None or self._stop_seen:
+            return
+        now = time.monotonic()
+        if now < self._next_stop_look:
+            return
+        self._next_stop_look = now + STOP_POLL
+        try:
+            raw = self.gcs.kv_get(node.KV_NAMESPACE, node.KV_STOP_REQUEST,
+                                  timeout=STOP_LOOK_TIMEOUT)
+        except GcsUnavailable:
+            return  # the GCS is watched elsewhere; a stop request needs one that answers
+        if raw is None:
+            return
+        self._stop_seen = True
+        by, at = _parse_stop_request(raw)
+        when = f" at {time.strftime('%H:%M:%S', time.gmtime(at))} UTC" if at else ""
+        self.reporter.say(f"stop requested by {by}{when}: ending the run in order (job, "
+                          f"workers, Ray)")
+        self.reporter.event("stop_requested", by=by, at=at)
+        raise EndRequested("StopRequested", f"stop requested by {by}")
+
+
+def _parse_stop_request(raw: bytes) -> tuple[str, float | None]:
+    """(who asked, when); a request that is not the expected JSON still stops the run."""
+    try:
+        request = json.loads(raw)
+    except ValueError:
+        return "an unnamed pod", None
+    if not isinstance(request, dict):
+        return "an unnamed pod", None
+    by = str(request.get("by") or "an unnamed pod")[:100]
+    at = request.get("at")
+    # Epoch seconds up to the year 5000; anything else is not a time (and would not format).
+    valid = isinstance(at, (int, float)) and not isinstance(at, bool) and 0 < at < 95e9
+    return by, float(at) if valid else None
+
+
+class _Waits(Signals):
+    """The head's view of Signals: every check and sleep also looks for a stop request."""
+
+    def __init__(self, signals: Signals, look: Callable[[], None]):  # no super(): a view
+        self._inner, self._look = signals, look
+
+    @property  # type: ignore[override]
+    def received(self) -> int | None:
+        return self._inner.received
+
+    @property  # type: ignore[override]
+    def event(self) -> threading.Event:
+        return self._inner.event
+
+    def install(self, on_second: Callable[[int], None] | None = None) -> None:
+        self._inner.install(on_second)
+
+    def check(self) -> None:
+        self._inner.check()
+        self._look()
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.check()
+        self._look()
+        self._inner.sleep(seconds)
 
 
 class _NotReady(Exception):

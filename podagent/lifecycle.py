@@ -18,6 +18,15 @@ from podagent.waiting import Signals
 State = TypeVar("State", bound=enum.Enum)
 
 
+class EndRequested(Exception):
+    """An orderly end asked for from outside (e.g. `podagent stop`): teardown runs as for any
+    ending, and the run counts as a success (exit 0), not as an error or a signal."""
+
+    def __init__(self, outcome: str, message: str):
+        self.outcome = outcome
+        super().__init__(message)
+
+
 class Lifecycle(Generic[State]):
     """Subclasses name their first and last state, map each other state to a handler that
     returns the next one, and implement `_teardown(outcome)`."""
@@ -31,6 +40,9 @@ class Lifecycle(Generic[State]):
         self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
         self.state: State = self.FIRST  # type: ignore[assignment]
         self.started = time.monotonic()
+        # True once this podagent took over a Ray an earlier podagent of the run started: its
+        # daemons are no longer our descendants, so stopping them means finding them.
+        self.adopted_ray = False
 
     def handlers(self) -> dict[State, Callable[[], State]]:
         raise NotImplementedError
@@ -44,6 +56,8 @@ class Lifecycle(Generic[State]):
                 self.reporter.event("state", state=self.state.value)
                 self.state = handlers[self.state]()
             outcome = self.SUCCESS
+        except EndRequested as exc:
+            outcome = exc.outcome
         except PodagentError as exc:
             outcome = type(exc).__name__
             raise
@@ -58,7 +72,8 @@ class Lifecycle(Generic[State]):
         timeout = self.s.stop_timeout
         if gcs_gone:
             timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
-        termed, killed = ray_node.RayNode.stop(timeout)
+        termed, killed = ray_node.RayNode.stop(timeout, adopted_from=self.s.ray_temp_dir,
+                                               adopted=self.adopted_ray)
         if termed or killed:
             extra = f", {killed} needed SIGKILL" if killed else ""
             self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")

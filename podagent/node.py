@@ -11,6 +11,8 @@ from podagent.roles import Role
 
 KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"  # the head's announcement that it is closing the cluster
+# A request to end the run in order (`podagent stop`): JSON {"by": "<pod>", "at": <epoch s>}.
+KV_STOP_REQUEST = "stop_request"
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,30 @@ def choose_node_ip(settings: Settings, head_ip: str | None,
     return "127.0.0.1", "no other address on this pod"
 
 
+ALL_INTERFACES = "0.0.0.0"
+
+# How fast the head's GCS declares a worker node dead (Ray 2.60, ray_config_def.h; read by the
+# gcs_server from RAY_<name>). Ray's defaults (a check every 3 s, 10 s timeout, 5 failures)
+# let a SIGKILLed worker look alive for ~15 s, and a pod that vanished from the network (its
+# checks time out instead of being refused) for ~65 s. The GCS checks each raylet with gRPC's
+# standard health service, answered by the raylet's gRPC threads rather than its busy main
+# loop, and checks run one after another: a node is dead after `failure_threshold` failures in
+# a row, each failure taking `timeout` (or less when refused) plus `period`. With these values
+# a killed node is dead after ~4 s, a vanished one after ~12 s; a live node is marked dead only
+# if four checks in a row each go unanswered for 2 s (~12 s without a CPU slice for its gRPC
+# threads), which a busy two-core pod does not come near. A user's own RAY_health_check_* wins.
+HEALTH_CHECK_ENV = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "4",
+}
+
+
+def listen_address(settings: Settings, node_ip: str) -> str:
+    """Where the head's dashboard and reward server listen (PODAGENT_LISTEN)."""
+    return ALL_INTERFACES if settings.listen == "all" else node_ip
+
+
 @dataclass(frozen=True)
 class RayPlan:
     """Everything needed to start this pod's Ray node; built once, shown, then run."""
@@ -86,8 +110,11 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
          nccl_vars: Mapping[str, str], head_ip: str | None = None) -> RayPlan:
     argv = [ray_executable(), "start"]
     if role is Role.HEAD:
+        # The dashboard runs jobs for whoever reaches it: only on the cluster-private address
+        # unless PODAGENT_LISTEN=all asks for every interface.
         argv += ["--head", "--port", str(settings.ray_port),
-                 "--dashboard-host", node_ip, "--dashboard-port", str(settings.dashboard_port),
+                 "--dashboard-host", listen_address(settings, node_ip),
+                 "--dashboard-port", str(settings.dashboard_port),
                  "--include-dashboard", "true"]
     else:
         argv += ["--address", f"{head_ip}:{settings.ray_port}"]
@@ -95,6 +122,8 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
     if settings.ray_temp_dir:
         argv += ["--temp-dir", settings.ray_temp_dir]
     env = dict(nccl_vars)
+    if role is Role.HEAD:
+        env.update({k: v for k, v in HEALTH_CHECK_ENV.items() if k not in settings.environ})
     if settings.auth_token:
         # Ray >= 2.52: the GCS, dashboard and Jobs API then refuse anyone without the token.
         env["RAY_AUTH_MODE"] = "token"
@@ -156,9 +185,16 @@ class RayNode:
         return process.log_tail(self.log_path, lines)
 
     @staticmethod
-    def find_raylet() -> psutil.Process | None:
-        """This pod's raylet (one scan of the process table; then watch it by pid)."""
-        for proc in process.descendants():
+    def find_raylet(adopted_from: str | None = None, adopted: bool = False
+                    ) -> psutil.Process | None:
+        """This pod's raylet (one scan of the process table; then watch it by pid).
+
+        A Ray adopted from an earlier podagent is not our descendant: it is found among this
+        pod's Ray processes (those of the Ray temp dir `adopted_from`, if one is set).
+        """
+        procs = (process.pod_ray_processes(adopted_from) if adopted
+                 else process.descendants())
+        for proc in procs:
             with contextlib.suppress(psutil.Error):
                 if proc.name() == "raylet" and proc.status() != psutil.STATUS_ZOMBIE:
                     return proc
@@ -172,12 +208,34 @@ class RayNode:
             return False
 
     @staticmethod
-    def stop(timeout: float) -> tuple[int, int]:
-        """Every process this podagent started (Ray's daemons, drivers, workers).
+    def stop(timeout: float, adopted_from: str | None = None,
+             adopted: bool = False) -> tuple[int, int]:
+        """Every process this podagent started (Ray's daemons, drivers, workers), and with
+        `adopted` also the Ray an earlier podagent of this run started on this pod.
 
         Order matters: a raylet that gets SIGTERM while its GCS still runs exits at once and
         takes its workers and agents along; signalled all together, raylet and GCS each wait
         for the other and needed SIGKILL after the deadline (measured: 0.8 s vs 10 s).
         """
-        return process.stop_in_phases(RAY_STOP_ORDER, timeout)
+        if not adopted:
+            return process.stop_in_phases(RAY_STOP_ORDER, timeout, candidates=_stoppable)
 
+        def candidates() -> list[psutil.Process]:
+            found = {p.pid: p for p in _stoppable()}
+            found.update({p.pid: p for p in process.pod_ray_processes(adopted_from)})
+            return list(found.values())
+
+        return process.stop_in_phases(RAY_STOP_ORDER, timeout, candidates=candidates)
+
+
+def _stoppable() -> list[psutil.Process]:
+    """Our descendants but W&B's service: the bring-up run logs the teardown and the exit code
+    through it, and stops it itself when it finishes (wandb_run.BringupRun.finish)."""
+
+    def is_wandb_service(proc: psutil.Process) -> bool:
+        try:
+            return proc.name() == "wandb-core"
+        except psutil.Error:
+            return False
+
+    return [p for p in process.descendants() if not is_wandb_service(p)]

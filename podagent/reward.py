@@ -6,6 +6,7 @@ Trainers run on every node, so the URL they get is the head's cluster address, n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -13,12 +14,14 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
 import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from podagent import ray_node
 from podagent.config import Settings
 from podagent.errors import RewardServerFailed, RewardServerTimeout
-from podagent.process import ManagedProcess
+from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
 from podagent.waiting import Signals
 
@@ -32,23 +35,44 @@ PROBE_TIMEOUT = 30.0  # a busy server answering trainers may be slow: slow is no
 SUPERVISE_INTERVAL = 5.0
 FAILED_PROBES_BEFORE_RESTART = 3
 TAIL_LINES = 30
+ADOPTED_EXIT_UNKNOWN = -1000  # an adopted server's exit status cannot be read (not our child)
 
 
 class _NotYet(Exception):
     pass
 
 
+def _listener(port: int) -> psutil.Process | None:
+    """The process that listens on `port` in this network namespace (the oldest, if a server
+    forked workers that share its socket)."""
+    with contextlib.suppress(psutil.Error, OSError):
+        pids = {c.pid for c in psutil.net_connections(kind="tcp")
+                if c.pid and c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+        procs = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
+        roots = [p for p in procs if p.ppid() not in pids]
+        return min(roots or procs, key=lambda p: p.create_time(), default=None)
+    return None
+
+
 class RewardServer:
     def __init__(self, settings: Settings, host_ip: str, run_dir: Path, reporter: Reporter,
                  env: Mapping[str, str]):
         self.s, self.host_ip, self.reporter = settings, host_ip, reporter
+        # Trainers call the cluster address; the server listens there only, unless
+        # PODAGENT_LISTEN=all opens every interface.
         self.url = f"http://{host_ip}:{settings.reward_port}/get_reward"
+        self.listen_host = ray_node.listen_address(settings, host_ip)
         argv = settings.reward_cmd if settings.reward == "cmd" else (
             sys.executable, "-m", "podagent.rewards",
-            "--host", host_ip, "--port", str(settings.reward_port))
-        env = {**os.environ, **env, "PODAGENT_REWARD_HOST": host_ip,
+            "--host", self.listen_host, "--port", str(settings.reward_port))
+        env = {**os.environ, **env, "PODAGENT_REWARD_HOST": self.listen_host,
                "PODAGENT_REWARD_PORT": str(settings.reward_port)}
         self.process = ManagedProcess("reward", tuple(argv or ()), env, run_dir / "reward.log")
+        # A server an earlier podagent of this run started, kept on re-attach (not our child).
+        self.adopted: psutil.Process | None = None
         self.restarts = 0
         self.failure: RewardServerFailed | None = None
         self._stop = threading.Event()
@@ -61,13 +85,38 @@ class RewardServer:
     def start(self) -> None:
         self.process.start()
 
+    def adopt(self) -> bool:
+        """Keep a server that still answers a real request (an earlier podagent of this run
+        started it and it outlived that podagent). False when nothing answers."""
+        try:
+            self.probe(timeout=10.0)
+        except (requests.RequestException, ValueError):
+            return False
+        self.adopted = _listener(self.s.reward_port)
+        return True
+
     def exited(self) -> int | None:
+        if self.adopted is not None:
+            # Not our child: its exit status is not ours to read.
+            return None if ray_node.RayNode.running(self.adopted) else ADOPTED_EXIT_UNKNOWN
         return self.process.poll()
+
+    def _exit_text(self, code: int) -> str:
+        return "exited" if code == ADOPTED_EXIT_UNKNOWN else f"exited with code {code}"
 
     def died_error(self, code: int, when: str) -> RewardServerFailed:
         return RewardServerFailed(
-            f"{self.label} exited with code {code} {when}; last lines of "
+            f"{self.label} {self._exit_text(code)} {when}; last lines of "
             f"{self.process.log_path}:\n{self.process.tail(TAIL_LINES)}")
+
+    def _stop_process(self) -> None:
+        if self.adopted is not None:
+            tree = [self.adopted]
+            with contextlib.suppress(psutil.Error):
+                tree += self.adopted.children(recursive=True)
+            stop_processes(tree, self.s.stop_timeout)
+            self.adopted = None
+        self.process.stop(self.s.stop_timeout)
 
     def probe(self, timeout: float = PROBE_TIMEOUT) -> None:
         """One real protocol request: 200, JSON, one numeric reward per query."""
@@ -137,7 +186,7 @@ class RewardServer:
                     failed_probes, loading_until = 0, 0.0
                     continue
             else:
-                why = f"exited with code {code}"
+                why = self._exit_text(code)
             failed_probes = 0
             if not self._restart(why):
                 return
@@ -156,7 +205,7 @@ class RewardServer:
         self.reporter.error(f"{self.label} {why}: restarting it in {backoff:g} s "
                             f"(restart {self.restarts} of {self.s.reward_restarts})")
         self.reporter.event("reward_restart", why=why, restart=self.restarts)
-        self.process.stop(self.s.stop_timeout)
+        self._stop_process()
         if self._stop.wait(backoff):
             return False
         self.process.start()
@@ -166,4 +215,4 @@ class RewardServer:
         self._stop.set()
         if self._supervisor:
             self._supervisor.join(timeout=self.s.stop_timeout + PROBE_TIMEOUT)
-        self.process.stop(self.s.stop_timeout)
+        self._stop_process()

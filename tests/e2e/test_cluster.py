@@ -138,15 +138,26 @@ def _no_secret_in_output_or_logs(root: Path, *agents: Agent) -> None:
 
 
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
-    """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s."""
+    """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s;
+    every pod's checkpoint dir and logs survive."""
     grace = 10.0
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
+                                       "WANDB_MODE": "offline",
                                        **SECRETS},
                              worker_env=SECRETS)
+    checkpoints = {}
+    for a in (head, *workers):
+        # A checkpoint the job wrote before the fault (on a real pod: the network volume).
+        saved = tmp_path / "checkpoints" / a.pod.name / "global_step10" / "model.pt"
+        saved.parent.mkdir(parents=True)
+        saved.write_bytes(b"weights")
+        checkpoints[a.pod.name] = saved
+        a.env["PODAGENT_CHECKPOINT_DIR"] = str(saved.parent.parent)
     for a in (head, *workers):
         a.start()
-    head.wait_output("training", timeout=FORM_TIMEOUT)
+    # The job's own line, not the submission line that shows its command.
+    head.wait_output("\ntraining\n", timeout=FORM_TIMEOUT)
     for w in workers:
         w.wait_output("watching the head", timeout=30)
     _worker_gets_rewards_from_the_head(head, workers[0])
@@ -161,6 +172,14 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
         assert "has been unreachable" in w.output
         assert w.pod.pids() == [], f"{w.pod.name} left processes behind: {w.pod.pids()}"
     _no_secret_in_output_or_logs(tmp_path, head, *workers)
+    for a in (head, *workers):
+        assert checkpoints[a.pod.name].read_bytes() == b"weights", a.pod.name
+        run_dir = tmp_path / a.pod.name / "e2e"
+        role = "head" if a is head else "worker"
+        assert (run_dir / f"podagent-{role}-{a.pod.pod_id}.log").stat().st_size > 0
+        assert (run_dir / "events.jsonl").stat().st_size > 0
+    assert "training" in (tmp_path / "head" / "e2e" / "job.log").read_text()
+    assert "resuming: " in head.output  # the head saw the checkpoint (PODAGENT_RESUME=auto)
 
 
 def test_worker_with_a_wrong_token_is_refused_and_never_joins(make_pod, dns_server, tmp_path,

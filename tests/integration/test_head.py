@@ -32,7 +32,7 @@ def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-# --- 1. the built-in cluster check ------------------------------------------------------------------
+# --- 1. the built-in cluster check ---------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

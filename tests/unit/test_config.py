@@ -413,3 +413,83 @@ def test_token_goes_to_ray_through_the_environment_never_argv():
     assert plan.env_overrides["RAY_AUTH_MODE"] == "token"
     assert plan.env_overrides["RAY_AUTH_TOKEN"] == token
     assert not any(token in word for word in plan.argv)
+
+
+# --- RAY_AUTH_TOKEN_PATH: Ray's own token file --------------------------------------------------
+
+
+def test_token_from_ray_auth_token_path(tmp_path):
+    token = "f1le-" + "t" * 30
+    path = tmp_path / "token"
+    path.write_text(token + "\n")  # an editor's trailing newline is not part of the token
+    s = build({"RAY_AUTH_TOKEN_PATH": str(path)})
+    assert s.auth_token == token
+    assert s.auth_headers() == {"Authorization": f"Bearer {token}"}
+    path.write_text("changed-" + "x" * 30)
+    assert s.auth_token == token  # read once, at build
+    assert token not in repr(s)
+
+
+def test_environment_token_and_the_same_file_token_agree(tmp_path):
+    token = "s4me-" + "t" * 30
+    path = tmp_path / "token"
+    path.write_text(token)
+    assert build({"RAY_AUTH_TOKEN_PATH": str(path), "PODAGENT_TOKEN": token}).auth_token == token
+
+
+def test_a_file_token_that_differs_from_the_environment_is_refused(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("a" * 32)
+    with pytest.raises(ConfigError) as info:
+        build({"RAY_AUTH_TOKEN_PATH": str(path), "PODAGENT_TOKEN": "b" * 32})
+    message = str(info.value)
+    assert message.startswith(f"RAY_AUTH_TOKEN_PATH='{path}' must name a file holding the same")
+    assert "a" * 32 not in message and "b" * 32 not in message
+
+
+def test_a_missing_token_file_names_the_variable_and_the_rule(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError) as info:
+        build({"RAY_AUTH_TOKEN_PATH": str(missing)})
+    assert str(info.value) == (f"RAY_AUTH_TOKEN_PATH='{missing}' must name a readable file "
+                               f"that holds the cluster token (No such file or directory)")
+
+
+@pytest.mark.parametrize("content", ["short", "has a space in it, so no", "", "\t" * 20,
+                                     "x" * 15])
+def test_a_bad_token_file_is_refused_without_showing_its_content(tmp_path, content):
+    path = tmp_path / "token"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        build({"RAY_AUTH_TOKEN_PATH": str(path)})
+    message = str(info.value)
+    assert message.startswith(f"RAY_AUTH_TOKEN_PATH='{path}' must name a file that holds at "
+                              f"least 16 printable characters")
+    if content.strip():
+        assert content not in message
+
+
+def test_a_token_file_that_is_a_directory_or_not_text_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="must name a readable file"):
+        build({"RAY_AUTH_TOKEN_PATH": str(tmp_path)})
+    binary = tmp_path / "bin"
+    binary.write_bytes(b"\xff\xfe" * 20)
+    with pytest.raises(ConfigError, match=r"must name a readable file .* \(not text\)"):
+        build({"RAY_AUTH_TOKEN_PATH": str(binary)})
+
+
+def test_token_file_goes_to_ray_as_the_token(tmp_path):
+    from podagent import ray_node
+    from podagent.roles import Role
+
+    path = tmp_path / "token"
+    path.write_text("d" * 40)
+    plan = ray_node.plan(build({"RAY_AUTH_TOKEN_PATH": str(path)}), Role.HEAD, "10.0.0.1", 0, {})
+    assert plan.env_overrides["RAY_AUTH_MODE"] == "token"
+    assert plan.env_overrides["RAY_AUTH_TOKEN"] == "d" * 40
+    assert not any("d" * 40 in word for word in plan.argv)
+
+
+def test_listen_defaults_to_private():
+    assert build().listen == "private"
+    assert build({"PODAGENT_LISTEN": "all"}).listen == "all"

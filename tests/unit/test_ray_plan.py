@@ -38,7 +38,8 @@ def test_head_plan():
     assert "--address" not in argv
     assert "--temp-dir" not in argv
     assert all(isinstance(word, str) for word in argv)
-    assert dict(p.env_overrides) == {"NCCL_SOCKET_IFNAME": "podnet1"}
+    assert dict(p.env_overrides) == {"NCCL_SOCKET_IFNAME": "podnet1",
+                                     **ray_node.HEALTH_CHECK_ENV}
 
 
 def test_head_plan_uses_the_configured_ports_and_temp_dir():
@@ -82,6 +83,50 @@ def test_without_debug_ray_neither(role, debug):
     p = ray_node.plan(settings(**env), role, "10.0.0.5", 0, {}, head_ip="10.0.0.1")
     assert "RAY_DEBUG" not in p.env_overrides
     assert "--ray-debugger-external" not in p.argv
+
+
+# --- listen addresses and node-loss detection -------------------------------------------------
+
+@pytest.mark.parametrize("env", [{}, {"PODAGENT_LISTEN": "private"}])
+def test_dashboard_listens_on_the_private_address_by_default(env):
+    argv = ray_node.plan(settings(**env), Role.HEAD, "10.0.0.5", 0, {}).argv
+    assert after(argv, "--dashboard-host") == "10.0.0.5"
+    assert "0.0.0.0" not in argv
+
+
+def test_listen_all_opens_the_dashboard_on_every_interface():
+    s = settings(PODAGENT_LISTEN="all")
+    argv = ray_node.plan(s, Role.HEAD, "10.0.0.5", 0, {}).argv
+    assert after(argv, "--dashboard-host") == "0.0.0.0"
+    assert after(argv, "--node-ip-address") == "10.0.0.5"  # Ray's own address stays private
+    assert ray_node.listen_address(s, "10.0.0.5") == "0.0.0.0"
+    assert ray_node.listen_address(settings(), "10.0.0.5") == "10.0.0.5"
+
+
+def test_listen_rejects_anything_else():
+    with pytest.raises(config.ConfigError, match="PODAGENT_LISTEN='public' must be one of"):
+        settings(PODAGENT_LISTEN="public")
+
+
+def test_head_gets_faster_health_checks_and_workers_do_not_need_them():
+    head = ray_node.plan(settings(), Role.HEAD, "10.0.0.5", 0, {}).env_overrides
+    worker = ray_node.plan(settings(), Role.WORKER, "10.0.0.6", 0, {},
+                           head_ip="10.0.0.5").env_overrides
+    for name, value in ray_node.HEALTH_CHECK_ENV.items():
+        assert head[name] == value
+        assert name not in worker  # the GCS (on the head) runs the checks
+    period, timeout, threshold = (int(ray_node.HEALTH_CHECK_ENV[f"RAY_health_check_{n}"])
+                                  for n in ("period_ms", "timeout_ms", "failure_threshold"))
+    # A pod gone from the network (every check times out) is dead within the 15 s the head
+    # promises; a live one must miss several checks in a row first.
+    assert threshold * (timeout + period) <= 13_000 and threshold >= 3
+
+
+def test_users_own_health_check_setting_wins():
+    s = settings(RAY_health_check_period_ms="3000")
+    env = ray_node.plan(s, Role.HEAD, "10.0.0.5", 0, {}).env_overrides
+    assert "RAY_health_check_period_ms" not in env  # inherited from the user's environment
+    assert env["RAY_health_check_failure_threshold"] == "4"
 
 
 # --- detect_gpus --------------------------------------------------------------------------------
