@@ -95,15 +95,18 @@ def _build(flags: dict[str, str | None], job_argv: tuple[str, ...] | None = None
         _fail(str(exc), exit_code(exc))
 
 
-def _secret_values() -> list[str]:
-    return [v for k, v in os.environ.items() if config.is_secret(k) and v]
+def _secret_values(settings: config.Settings) -> list[str]:
+    """What the output must never show: secret variables' values, and the cluster token, which
+    may come from a file (RAY_AUTH_TOKEN_PATH) rather than the environment."""
+    values = [v for k, v in os.environ.items() if config.is_secret(k) and v]
+    return [*values, settings.auth_token] if settings.auth_token else values
 
 
 def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
     """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
     from podagent import node, ray_node
 
-    reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values(),
+    reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values(settings),
                         log_format=settings.log_format, quiet=settings.quiet)
     reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}); "
                  f"run {settings.run_name}, logs in {settings.run_dir}")
@@ -142,8 +145,9 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
         _dry_run(settings, decision)
         sys.exit(EXIT_OK)
     pod = settings.pod_id or socket.gethostname()
-    reporter = Reporter(decision.role.value, pod, settings.run_dir, secrets=_secret_values(),
-                        log_format=settings.log_format, quiet=settings.quiet)
+    reporter = Reporter(decision.role.value, pod, settings.run_dir,
+                        secrets=_secret_values(settings), log_format=settings.log_format,
+                        quiet=settings.quiet)
     reporter.say(f"podagent {__version__}: this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     reporter.event("role", role=decision.role.value, reason=decision.reason,
@@ -310,7 +314,7 @@ def _check_cluster(settings: config.Settings, role: Role) -> None:
     from podagent.jobs import JobRunner
 
     reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(), log_format=settings.log_format,
+                        secrets=_secret_values(settings), log_format=settings.log_format,
                         quiet=settings.quiet)
     signals = Signals()
     signals.install()
@@ -349,7 +353,7 @@ def _asking(ctx: click.Context, flags: dict[str, Any]) -> tuple[config.Settings,
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
     reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(), stream=sys.stderr,
+                        secrets=_secret_values(settings), stream=sys.stderr,
                         log_format=settings.log_format, quiet=settings.quiet)
     return settings, role, reporter
 
@@ -438,7 +442,7 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
     reporter = Reporter(decision.role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(), log_format=settings.log_format,
+                        secrets=_secret_values(settings), log_format=settings.log_format,
                         quiet=settings.quiet)
     reporter.say(f"podagent {__version__} torchrun: this pod is the {decision.role.value} "
                  f"({decision.reason})")

@@ -328,3 +328,16 @@ def test_log_format_json_and_quiet_through_the_cli(tmp_path):
     bad = run_cli(tmp_path, ("--dry-run",), {"PODAGENT_LOG_FORMAT": "xml"})
     assert bad.returncode == 2 and "PODAGENT_LOG_FORMAT='xml' must be one of text, json" in (
         bad.stderr)
+
+
+def test_a_token_from_ray_auth_token_path_is_redacted_too(tmp_path):
+    token = "tokenfromfile-" + "7" * 24
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    result = run_cli(tmp_path, ("head", "--dry-run"),
+                     {"RAY_AUTH_TOKEN_PATH": str(path),
+                      "PODAGENT_JOB": f"python train.py --note {token}"})
+    assert result.returncode == 0, result.stderr
+    assert "RAY_AUTH_TOKEN=<redacted>" in result.stdout
+    assert "--note <redacted>" in result.stdout
+    assert token not in result.stdout + result.stderr
