@@ -902,8 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="bound on each run in seconds (default 300)")
     parser.add_argument("--head-loss-workers", type=parse_ints, default=[1, 2],
                         help="N for the head-loss runs (default 1,2)")
-    parser.add_argument("--head-loss-grace", type=parse_floats, default=[10.0, 5.0],
-                        help="PODAGENT_HEAD_GRACE values for the head-loss runs (default 10,5)")
+    parser.add_argument("--head-loss-grace", type=parse_floats, default=[8.0, 5.0],
+                        help="PODAGENT_HEAD_GRACE values for the head-loss runs (default 8,5)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="print and rewrite DIR/results.md from DIR/results.json; run nothing")
     args = parser.parse_args(argv)
@@ -911,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(args.report)
     if args.quick:
         args.workers, args.runs = [1], 1
-        args.head_loss_workers, args.head_loss_grace = [1], [10.0]
+        args.head_loss_workers, args.head_loss_grace = [1], [8.0]
     if os.geteuid() != 0 or shutil.which("ip") is None:
         parser.error("needs root and iproute2's `ip` (pods are network namespaces)")
 

@@ -15,7 +15,7 @@ end-to-end tests and bench/bringup.py):
 
 Needs root and iproute2. Run from the repository root with the project's virtual environment:
 
-    python bench/failover.py [--runs 3] [--grace 10,5] [--baseline-cap 120] [--out DIR]
+    python bench/failover.py [--runs 3] [--grace 8,5] [--baseline-cap 120] [--out DIR]
 """
 
 from __future__ import annotations
@@ -409,8 +409,8 @@ def parse_methods(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per method (default 3)")
-    parser.add_argument("--grace", type=parse_floats, default=[10.0, 5.0],
-                        help="PODAGENT_HEAD_GRACE values for podagent's head loss (default 10,5)")
+    parser.add_argument("--grace", type=parse_floats, default=[8.0, 5.0],
+                        help="PODAGENT_HEAD_GRACE values for podagent's head loss (default 8,5)")
     parser.add_argument("--baseline-cap", type=float, default=120.0,
                         help="longest wait for plain Ray to react, in seconds (default 120)")
     parser.add_argument("--methods", type=parse_methods, default=list(METHODS),

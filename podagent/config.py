@@ -230,7 +230,7 @@ FIELDS: tuple[Field, ...] = (
           "Seconds a worker waits to find the head and join it.", default=600.0),
     Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
           "Seconds a joined worker tolerates an unreachable head before it leaves.",
-          default=10.0),
+          default=8.0),
     Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
           "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
     Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
@@ -310,7 +310,7 @@ class Settings:
     num_gpus: int | None = None
     worker_timeout: float = 600.0
     head_timeout: float = 600.0
-    head_grace: float = 10.0
+    head_grace: float = 8.0
     stop_timeout: float = 10.0
     nccl_preset: str = "auto"
     run_name: str = "podagent"

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from podagent import config
 from tests.e2e.agents import Agent, form_cluster
 from tests.e2e.pods import wait_for
 
@@ -140,7 +141,7 @@ def _no_secret_in_output_or_logs(root: Path, *agents: Agent) -> None:
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
     """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s;
     every pod's checkpoint dir and logs survive."""
-    grace = 10.0
+    grace = config.FIELD_BY_ATTR["head_grace"].default  # the default: not set here
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
                                        "WANDB_MODE": "offline",
