@@ -960,7 +960,13 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(load_min=min((x[0] for x in loads), default=0.0),
                 load_max=max((x[0] for x in loads), default=0.0),
                 foreign_max=max((r.foreign_raylets for r in runs), default=0))
-    report = render(runs, args, meta)
+    write_results(outdir, render(runs, args, meta), meta, args, runs)
+    return 0 if runs and all(r.ok for r in runs) else 1
+
+
+def write_results(outdir: Path, report: str, meta: dict, args: argparse.Namespace,
+                  runs: list) -> None:
+    """The table on screen and in results.md; every run's figures in results.json."""
     print("\n" + report, flush=True)
     (outdir / "results.md").write_text(report + "\n")
     (outdir / "results.json").write_text(json.dumps(
@@ -968,7 +974,6 @@ def main(argv: list[str] | None = None) -> int:
                                 for k, v in vars(args).items()},
          "runs": [asdict(r) for r in runs]}, indent=2) + "\n")
     print(f"\nbench: wrote {outdir / 'results.md'} and {outdir / 'results.json'}", flush=True)
-    return 0 if runs and all(r.ok for r in runs) else 1
 
 
 if __name__ == "__main__":

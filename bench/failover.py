@@ -463,14 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loads = [r.load_before[0] for r in runs if r.load_before]
     meta.update(load_min=min(loads, default=0.0), load_max=max(loads, default=0.0))
-    report = render(runs, args, meta)
-    print("\n" + report, flush=True)
-    (outdir / "results.md").write_text(report + "\n")
-    (outdir / "results.json").write_text(json.dumps(
-        {"meta": meta, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                for k, v in vars(args).items()},
-         "runs": [asdict(r) for r in runs]}, indent=2) + "\n")
-    print(f"\nbench: wrote {outdir / 'results.md'} and {outdir / 'results.json'}", flush=True)
+    bringup.write_results(outdir, render(runs, args, meta), meta, args, runs)
     return 0 if runs and all(r.ok for r in runs) else 1
 
 

@@ -11,7 +11,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import click
 import psutil
@@ -292,37 +292,28 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
 def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> None:
     """Preflight this pod: GPUs, the preset's interface, /dev/shm, open files, disk, and on a
     worker the head's DNS and ports. Exit 0 when nothing is fatal, 1 otherwise."""
+    settings, role, reporter = _asking(ctx, flags, stream=sys.stdout)
+    if cluster:
+        _check_cluster(settings, role, reporter)
     from podagent import preflight
 
-    settings = _build(_flags(ctx, flags))
-    try:
-        role = detect_role(settings).role
-    except (errors.ConfigError, errors.RoleConflict) as exc:
-        _fail(str(exc), exit_code(exc))
-    if cluster:
-        _check_cluster(settings, role)
     results = preflight.run_checks(settings, role)
     click.echo(preflight.to_json(results) if as_json else preflight.render_table(results))
     sys.exit(1 if preflight.fatal(results) else EXIT_OK)
 
 
-def _check_cluster(settings: config.Settings, role: Role) -> None:
+def _check_cluster(settings: config.Settings, role: Role, reporter: Reporter) -> None:
     """Submit the cluster check to the running cluster's Jobs API and follow it."""
     import time
 
-    from podagent import discovery, ray_node
+    from podagent import control
     from podagent.jobs import JobRunner
 
-    reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(settings), log_format=settings.log_format,
-                        quiet=settings.quiet)
     signals = Signals()
     signals.install()
+    head_ip = "the head"
     try:
-        if role is Role.HEAD:
-            head_ip, _ = ray_node.choose_node_ip(settings, None)
-        else:
-            head_ip = discovery.HeadFinder(settings, reporter, signals).locate().ip
+        head_ip = control.head_ip(settings, role, reporter)
         url = f"http://{head_ip}:{settings.dashboard_port}"
         submission = time.strftime(f"{settings.run_name}-check-%H%M%S", time.gmtime())
         log = settings.run_dir / f"{submission}.log"
@@ -342,7 +333,8 @@ def _check_cluster(settings: config.Settings, role: Role) -> None:
     sys.exit(EXIT_OK if status == "SUCCEEDED" else 1)
 
 
-def _asking(ctx: click.Context, flags: dict[str, Any]) -> tuple[config.Settings, Role, Reporter]:
+def _asking(ctx: click.Context, flags: dict[str, Any], stream: TextIO | None = None
+            ) -> tuple[config.Settings, Role, Reporter]:
     """Settings, role and a screen-only reporter for the commands that ask the cluster."""
     # gRPC's core logs connection chatter (a GOAWAY when the head goes down) unless told not
     # to; it reads this when first loaded, which is after this line for these commands.
@@ -353,7 +345,7 @@ def _asking(ctx: click.Context, flags: dict[str, Any]) -> tuple[config.Settings,
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
     reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(settings), stream=sys.stderr,
+                        secrets=_secret_values(settings), stream=stream or sys.stderr,
                         log_format=settings.log_format, quiet=settings.quiet)
     return settings, role, reporter
 
