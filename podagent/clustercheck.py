@@ -71,12 +71,8 @@ def plan_ranks(nodes: Sequence[Mapping[str, Any]], backend: str | None = None
 
 def transports(nccl_log: str) -> list[str]:
     """The transports NCCL reports in its debug output, e.g. ['NET/Socket'] or ['P2P/CUMEM']."""
-    seen = Counter()
-    for via in _VIA.findall(nccl_log):
-        seen["/".join(via.split("/")[:2])] += 1
-    if not seen:
-        seen.update(f"NET/{name}" for name in _NETWORK.findall(nccl_log))
-    return sorted(seen)
+    seen = {"/".join(via.split("/")[:2]) for via in _VIA.findall(nccl_log)}
+    return sorted(seen or {f"NET/{name}" for name in _NETWORK.findall(nccl_log)})
 
 
 def sampler_report(shards: Mapping[int, Sequence[int]], dataset_size: int) -> str | None:

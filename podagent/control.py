@@ -29,6 +29,7 @@ from podagent.waiting import Signals
 HTTP_TIMEOUT = 5.0
 LOOKUP_TIMEOUT = 10.0  # status and stop are interactive: find the head quickly or say so
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+FOLLOW_SILENCE = 30.0  # `logs --follow` gives up on a Jobs API silent this long
 
 
 def head_ip(settings: Settings, role: Role, reporter: Reporter) -> str:
@@ -43,15 +44,20 @@ def _dashboard(settings: Settings, ip: str) -> str:
     return f"http://{ip}:{settings.dashboard_port}"
 
 
+class JobsApiSilent(Exception):
+    """The head's Jobs API did not answer (or not with a job list)."""
+
+
 def run_job(settings: Settings, ip: str) -> dict[str, Any] | None:
-    """The newest job that podagent submitted for a run (its metadata names the run)."""
+    """The newest job that podagent submitted for a run (its metadata names the run); None
+    when there is none yet. Raises JobsApiSilent when the dashboard does not answer."""
+    url = f"{_dashboard(settings, ip)}/api/jobs/"
     try:
-        reply = requests.get(f"{_dashboard(settings, ip)}/api/jobs/", timeout=HTTP_TIMEOUT,
-                             headers=settings.auth_headers())
+        reply = requests.get(url, timeout=HTTP_TIMEOUT, headers=settings.auth_headers())
         reply.raise_for_status()
         jobs = reply.json()
-    except (requests.RequestException, ValueError):
-        return None
+    except (requests.RequestException, ValueError) as exc:
+        raise JobsApiSilent(f"the Jobs API at {url} does not answer: {exc}") from None
     ours = [j for j in jobs if (j.get("metadata") or {}).get("podagent_run")]
     return max(ours, key=lambda j: j.get("start_time") or 0, default=None)
 
@@ -79,7 +85,10 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter) -> dict[s
     finally:
         gcs.close()
     head = next((n for n in nodes if n.is_head), None)
-    job = run_job(settings, ip)
+    try:
+        job, jobs_api = run_job(settings, ip), "answers"
+    except JobsApiSilent as exc:
+        job, jobs_api = None, str(exc)
     return {
         "role": role.value,
         "head": {"ip": ip, "ray": f"{ip}:{settings.ray_port}",
@@ -88,6 +97,7 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter) -> dict[s
         "run_state": json.loads(state) if state else {"state": "running"},
         "nodes": [{"ip": n.ip, "head": n.is_head, "alive": n.alive, "gpus": n.gpus,
                    "cpus": n.cpus} for n in sorted(nodes, key=lambda n: (not n.is_head, n.ip))],
+        "jobs_api": jobs_api,
         "job": None if job is None else {
             "submission_id": job.get("submission_id"), "status": job.get("status"),
             "entrypoint": job.get("entrypoint"), "run": job["metadata"]["podagent_run"]},
@@ -107,8 +117,12 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"  {n['ip']:<15} {'head  ' if n['head'] else 'worker'} "
                      f"{'alive' if n['alive'] else 'dead '} {n['gpus']:g} GPUs")
     job = status["job"]
-    lines.append(f"job: {job['submission_id']} {job['status']} ({job['entrypoint']})" if job
-                 else "job: none submitted yet")
+    if job:
+        lines.append(f"job: {job['submission_id']} {job['status']} ({job['entrypoint']})")
+    elif status["jobs_api"] != "answers":
+        lines.append(f"job: unknown ({status['jobs_api']})")
+    else:
+        lines.append("job: none submitted yet")
     reward = status["reward"]
     lines.append(f"reward server: {reward['state']}" + (f" at {reward['url']}"
                                                         if reward.get("url") else ""))
@@ -156,23 +170,32 @@ def follow_logs(settings: Settings, role: Role, reporter: Reporter, follow: bool
     """Print the run's job log; with follow, keep printing until the job ends. Returns its
     status (None when there is no job yet)."""
     ip = head_ip(settings, role, reporter)
-    job = run_job(settings, ip)
+    try:
+        job = run_job(settings, ip)
+    except JobsApiSilent as exc:
+        raise HeadUnreachable(str(exc)) from None
     if job is None:
         raise HeadUnreachable(f"no podagent job on the Jobs API at {_dashboard(settings, ip)} "
-                              f"(not submitted yet, or the dashboard does not answer)")
+                              f"yet")
     url = f"{_dashboard(settings, ip)}/api/jobs/{job['submission_id']}"
     shown = 0
     status = job.get("status")
+    silent_since: float | None = None
     while True:
         try:
             logs = requests.get(f"{url}/logs", timeout=HTTP_TIMEOUT,
                                 headers=settings.auth_headers()).json().get("logs", "")
             status = requests.get(url, timeout=HTTP_TIMEOUT,
                                   headers=settings.auth_headers()).json().get("status", status)
-        except (requests.RequestException, ValueError):
-            if not follow:
-                raise HeadUnreachable(f"the Jobs API at {url} does not answer") from None
-            logs = ""  # the head may be busy; the next poll catches up
+            silent_since = None
+        except (requests.RequestException, ValueError) as exc:
+            # A busy head is waited for, a head that is gone is not.
+            silent_since = silent_since or time.monotonic()
+            if not follow or time.monotonic() - silent_since > FOLLOW_SILENCE:
+                raise HeadUnreachable(f"the Jobs API at {url} does not answer "
+                                      f"({type(exc).__name__}); last job status {status}"
+                                      ) from None
+            logs = ""
         if len(logs) > shown:
             write(logs[shown:])
             shown = len(logs)
