@@ -26,6 +26,8 @@ EXIT_OK = 0
 EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.ConfigError, 2, "bad input: a setting is invalid (the line names it)"),
     (errors.RoleConflict, 2, "bad input: role variables contradict each other"),
+    (errors.MissingDependency, 2, "bad input: an optional part this run needs is not installed "
+                                  "(the line names the extra, or torch)"),
     (errors.JobFailed, 3, "the job failed"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
     (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time"),

@@ -16,6 +16,11 @@ class ConfigError(PodagentError):
         super().__init__(f"{name}={shown} {rule}")
 
 
+class MissingDependency(PodagentError):
+    """An optional part of podagent (an extra, or the image's torch) is not installed; raised
+    before podagent touches anything. The message names what to install."""
+
+
 class RoleConflict(PodagentError):
     """Two facts about this pod's role disagree (two heads are worse than none)."""
 

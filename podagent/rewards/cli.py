@@ -63,6 +63,12 @@ def reward_server(**flags: str | None) -> None:
 
     Stops cleanly on SIGTERM or SIGINT (exit 0).
     """
+    from podagent import extras
+
+    try:
+        extras.require("reward", "podagent reward-server")
+    except PodagentError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
     from podagent.rewards import server
 
     try:
