@@ -1,12 +1,15 @@
-# podagent on a CUDA + PyTorch runtime image. The same image runs on every pod, head and
-# workers alike: podagent decides each pod's role at start (see README.md).
+# podagent on a trainer image. The same image runs on every pod, head and workers alike:
+# podagent decides each pod's role at start (see README.md).
 #
 #   docker build -t <registry>/podagent:0.1.0 .
-#   docker build --build-arg BASE_IMAGE=<another CUDA + torch image> -t ... .
+#   docker build --build-arg BASE_IMAGE=<your trainer's image> -t ... .
 #
-# The base brings CUDA, cuDNN, Python and torch. podagent declares torch>=2.4,<2.14, so the
-# base's torch must lie in that range: pip then keeps it instead of fetching another build
-# (a CPU wheel or a different CUDA), and the install step below pins it to make sure.
+# BASE_IMAGE is meant to be the image your trainer already runs in (OpenRLHF, verl, ...): it
+# brings CUDA, Python, torch and its own Ray, which every node and the job must share. The
+# install step below keeps every package the base already has at its version, so podagent
+# never changes the trainer's Ray, torch, numpy or math-verify: pip only adds what is missing,
+# or the build fails and says which requirement conflicts. A base without Ray gets the newest
+# Ray podagent is tested with.
 ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
@@ -21,12 +24,12 @@ WORKDIR /opt/podagent/src
 COPY pyproject.toml README.md ./
 COPY env ./env
 COPY podagent ./podagent
-# Pin the base image's torch as a constraint: should any requirement ever ask for another torch,
-# the build fails here instead of silently replacing the GPU build the image was chosen for.
-RUN python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
-        > /tmp/base-torch.txt \
-    && pip install --no-cache-dir --constraint /tmp/base-torch.txt . \
-    && rm /tmp/base-torch.txt \
+# Every package of the base is a constraint (name==version); the extras are what a RunPod user
+# needs: the built-in reward server and W&B logging of the bring-up.
+RUN python -m pip list --format=freeze --exclude-editable > /tmp/base-packages.txt \
+    && { grep -qi '^ray==' /tmp/base-packages.txt || echo 'ray==2.60.0' >> /tmp/base-packages.txt; } \
+    && python -m pip install --no-cache-dir --constraint /tmp/base-packages.txt '.[reward,wandb]' \
+    && rm /tmp/base-packages.txt \
     && podagent --version
 
 COPY --chmod=0755 entrypoints/entrypoint.sh /opt/podagent/entrypoint.sh

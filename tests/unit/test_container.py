@@ -180,17 +180,33 @@ def test_env_defaults_are_valid_settings_on_the_volume():
     assert settings.checkpoint_dir == "/workspace/checkpoints"
 
 
-def test_base_image_torch_satisfies_podagents_requirement():
-    """pip keeps the base image's torch only if it lies in podagent's declared range."""
-    base = only(dockerfile_instructions(), "ARG").args
-    image = base.partition("=")[2]
-    assert base.startswith("BASE_IMAGE=") and image, base
-    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image)
-    assert match, f"default base {image!r} is not a pytorch/pytorch CUDA runtime tag"
-    # The quoted dependency string in pyproject.toml (no TOML reader before Python 3.11).
-    (line,) = re.findall(r'^\s*"(torch\b[^"]*)"', (ROOT / "pyproject.toml").read_text(), re.M)
-    torch = Requirement(line)
-    assert Version(match[1]) in torch.specifier, f"{match[1]} not in torch{torch.specifier}"
+def _install_run() -> str:
+    (run,) = [i.args for i in dockerfile_instructions()
+              if i.name == "RUN" and "pip install" in i.args]
+    return run
+
+
+def test_install_holds_every_base_package_at_its_version():
+    """The trainer's image keeps its Ray, torch, numpy and math-verify: every package the base
+    has is a name==version constraint of the one pip install, so pip can only add."""
+    run = _install_run()
+    listed = re.search(r"pip list --format=freeze[^>]*> (\S+)", run)
+    assert listed, run
+    constraint = re.search(r"pip install .*--constraint (\S+)", run)
+    assert constraint and constraint[1] == listed[1], run
+    # A base without Ray gets the newest tested one, never whatever is newest on PyPI.
+    assert re.search(r"grep -qi '\^ray==' \S+ \|\| echo 'ray==\d+\.\d+\.\d+'", run), run
+    assert re.search(r"pip install [^&]*'\.\[reward,wandb\]'", run), run
+
+
+def test_podagent_never_asks_for_torch_or_numpy():
+    """GPU images bring their own torch build: neither the core nor an extra a user installs
+    may name torch (or numpy, which torch images pin), so pip has nothing to replace."""
+    text = (ROOT / "pyproject.toml").read_text()
+    user_facing = text[text.index("dependencies = ["):text.index("test = [")]
+    names = {Requirement(r).name for r in re.findall(r'^\s*"([A-Za-z][^"]*)"', user_facing, re.M)}
+    assert {"ray", "requests", "tenacity", "dnspython", "click", "psutil", "grpcio"} <= names
+    assert not names & {"torch", "numpy"}, names
 
 
 # --- the RunPod template ------------------------------------------------------------------------
