@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import click
 import psutil
 
-from podagent import __version__, config, errors, process
+from podagent import __version__, config, errors, extras, process, ray_compat
 from podagent.report import Reporter
 from podagent.roles import Role, RoleDecision, detect_role
 from podagent.waiting import Signals
@@ -28,6 +28,10 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.RoleConflict, 2, "bad input: role variables contradict each other"),
     (errors.MissingDependency, 2, "bad input: an optional part this run needs is not installed "
                                   "(the line names the extra, or torch)"),
+    (errors.RayFeatureMissing, 2, "bad input: a setting needs a newer Ray than this image has "
+                                  "(the line names both)"),
+    (errors.RayVersionMismatch, 2, "worker: this pod's Ray version differs from the head's "
+                                   "(every pod must run the same image)"),
     (errors.JobFailed, 3, "the job failed"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
     (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time"),
@@ -97,6 +101,17 @@ def _build(flags: dict[str, str | None], job_argv: tuple[str, ...] | None = None
         _fail(str(exc), exit_code(exc))
 
 
+def _ray(settings: config.Settings | None = None) -> ray_compat.RayVersion:
+    """The image's Ray, checked against what the settings ask of it (exit 2 when it cannot)."""
+    try:
+        ray = ray_compat.require()
+        if settings is not None:
+            ray_compat.check(settings, ray)
+    except errors.PodagentError as exc:
+        _fail(str(exc), exit_code(exc))
+    return ray
+
+
 def _secret_values(settings: config.Settings) -> list[str]:
     """What the output must never show: secret variables' values, and the cluster token, which
     may come from a file (RAY_AUTH_TOKEN_PATH) rather than the environment."""
@@ -104,14 +119,16 @@ def _secret_values(settings: config.Settings) -> list[str]:
     return [*values, settings.auth_token] if settings.auth_token else values
 
 
-def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
+def _dry_run(settings: config.Settings, decision: RoleDecision,
+             ray: ray_compat.RayVersion) -> None:
     """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
     from podagent import node, ray_node
 
     reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values(settings),
                         log_format=settings.log_format, quiet=settings.quiet)
-    reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}); "
-                 f"run {settings.run_name}, logs in {settings.run_dir}")
+    reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}) "
+                 f"with {ray}; run {settings.run_name}, logs in {settings.run_dir}")
+    _say_untested(reporter, ray)
     if decision.role is Role.WORKER:
         where = settings.head_addr or settings.head_dns_name or settings.primary_addr
         reporter.say(f"would find the head at {where} within {settings.head_timeout:g} s, "
@@ -133,6 +150,28 @@ def _dry_run(settings: config.Settings, decision: RoleDecision) -> None:
                      f"then run the job: {job}")
 
 
+def _say_untested(reporter: Reporter, ray: ray_compat.RayVersion) -> None:
+    note = ray_compat.untested_note(ray)
+    if note:
+        reporter.warn(note)
+
+
+def _require_parts(settings: config.Settings, role: Role) -> None:
+    """The optional parts this run will need, checked before anything starts (exit 2)."""
+    if role is not Role.HEAD:
+        return
+    try:
+        if settings.reward == "builtin":
+            default = " (the default)" if settings.sources.get("reward") == "default" else ""
+            extras.require("reward", f"{settings.source_name('reward')}=builtin{default}",
+                           instead="set PODAGENT_REWARD=none to run without it")
+        if not settings.job:
+            extras.require_torch("the built-in cluster check (the default job)",
+                                 "give your own job (PODAGENT_JOB or `podagent head -- CMD`)")
+    except errors.MissingDependency as exc:
+        _fail(str(exc), exit_code(exc))
+
+
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
               job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
     from podagent.head import Head
@@ -143,17 +182,20 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
         decision = detect_role(settings, explicit)
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
+    ray = _ray(settings)
+    _require_parts(settings, decision.role)
     if dry_run:
-        _dry_run(settings, decision)
+        _dry_run(settings, decision, ray)
         sys.exit(EXIT_OK)
     pod = settings.pod_id or socket.gethostname()
     reporter = Reporter(decision.role.value, pod, settings.run_dir,
                         secrets=_secret_values(settings), log_format=settings.log_format,
                         quiet=settings.quiet)
-    reporter.say(f"podagent {__version__}: this pod is the {decision.role.value} "
+    reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
+    _say_untested(reporter, ray)
     reporter.event("role", role=decision.role.value, reason=decision.reason,
-                   run=settings.run_name, version=__version__)
+                   run=settings.run_name, version=__version__, ray=ray.version)
     from podagent import wandb_run
 
     bringup = wandb_run.attach(reporter, settings, decision.role)
@@ -207,8 +249,17 @@ def _dry(ctx: click.Context, own: bool | None) -> bool:
     return bool(own or parent)
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    ray = ray_compat.installed()
+    click.echo(f"podagent, version {__version__} ({ray or 'no Ray installed'})")
+    ctx.exit()
+
+
 @click.group(invoke_without_command=True, context_settings=CONTEXT)
-@click.version_option(__version__, "--version", prog_name="podagent")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_print_version, help="Show podagent's version and the image's Ray.")
 @settings_options
 @dry_run_option
 @click.pass_context
@@ -296,6 +347,11 @@ def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> Non
     worker the head's DNS and ports. Exit 0 when nothing is fatal, 1 otherwise."""
     settings, role, reporter = _asking(ctx, flags, stream=sys.stdout)
     if cluster:
+        _ray()
+        try:
+            extras.require_torch("the cluster check")
+        except errors.MissingDependency as exc:
+            _fail(str(exc), exit_code(exc))
         _check_cluster(settings, role, reporter)
     from podagent import preflight
 
@@ -367,6 +423,7 @@ def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None
         healthy, line = control.local_health(settings)
         click.echo(line)
         sys.exit(EXIT_OK if healthy else 1)
+    _ray()
     try:
         state = control.cluster_status(settings, role, reporter)
     except errors.PodagentError as exc:
@@ -383,6 +440,7 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     """From any pod: stop the job and bring the whole cluster down in order (workers leave,
     then the head); every podagent exits 0."""
     settings, role, reporter = _asking(ctx, flags)
+    _ray()
     from podagent import control
 
     try:
@@ -430,6 +488,10 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
     if not torchrun_args:
         _fail("podagent torchrun needs a training script: podagent torchrun [OPTIONS] -- "
               "SCRIPT ARGS", 2)
+    try:
+        extras.require_torch("podagent torchrun")
+    except errors.MissingDependency as exc:
+        _fail(str(exc), exit_code(exc))
     settings = _build(_flags(ctx, {}))
     try:
         decision = detect_role(settings)

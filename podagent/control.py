@@ -77,6 +77,7 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter) -> dict[s
     ip = head_ip(settings, role, reporter)
     gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
     try:
+        ray_version = gcs.check_alive(timeout=HTTP_TIMEOUT)
         nodes = gcs.nodes(timeout=HTTP_TIMEOUT)
         state = gcs.kv_get(node.KV_NAMESPACE, node.KV_RUN_STATE, timeout=HTTP_TIMEOUT)
     except GcsUnavailable as exc:
@@ -91,7 +92,7 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter) -> dict[s
         job, jobs_api = None, str(exc)
     return {
         "role": role.value,
-        "head": {"ip": ip, "ray": f"{ip}:{settings.ray_port}",
+        "head": {"ip": ip, "ray": f"{ip}:{settings.ray_port}", "ray_version": ray_version,
                  "dashboard": _dashboard(settings, ip)},
         "uptime_s": round(time.time() - head.start_time_ms / 1000, 1) if head else None,
         "run_state": json.loads(state) if state else {"state": "running"},
@@ -108,9 +109,10 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter) -> dict[s
 def render_status(status: dict[str, Any]) -> str:
     alive = [n for n in status["nodes"] if n["alive"]]
     uptime = status["uptime_s"]
-    lines = [f"head {status['head']['ray']} (dashboard {status['head']['dashboard']}), "
-             f"up {uptime / 60:.1f} min" if uptime is not None else
-             f"head {status['head']['ray']}",
+    head = status["head"]
+    ray = f"Ray {head['ray_version']}, " if head.get("ray_version") else ""
+    lines = [f"head {head['ray']} ({ray}dashboard {head['dashboard']})"
+             + (f", up {uptime / 60:.1f} min" if uptime is not None else ""),
              f"nodes: {len(alive)} alive of {len(status['nodes'])}, "
              f"{sum(n['gpus'] for n in alive):g} GPUs"]
     for n in status["nodes"]:

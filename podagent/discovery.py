@@ -104,6 +104,7 @@ class HeadFinder:
         self.deadline = time.monotonic() + settings.head_timeout
         self.last_dns: DnsResult | None = None
         self.last_probe = "not tried yet"
+        self.head_ray_version = ""  # what the head's GCS says it runs, once it answered
 
     def _retrying(self, max_wait: float) -> Retrying:
         remaining = max(0.0, self.deadline - time.monotonic())
@@ -164,7 +165,7 @@ class HeadFinder:
 
         def attempt() -> None:
             try:
-                client.check_alive(timeout=2.0)
+                self.head_ray_version = client.check_alive(timeout=2.0)
             except GcsAuthRefused as exc:
                 client.close()
                 which = "a different cluster token" if self.s.auth_token else "no cluster token"

@@ -21,6 +21,15 @@ class MissingDependency(PodagentError):
     before podagent touches anything. The message names what to install."""
 
 
+class RayFeatureMissing(PodagentError):
+    """A setting asks for something this image's Ray does not have (e.g. a cluster token on a
+    Ray older than 2.52); raised before podagent touches anything."""
+
+
+class RayVersionMismatch(PodagentError):
+    """This pod's Ray is not the head's: Ray needs one version on every node."""
+
+
 class RoleConflict(PodagentError):
     """Two facts about this pod's role disagree (two heads are worse than none)."""
 

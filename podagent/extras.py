@@ -40,14 +40,15 @@ def missing(extra: str) -> tuple[str, ...]:
     return tuple(m for m in EXTRAS[extra].modules if _absent(m))
 
 
-def require(extra: str, what: str) -> None:
+def require(extra: str, what: str, instead: str = "") -> None:
     """Raise MissingDependency naming the extra to install when `what` cannot run."""
     lacking = missing(extra)
     if lacking:
         spec = EXTRAS[extra]
+        alternative = f", or {instead}" if instead else ""
         raise MissingDependency(
             f"{what} needs podagent's {spec.name} extra ({spec.packages}; missing here: "
-            f"{', '.join(lacking)}): pip install 'podagent[{spec.name}]'")
+            f"{', '.join(lacking)}): pip install 'podagent[{spec.name}]'{alternative}")
 
 
 def require_torch(what: str, alternative: str = "") -> None:

@@ -2,7 +2,8 @@
 
 Workers stay light: importing Ray costs ~70 MB and a second of start-up, while these probes
 need only grpcio and three tiny messages. The messages are encoded here by hand (field numbers
-from Ray 2.60's gcs_service.proto; tests check them against Ray's own generated classes).
+from gcs_service.proto, the same in every supported Ray; tests check them against the generated
+classes of the installed Ray and of every supported release, tests/compat).
 The node census, which needs Ray's large GcsNodeInfo message, imports Ray's classes lazily:
 only the head calls it, and the head imports Ray for the Jobs API anyway.
 """
@@ -135,11 +136,18 @@ class GcsClient:
             kind = GcsAuthRefused if code == grpc.StatusCode.UNAUTHENTICATED else GcsUnavailable
             raise kind(f"{name}: {detail}".strip()) from None
 
-    def check_alive(self, timeout: float = 2.0) -> None:
-        """Returns when the GCS answers its own health RPC; raises GcsUnavailable."""
-        code, message = _status(decode(self._call(_CHECK_ALIVE, b"", timeout)))
+    def check_alive(self, timeout: float = 2.0) -> str:
+        """The GCS's Ray version, once it answers its own health RPC; raises GcsUnavailable.
+
+        The reply carries the version the head runs (field 2 in every supported release), so a
+        worker can refuse to join a head of another Ray before `ray start` fails obscurely.
+        """
+        reply = decode(self._call(_CHECK_ALIVE, b"", timeout))
+        code, message = _status(reply)
         if code:
             raise GcsUnavailable(f"GCS answered status {code}: {message}")
+        version = reply.get(2, [b""])[0]
+        return version.decode(errors="replace") if isinstance(version, bytes) else ""
 
     def kv_get(self, namespace: str, key: str, timeout: float = 2.0) -> bytes | None:
         request = encode([(1, key.encode()), (2, namespace.encode())])

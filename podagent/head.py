@@ -22,7 +22,7 @@ from tenacity import (
     wait_fixed,
 )
 
-from podagent import checkpoint, node, ray_node
+from podagent import checkpoint, node, ray_compat, ray_node
 from podagent.config import Settings, is_secret
 from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
@@ -148,8 +148,7 @@ class Head(Lifecycle[HeadState]):
             if self.s.listen != "all":  # that warning said it already, louder
                 self.reporter.warn(
                     f"NO CLUSTER TOKEN: the Ray dashboard and Jobs API on {dashboard} will run "
-                    f"jobs for anyone who can reach them; set PODAGENT_TOKEN on every pod "
-                    f"(`podagent token` makes one)")
+                    f"jobs for anyone who can reach them; {_token_advice()}")
             self.reporter.event("auth_off", dashboard=dashboard)
 
     def _reattach(self) -> bool:
@@ -594,6 +593,15 @@ class Head(Lifecycle[HeadState]):
                           f"workers, Ray)")
         self.reporter.event("stop_requested", by=by, at=at)
         raise EndRequested("StopRequested", f"stop requested by {by}")
+
+
+def _token_advice() -> str:
+    ray = ray_compat.installed()
+    feature = ray_compat.FEATURES["token_auth"]
+    if ray and not ray.has(feature.name):
+        return (f"this image's {ray} has no cluster tokens (Ray {feature.since} or newer has "
+                f"them): keep the pods' network private")
+    return "set PODAGENT_TOKEN on every pod (`podagent token` makes one)"
 
 
 def _parse_stop_request(raw: bytes) -> tuple[str, float | None]:

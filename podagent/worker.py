@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import node, process, ray_node
+from podagent import node, process, ray_compat, ray_node
 from podagent.config import Settings
 from podagent.discovery import HeadFinder, HeadLocation
-from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError
+from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.gcs import GcsClient, GcsUnavailable
 from podagent.lifecycle import Lifecycle
 from podagent.report import Reporter
@@ -62,9 +62,20 @@ class Worker(Lifecycle[WorkerState]):
             self.reporter.say(f"head is {self.head.ip} (from {self.head.how}); "
                               f"waiting for its Ray to answer")
             self.gcs = self.finder.wait_for_gcs(self.head.ip)
+            self._check_same_ray(self.finder.head_ray_version)
             step.done(f"head's Ray answers at {self.head.ip}:{self.s.ray_port}",
                       head=self.head.ip, how=self.head.how)
         return WorkerState.PREPARING
+
+    def _check_same_ray(self, head_version: str) -> None:
+        """Ray needs one version on every node and in the job: refuse a head of another Ray
+        here, in one line, instead of a `ray start` that fails obscurely or a job that breaks."""
+        ours = ray_compat.installed()
+        if head_version and ours and head_version != ours.version:
+            raise RayVersionMismatch(
+                f"the head {self.head.ip if self.head else '?'} runs Ray {head_version} and "
+                f"this pod has Ray {ours.version}: Ray needs the same version on every node "
+                f"and in the job; start every pod from the same image")
 
     def _prepare(self) -> WorkerState:
         assert self.head

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.version import Version
 
 import podagent
 from podagent import config

@@ -1,16 +1,23 @@
-"""ray_node: the `ray start` plan, GPU detection, node address choice, port check."""
+"""ray_node: the `ray start` plan, GPU detection, node address choice, port check.
+
+Runs on every tested Ray (ray_matrix): the plan must be one the installed `ray start` takes.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import socket
+import subprocess
 
 import pytest
 
 from podagent import config, ray_node
 from podagent.errors import PortInUse
 from podagent.roles import Role
+
+pytestmark = pytest.mark.ray_matrix
 
 
 def settings(**env: str) -> config.Settings:
@@ -23,6 +30,20 @@ def after(argv: tuple[str, ...], option: str) -> str:
 
 
 # --- plan ---------------------------------------------------------------------------------------
+
+
+def test_every_planned_option_is_one_the_installed_ray_start_takes():
+    """Head and worker plans with every option on, against this image's own `ray start`."""
+    s = settings(DEBUG_RAY="1", PODAGENT_RAY_TEMP_DIR="/tmp/r", PODAGENT_LISTEN="all")
+    planned = set()
+    for role in Role:
+        argv = ray_node.plan(s, role, "10.0.0.2", 1, {}, head_ip="10.0.0.1").argv
+        planned |= {word for word in argv if word.startswith("--")}
+    shown = subprocess.run([ray_node.ray_executable(), "start", "--help"], capture_output=True,
+                           text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    offered = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", shown.stdout))
+    assert planned <= offered, sorted(planned - offered)
 
 def test_head_plan():
     p = ray_node.plan(settings(), Role.HEAD, "10.0.0.5", 2, {"NCCL_SOCKET_IFNAME": "podnet1"})
