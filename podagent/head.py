@@ -17,6 +17,7 @@ from tenacity import (
     Retrying,
     retry_if_exception_type,
     retry_if_result,
+    stop_after_attempt,
     stop_after_delay,
     wait_exponential,
     wait_fixed,
@@ -34,6 +35,7 @@ from podagent.roles import Role, RoleDecision
 from podagent.waiting import Signals
 
 RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray needs ~5-20 s
+RAY_START_ATTEMPTS = 3
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
 WATCH_INTERVAL = 1.0  # while the job runs: own Ray health and node losses
 OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
@@ -225,8 +227,7 @@ class Head(Lifecycle[HeadState]):
         # `ray start` runs, instead of after the workers joined.
         threading.Thread(target=_preload_ray_clients, name="preload", daemon=True).start()
         with self.reporter.step("ray_head") as step:
-            ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
-                             RAY_START_TIMEOUT).start()
+            self._ray_start()
             self.gcs = GcsClient(self.address, metadata=self.s.grpc_metadata())
             self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
             step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
@@ -235,6 +236,31 @@ class Head(Lifecycle[HeadState]):
         self._jobs_api = concurrent.futures.ThreadPoolExecutor(1, "jobs-api").submit(
             self._connect_jobs_api)
         return HeadState.STARTING_REWARD
+
+    def _ray_start(self) -> None:
+        """`ray start --head`, retried a bounded number of times: on a busy pod Ray can miss a
+        start-up deadline of its own (before 2.52 its dashboard gets a fixed 20 s) and succeed
+        on the next attempt, as a worker's join does."""
+        assert self.setup
+        attempts = {"n": 0}
+
+        def attempt() -> None:
+            attempts["n"] += 1
+            try:
+                ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
+                                 RAY_START_TIMEOUT).start()
+            except RayStartError as exc:
+                if attempts["n"] < RAY_START_ATTEMPTS:
+                    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else "?"
+                    self.reporter.warn(f"starting Ray failed (attempt {attempts['n']} of "
+                                       f"{RAY_START_ATTEMPTS}): {last}; stopping what it "
+                                       f"started and trying again")
+                    ray_node.RayNode.stop(self.s.stop_timeout)
+                raise
+
+        Retrying(stop=stop_after_attempt(RAY_START_ATTEMPTS), wait=wait_fixed(1.0),
+                 retry=retry_if_exception_type(RayStartError), sleep=self.signals.sleep,
+                 reraise=True)(attempt)
 
     def _connect_jobs_api(self) -> JobRunner:
         self._probe_until(self._dashboard_answers, "the dashboard's /api/version",

@@ -37,6 +37,12 @@ FEATURES = {
     # the Jobs API refuse anyone without the token. An older Ray ignores these variables, so a
     # cluster the user believes protected would run open: refused, never passed through.
     "token_auth": Feature("token_auth", "2.52.0", "cluster tokens (RAY_AUTH_MODE=token)"),
+    # RAY_DASHBOARD_STARTUP_TIMEOUT_S: how long `ray start --head` waits for its dashboard.
+    # Older releases give it a fixed ~20 s, which a busy pod can miss: the head then retries
+    # `ray start` (head.RAY_START_ATTEMPTS); nothing is refused.
+    "dashboard_startup_timeout": Feature(
+        "dashboard_startup_timeout", "2.52.0",
+        "a settable dashboard start-up timeout (RAY_DASHBOARD_STARTUP_TIMEOUT_S)"),
 }
 
 

@@ -94,6 +94,13 @@ HEALTH_CHECK_ENV = {
 }
 
 
+# How long `ray start --head` waits for its dashboard before it fails (Ray >= 2.52 reads this;
+# its default is 60 s, and before 2.52 a fixed ~20 s applies, which the head's retry covers).
+# A busy pod's dashboard can take longer; podagent bounds the whole start itself.
+DASHBOARD_STARTUP_ENV = "RAY_DASHBOARD_STARTUP_TIMEOUT_S"
+DASHBOARD_STARTUP_TIMEOUT = "150"
+
+
 def listen_address(settings: Settings, node_ip: str) -> str:
     """Where the head's dashboard and reward server listen (PODAGENT_LISTEN)."""
     return ALL_INTERFACES if settings.listen == "all" else node_ip
@@ -124,6 +131,8 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
     env = dict(nccl_vars)
     if role is Role.HEAD:
         env.update({k: v for k, v in HEALTH_CHECK_ENV.items() if k not in settings.environ})
+        if DASHBOARD_STARTUP_ENV not in settings.environ:
+            env[DASHBOARD_STARTUP_ENV] = DASHBOARD_STARTUP_TIMEOUT
     if settings.auth_token:
         # Ray >= 2.52: the GCS, dashboard and Jobs API then refuse anyone without the token.
         env["RAY_AUTH_MODE"] = "token"

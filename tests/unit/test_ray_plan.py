@@ -60,7 +60,8 @@ def test_head_plan():
     assert "--temp-dir" not in argv
     assert all(isinstance(word, str) for word in argv)
     assert dict(p.env_overrides) == {"NCCL_SOCKET_IFNAME": "podnet1",
-                                     **ray_node.HEALTH_CHECK_ENV}
+                                     **ray_node.HEALTH_CHECK_ENV,
+                                     "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "150"}
 
 
 def test_head_plan_uses_the_configured_ports_and_temp_dir():
@@ -148,6 +149,18 @@ def test_users_own_health_check_setting_wins():
     env = ray_node.plan(s, Role.HEAD, "10.0.0.5", 0, {}).env_overrides
     assert "RAY_health_check_period_ms" not in env  # inherited from the user's environment
     assert env["RAY_health_check_failure_threshold"] == "4"
+
+
+def test_head_gives_its_dashboard_time_to_start_and_a_users_value_wins():
+    head = ray_node.plan(settings(), Role.HEAD, "10.0.0.5", 0, {}).env_overrides
+    worker = ray_node.plan(settings(), Role.WORKER, "10.0.0.6", 0, {},
+                           head_ip="10.0.0.5").env_overrides
+    # Longer than Ray's own 60 s, inside the head's bound on the whole `ray start`.
+    assert 60 < int(head["RAY_DASHBOARD_STARTUP_TIMEOUT_S"]) < 180
+    assert "RAY_DASHBOARD_STARTUP_TIMEOUT_S" not in worker  # workers start no dashboard
+    own = ray_node.plan(settings(RAY_DASHBOARD_STARTUP_TIMEOUT_S="30"), Role.HEAD,
+                        "10.0.0.5", 0, {}).env_overrides
+    assert "RAY_DASHBOARD_STARTUP_TIMEOUT_S" not in own  # inherited from the user's env
 
 
 # --- detect_gpus --------------------------------------------------------------------------------

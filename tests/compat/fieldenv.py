@@ -1,0 +1,138 @@
+"""Fresh virtual environments holding the field's pins, with podagent installed on top.
+
+The pins are the trainers' own, read from their public requirements files:
+  OpenRLHF     ray[default]==2.48.0, grpcio>=1.74.0
+  OpenRLHF-M   math-verify==0.5.2 (what its reward server runs)
+  verl         numpy<2.0.0, ray[default] and math_verify unpinned
+and `floor` holds every lower bound of podagent's own core dependencies.
+
+Plain module (no pytest), so it can be driven by hand as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PIP_TIMEOUT = 900.0
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    pins: tuple[str, ...]  # what the trainer's image holds before podagent comes
+    extras: str  # podagent's extras installed on top ("" for the core alone)
+    source: str
+
+
+FIELDS = {
+    "openrlhf": Field("openrlhf", ("ray[default]==2.48.0", "grpcio>=1.74.0"), "reward",
+                      "OpenRLHF requirements.txt"),
+    "openrlhf-m": Field("openrlhf-m", ("math-verify==0.5.2",), "reward",
+                        "OpenRLHF-M requirements.txt"),
+    "verl": Field("verl", ("numpy<2.0.0", "ray[default]", "math_verify"), "reward",
+                  "verl requirements.txt"),
+    "floor": Field("floor", (), "", "podagent's own lower bounds"),
+}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def core_floors() -> tuple[str, ...]:
+    """`name[extras]==lower bound` for each core dependency in pyproject.toml."""
+    text = (ROOT / "pyproject.toml").read_text()
+    core = text[text.index("dependencies = ["):text.index("[project.optional-dependencies]")]
+    return tuple(f"{name}=={version}" for name, version in
+                 re.findall(r'^\s*"([A-Za-z][\w-]*(?:\[[^\]]*\])?)>=([\d.]+)', core, re.M))
+
+
+class CommandFailed(AssertionError):
+    pass
+
+
+@dataclass
+class FieldEnv:
+    field: Field
+    path: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.path / "bin"
+
+    def run(self, argv: list[str], env: dict[str, str] | None = None,
+            timeout: float = PIP_TIMEOUT, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+    def pip(self, *args: str) -> str:
+        result = self.run([str(self.bin / "python"), "-m", "pip", "--disable-pip-version-check",
+                           *args])
+        if result.returncode:
+            raise CommandFailed(f"{self.field.name}: pip {' '.join(args)} exited "
+                                f"{result.returncode}:\n{(result.stdout + result.stderr)[-4000:]}")
+        return result.stdout
+
+    def packages(self) -> dict[str, str]:
+        listed = json.loads(self.pip("list", "--format=json"))
+        return {canonical(p["name"]): p["version"] for p in listed}
+
+    def hold(self) -> Path:
+        """A constraints file pinning every package now installed: later installs only add."""
+        path = self.path / "held.txt"
+        path.write_text("".join(f"{n}=={v}\n" for n, v in self.packages().items()))
+        return path
+
+
+@dataclass(frozen=True)
+class Installed:
+    env: FieldEnv
+    before: dict[str, str]  # after the field's pins, before podagent
+    after: dict[str, str]  # after podagent
+
+    def changed(self) -> dict[str, tuple[str, str | None]]:
+        return {n: (v, self.after.get(n)) for n, v in self.before.items()
+                if self.after.get(n) != v}
+
+
+def _uv() -> str:
+    beside = Path(sys.executable).parent / "uv"
+    return str(beside) if beside.exists() else "uv"
+
+
+def create(field: Field, root: Path, wheel: Path) -> Installed:
+    """A fresh venv with the field's pins, then podagent (with its extras) from `wheel`.
+
+    The pins go in with uv (seconds, not minutes); podagent goes in with pip, as a user's
+    `pip install` would put it into the trainer's image.
+    """
+    path = root / field.name
+    env = FieldEnv(field, path)
+    for argv in ([_uv(), "venv", "--quiet", "--seed", "--python", sys.executable, str(path)],
+                 [_uv(), "pip", "install", "--quiet", "--python", str(env.bin / "python"),
+                  *(field.pins or core_floors())]):
+        result = env.run(argv)
+        if result.returncode:
+            raise CommandFailed(f"{field.name}: {' '.join(argv[:3])} exited "
+                                f"{result.returncode}:\n{result.stderr[-4000:]}")
+    before = env.packages()
+    target = f"podagent[{field.extras}]" if field.extras else "podagent"
+    env.pip("install", f"{target} @ {wheel.as_uri()}")
+    return Installed(env, before, env.packages())
+
+
+def build_wheel(out: Path) -> Path:
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out),
+                             str(ROOT)], capture_output=True, text=True, timeout=600)
+    if result.returncode:
+        raise CommandFailed(f"building podagent's wheel: {result.stdout[-2000:]}"
+                            f"{result.stderr[-2000:]}")
+    (wheel,) = out.glob("podagent-*.whl")
+    return wheel

@@ -1,0 +1,54 @@
+"""Every test marked ray_matrix, run again on the oldest tested Ray (OpenRLHF's 2.48.0).
+
+This session runs them on the Ray of the test environment (the newest tested); here they run
+inside the OpenRLHF field environment, where podagent was installed beside Ray 2.48.0 without
+changing it: the GCS codec and the `ray start` plan (unit), a head's bring-up, job and teardown
+(integration), and a head and a worker in their own pods with the head lost (e2e).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from podagent import ray_compat
+from tests.compat.fieldenv import ROOT, Installed
+from tests.conftest import RAY_MATRIX_ONLY
+
+MATRIX_TIMEOUT = 1200.0
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "dnslib>=0.9.24")
+
+
+def _collect(python: str) -> set[str]:
+    result = subprocess.run(
+        [python, "-m", "pytest", "-m", "ray_matrix", "--collect-only", "-q",
+         "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, RAY_MATRIX_ONLY: "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {line for line in result.stdout.splitlines() if "::" in line}
+
+
+def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
+    field: Installed = field_envs["openrlhf"].result()
+    assert field.after["ray"] == ray_compat.SUPPORTED_FROM == "2.48.0"
+    env = field.env
+    held = env.hold()  # the test tools may add packages, never change the field's
+    tools = env.run([str(env.bin / "python"), "-m", "pip", "install", "--quiet",
+                     "--constraint", str(held), *TEST_TOOLS])
+    assert tools.returncode == 0, tools.stdout[-3000:] + tools.stderr[-3000:]
+    assert env.packages()["ray"] == "2.48.0"
+
+    python = str(env.bin / "python")
+    expected = _collect(sys.executable)
+    assert len(expected) > 50, sorted(expected)  # unit, integration and e2e tests
+    assert _collect(python) == expected
+
+    result = subprocess.run(
+        [python, "-m", "pytest", "-m", "ray_matrix", "-q", "-p", "no:cacheprovider",
+         "--basetemp", str(tmp_path / "matrix")], cwd=ROOT, capture_output=True, text=True,
+        timeout=MATRIX_TIMEOUT, env={**os.environ, RAY_MATRIX_ONLY: "1"})
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert re.fullmatch(rf"{len(expected)} passed(, \d+ warnings?)? in .*", summary), summary
