@@ -2,13 +2,15 @@
 
 Every check is a small function returning one CheckResult; run_checks runs each behind a guard,
 so a check that crashes becomes a FAIL row naming the exception and the others still run.
-Checks: GPUs, the NCCL interface, /dev/shm, open-file limit, free disk for logs and checkpoints,
-and on a worker: the head's DNS name and its Ray, dashboard and reward ports.
+Checks: the image's Ray and torch, GPUs, the NCCL interface, /dev/shm, open-file limit, free disk
+for logs and checkpoints, and on a worker: the head's DNS name and its Ray, dashboard and reward
+ports.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib.metadata
 import ipaddress
 import json
 import os
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, discovery, nccl, roles
+from podagent import config, discovery, nccl, ray_compat, roles
 from podagent.ray_node import detect_gpus
 
 
@@ -385,6 +387,40 @@ def check_head_reward(settings: config.Settings, ip: str | None) -> CheckResult:
                       "check PODAGENT_REWARD_PORT matches the head's")
 
 
+# --- Ray and torch -------------------------------------------------------------------------------
+
+
+def check_ray(settings: config.Settings) -> CheckResult:
+    """The image's own Ray: there, in the tested range, able to do what the settings ask."""
+    name = "ray"
+    ray = ray_compat.installed()
+    if ray is None:
+        return CheckResult(name, Status.FAIL, "this Python has no Ray",
+                           "use the trainer's image (podagent runs the image's own Ray), or pip "
+                           f"install 'ray[default]>={ray_compat.SUPPORTED_FROM}'")
+    refused = ray_compat.refusal(settings, ray)
+    if refused:
+        return CheckResult(name, Status.FAIL, refused[0], refused[1])
+    note = ray_compat.untested_note(ray)
+    if note:
+        return CheckResult(name, Status.WARN, note,
+                           "use a Ray podagent is tested with if anything misbehaves")
+    return CheckResult(name, Status.OK, f"{ray} (tested: {', '.join(ray_compat.TESTED)}; "
+                                        f"every release from {ray_compat.SUPPORTED_FROM} to "
+                                        f"{ray_compat.NEWEST_PROVEN}.x checked)")
+
+
+def check_torch() -> CheckResult:
+    name = "torch"
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return CheckResult(name, Status.WARN, "not installed (podagent never installs it)",
+                           "the cluster check and `podagent torchrun` need torch: use an image "
+                           "with torch, or give your own job")
+    return CheckResult(name, Status.OK, f"torch {version}")
+
+
 # --- running and showing -------------------------------------------------------------------------
 
 
@@ -418,6 +454,8 @@ def run_checks(settings: config.Settings, role: roles.Role,
             guarded("head_reward", lambda: check_head_reward(settings, head_ip)),
         ]
     return [
+        guarded("ray", lambda: check_ray(settings)),
+        guarded("torch", check_torch),
         guarded("gpus", lambda: check_gpus(settings)),
         guarded("interface", lambda: check_interface(settings, head_ip)),
         guarded("shm", check_shm),

@@ -111,13 +111,21 @@ def token_source(settings: Settings) -> str | None:
     return None
 
 
-def check(settings: Settings, ray: RayVersion) -> None:
-    """Refuse what this Ray cannot do; raises RayFeatureMissing naming the setting and both
-    versions."""
+def refusal(settings: Settings, ray: RayVersion) -> tuple[str, str] | None:
+    """(what this Ray cannot do that the settings ask for, what to do), or None."""
     source = token_source(settings)
     feature = FEATURES["token_auth"]
     if source and not ray.has(feature.name):
-        raise RayFeatureMissing(
-            f"{source} is set, but {feature.what} need Ray {feature.since} or newer and this "
-            f"image has {ray}: unset {source} (then keep the dashboard private, "
-            f"PODAGENT_LISTEN=private), or use an image with Ray >= {feature.since}")
+        return (f"{source} is set, but {feature.what} need Ray {feature.since} or newer and "
+                f"this image has {ray}",
+                f"unset {source} (then keep the dashboard private, PODAGENT_LISTEN=private), or "
+                f"use an image with Ray >= {feature.since}")
+    return None
+
+
+def check(settings: Settings, ray: RayVersion) -> None:
+    """Refuse what this Ray cannot do; raises RayFeatureMissing naming the setting and both
+    versions."""
+    refused = refusal(settings, ray)
+    if refused:
+        raise RayFeatureMissing(f"{refused[0]}: {refused[1]}")

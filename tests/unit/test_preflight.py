@@ -250,7 +250,8 @@ def test_a_head_ip_from_the_caller_needs_no_lookup(dns, tmp_path, listening):
 def test_the_head_runs_no_head_checks(dns, tmp_path):
     s = worker_env(dns, tmp_path, HEAD_POD_ID="h1")
     names = [r.name for r in preflight.run_checks(s, Role.HEAD)]
-    assert names == ["gpus", "interface", "shm", "nofile", "disk:logs", "disk:checkpoints"]
+    assert names == ["ray", "torch", "gpus", "interface", "shm", "nofile", "disk:logs",
+                     "disk:checkpoints"]
     assert dns.queries == []
 
 

@@ -112,6 +112,23 @@ def test_first_line_names_the_ray_and_a_token_follows_its_features(tmp_path, ray
     assert TOKEN not in run.stdout + run.stderr
 
 
+def test_preflight_names_the_images_ray_and_what_it_cannot_do(tmp_path, ray_itself):
+    """`podagent check`'s ray row: ok on a tested Ray; a token it cannot honour fails it."""
+    import json
+
+    run = run_cli(tmp_path, ("check", "--json"), {"PODAGENT_TOKEN": TOKEN})
+    rows = {r["name"]: r for r in json.loads(run.stdout)["checks"]}
+    ray = rows["ray"]
+    if RayVersion(ray_itself).has("token_auth"):
+        assert ray["status"] == "ok" and f"Ray {ray_itself} (tested: " in ray["detail"], ray
+    else:
+        assert run.returncode == 1, run.stdout
+        assert ray["status"] == "fail", ray
+        assert "PODAGENT_TOKEN is set" in ray["detail"] and f"Ray {ray_itself}" in ray["detail"]
+        assert "Ray >= 2.52.0" in ray["fix"], ray
+    assert TOKEN not in run.stdout + run.stderr
+
+
 # --- extras --------------------------------------------------------------------------------------
 
 
