@@ -401,11 +401,12 @@ def _numeric_verdict(answer: _Numeric, gold: _Numeric) -> bool | None:
     """math-verify's verdict, by exact arithmetic, on plain-number answers; None if unsure."""
     scalar = ("number", "percent")
     if answer.kind in scalar and gold.kind in scalar:
-        # math-verify: a percentage equals its fraction (12.5\% = 0.125, 100\% = 1), and a
-        # whole-number one also that whole number (50\% = 50, but 12.5\% is not 12.5).
+        # math-verify: a percentage equals its fraction (12.5\% = 0.125, 100\% = 1). Whether a
+        # whole-number one also equals that whole number (50\% = 50) depends on the release
+        # (0.9: yes, 0.5.2: no): left to the installed one.
         if answer.kind != gold.kind and answer.integer is not None \
                 and answer.integer == gold.integer:
-            return True
+            return None
         return _close(answer.values[0], gold.values[0])
     if answer.kind == gold.kind == "ordered":
         if len(answer.values) != len(gold.values):
@@ -449,6 +450,13 @@ def quick_verdict(answer: str, gold: str) -> bool | None:
     return None
 
 
+def short(text: str, limit: int = 60) -> str:
+    """A repr for one log line: long inputs are cut, with their length."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}…({len(text)} chars)"
+
+
 class LRU:
     """A bounded mapping that forgets the least recently used entry; counts hits and misses."""
 
@@ -485,8 +493,8 @@ _PROSE = re.compile(r"(?<![\\A-Za-z{])[A-Za-z]{2,}\s+[A-Za-z]{2,}(?![A-Za-z])")
 class Verifier:
     """math-verify with parsed golds kept in an LRU. One per process (sympy is not shared).
 
-    math-verify's own timeouts are off (`parsing_timeout=None`, `timeout_seconds=None`): they
-    use SIGALRM, which fires only between bytecodes (a big-integer power in C is never
+    math-verify's own timeouts are off where the release allows it (`mvcompat`): they use
+    SIGALRM, which fires only between bytecodes (a big-integer power in C is never
     interrupted), has whole-second granularity and restarts for every parse and comparison. The
     pool's per-item timeout kills the worker process instead, which always works.
     """
@@ -496,7 +504,13 @@ class Verifier:
 
         import math_verify
 
+        from podagent.rewards import mvcompat
+
         self._mv = math_verify
+        self._parse_kwargs = mvcompat.parse_no_timeout()
+        # Set-relation comparison both ways: `x \le 2` answers `(-\infty, 2]` and vice versa
+        # (math-verify 0.5.x cannot: the README lists the verdicts that differ).
+        self._verify_kwargs = mvcompat.verify_no_timeout(set_relation=True)
         # With timeouts off, math-verify warns once per process that we must bound it: we do.
         logging.getLogger("math_verify").setLevel(logging.ERROR)
         self._golds = LRU(gold_cache_size)
@@ -505,8 +519,8 @@ class Verifier:
 
     def _parse(self, text: str) -> list[Any]:
         if _PROSE.search(text):
-            return self._mv.parse(text, parsing_timeout=None)
-        return self._mv.parse("\\boxed{" + text + "}", parsing_timeout=None)
+            return self._mv.parse(text, **self._parse_kwargs)
+        return self._mv.parse("\\boxed{" + text + "}", **self._parse_kwargs)
 
     def parsed_gold(self, gold: str) -> list[Any]:
         parsed = self._golds.get(gold)
@@ -528,9 +542,7 @@ class Verifier:
         answer_parsed = self._parse(answer)
         if not gold_parsed or not answer_parsed:
             return False
-        # Set-relation comparison both ways: `x \le 2` answers `(-\infty, 2]` and vice versa.
-        return bool(self._mv.verify(gold_parsed, answer_parsed, timeout_seconds=None,
-                                    allow_set_relation_comp=True))
+        return bool(self._mv.verify(gold_parsed, answer_parsed, **self._verify_kwargs))
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podagent.rewards import verify
+from podagent.rewards import mvcompat, verify
 from podagent.rewards.verify import LRU, canonical, extract, quick_verdict
 
 CORPUS_PATH = Path(__file__).with_name("corpus.jsonl")
 CORPUS = [json.loads(line) for line in CORPUS_PATH.read_text(encoding="utf-8").splitlines()]
+
+
+def expected_verdict(case: dict[str, Any]) -> int | None:
+    """`acc` (math-verify 0.9); `math_verify_0.5` where 0.5.x decides otherwise (the README
+    lists these). None: the releases differ here and the installed one is neither."""
+    expected = case["known"]["ours"] if "known" in case else case["acc"]
+    older = case.get("math_verify_0.5")
+    if older is None or mvcompat.VERSION.startswith("0.9."):
+        return expected
+    if mvcompat.VERSION.startswith("0.5."):
+        return older["acc"]
+    return None
 
 
 def expand(value: Any) -> str:
@@ -37,6 +49,9 @@ def test_corpus_is_large_and_well_formed():
         assert case["acc"] in (0, 1)
         if "known" in case:  # a documented disagreement: what we say differs from the truth
             assert case["known"]["ours"] != case["acc"] and len(case["known"]["reason"]) > 20
+        if "math_verify_0.5" in case:  # math-verify 0.5.2 decides otherwise, for a reason
+            assert case["math_verify_0.5"]["acc"] != case["acc"]
+            assert len(case["math_verify_0.5"]["why"]) > 20
     assert sum(1 for c in CORPUS if c["acc"] == 0) >= 60  # wrong answers are tested too
     assert sum(1 for c in CORPUS if "response" in c) >= 40
     assert sum(1 for c in CORPUS if "known" in c) <= 10  # few, and each with its reason
@@ -45,7 +60,9 @@ def test_corpus_is_large_and_well_formed():
 @pytest.mark.parametrize("case", CORPUS, ids=[str(c["id"]) for c in CORPUS])
 def test_corpus_verdict(case, verifier):
     gold = expand(case["gold"])
-    expected = case["known"]["ours"] if "known" in case else case["acc"]
+    expected = expected_verdict(case)
+    if expected is None:
+        pytest.skip(f"math-verify {mvcompat.VERSION}: no recorded verdict where releases differ")
     if "answer" in case:
         answer, gold_form = canonical(case["answer"]), verify.canonical_gold(gold)
         got = int(bool(answer and gold_form and verifier.check(answer, gold_form)))
@@ -150,7 +167,7 @@ def test_lru_forgets_the_least_recently_used():
 
 def test_gold_is_parsed_once_per_verifier():
     v = verify.Verifier()
-    answers = (r"\frac{1}{\sqrt{2}}", r"\sqrt{2}/2", r"\frac{\sqrt2}{2}", "0.70710678",
+    answers = (r"\frac{1}{\sqrt{2}}", r"\sqrt{2}/2", r"\frac{\sqrt2}{2}", r"\frac{1}{2}\sqrt{2}",
                r"\sqrt{0.5}", r"\frac{\sqrt{3}}{2}")
     verdicts = [v.check(canonical(a), canonical(r"\frac{\sqrt{2}}{2}")) for a in answers]
     assert verdicts == [True] * 5 + [False]
