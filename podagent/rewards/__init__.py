@@ -1,11 +1,15 @@
 """The built-in reward server: math answers checked against gold answers, over HTTP.
 
-OpenRLHF's remote reward protocol (`POST /get_reward`, `GET /health`); what a reward is, is
-documented in `verify`, how a batch is scored cheaply in `scorer`, the pool in `pool`.
+OpenRLHF's remote reward protocol (`POST /get_reward`, `GET /health`), by one of two scoring
+profiles (`--scoring`): `openrlhf-m`, the default, is OpenRLHF-M's own reward server item for
+item (`openrlhf_m`, `openrlhf_m_verify`); `boxed` checks the last \\boxed{} answer (`verify`).
+How a batch is scored cheaply is in `scorer`, the pool in `pool`, what differs between the
+math-verify releases in `mvcompat`.
 
 As a process (what podagent's head starts; flags or PODAGENT_REWARD_* variables):
 
     python -m podagent.rewards --host 10.0.0.2 --port 5000 [--workers N] [--dataset FILE]
+        [--scoring openrlhf-m|boxed] [--prompt-template chatml|qwen1|base] [--strict 0|1]
     podagent reward-server ...                  # the same command
 
 Ready when `GET /health` (or a `POST /get_reward`) answers 200; SIGTERM stops it with exit 0.
@@ -17,5 +21,7 @@ In a program (multiprocessing rules apply: guard the entry point with __name__ =
     server.serve(s, server.load_golds(s))       # blocks until SIGTERM/SIGINT, returns 0
     async with server.running(s) as r: ...      # inside your own event loop; r.url, r.scorer
 
-Scoring one response without a server: `verify.score(response, gold, verify.Verifier())`.
+Scoring one item without a server: `openrlhf_m.response_of(query, "chatml")`,
+`openrlhf_m.well_formed(response)` and `openrlhf_m_verify.Checker().check(response,
+openrlhf_m.gold_form(gold))`; boxed: `verify.score(response, gold, verify.Verifier())`.
 """

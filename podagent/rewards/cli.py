@@ -31,6 +31,8 @@ def _default(field: reward_settings.Field) -> str:
         return field.default_doc
     if field.default is None:
         return "unset"
+    if isinstance(field.default, bool):
+        return str(int(field.default))
     return f"{field.default:g}" if isinstance(field.default, float) else str(field.default)
 
 
@@ -52,16 +54,26 @@ def reward_server(**flags: str | None) -> None:
 
     \b
     POST /get_reward {"query": [...], "prompts": [...], "labels": [...]}
-      -> {"rewards", "scores", "format_rewards", "acc_rewards"}: one number per query.
-    GET /health -> {"status": "ok", counters}
+      -> {"rewards", "format_rewards", "acc_rewards"}: one number per query
+         (boxed adds "scores", the accuracies).
+    GET /health -> {"status": "ok", "scoring": ..., counters}
 
     \b
     reward = accuracy + FORMAT_WEIGHT x format   (FORMAT_WEIGHT: --format-weight, 0.5)
-    accuracy: 1 if the final answer (last \\boxed{}, else last <answer> block) equals the
-      gold (labels[i], or the --dataset answer for the prompt) by math-verify, else 0.
-    format: 1 if the response gives exactly one boxed answer or one <answer> block, else 0.
 
-    Stops cleanly on SIGTERM or SIGINT (exit 0).
+    \b
+    --scoring openrlhf-m (default): OpenRLHF-M's reward server, item for item.
+      response: the query after the template's assistant prefix (--prompt-template),
+        end tokens removed; format: 1 if it is exactly <think>...</think><answer>...</answer>.
+      accuracy: math-verify with the seed's settings on the whole response (\\boxed{} first,
+        then $...$ etc. after "answer"), against the gold in $...$: the --dataset answer for
+        the request's prompt (the most similar prompt if not exact), else labels[i].
+        An unparseable gold scores 1, as in the seed (--strict 1: 0).
+    --scoring boxed: the last \\boxed{} (else the last <answer> block) against the gold
+      (labels[i], else the --dataset answer for the prompt); format: 1 if the response gives
+      exactly one boxed answer or one <answer> block.
+
+    Stops cleanly on SIGTERM or SIGINT (exit 0). The README has the full rules.
     """
     from podagent import extras
 

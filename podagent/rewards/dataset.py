@@ -6,7 +6,11 @@ import json
 import logging
 from pathlib import Path
 
+from podagent.rewards import similar
+from podagent.rewards.verify import LRU, short
+
 log = logging.getLogger("podagent.rewards")
+CLOSEST_CACHE_SIZE = 4096
 
 
 class DatasetError(ValueError):
@@ -15,16 +19,23 @@ class DatasetError(ValueError):
 
 class GoldIndex:
     def __init__(self, golds: dict[str, str]):
+        self._all = golds  # in the file's order (closest-prompt ties go to the earlier one)
         self._golds = {p: a for p, a in golds.items() if p}
         # Prefix lookup tries each distinct prompt length once, longest first: a dict probe
         # per length, instead of a startswith per prompt.
         self._lengths = sorted({len(p) for p in self._golds}, reverse=True)
+        self._prompts = list(golds)
+        self._by_length = similar.by_length(self._prompts)
+        self._closest = LRU(CLOSEST_CACHE_SIZE)
 
     def __len__(self) -> int:
-        return len(self._golds)
+        return len(self._all)
 
     @classmethod
-    def load(cls, path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> GoldIndex:
+    def load(cls, path: str, prompt_key: str = "prompt", answer_key: str = "answer",
+             repeated: str = "first") -> GoldIndex:
+        """`repeated`: which answer a prompt that appears more than once keeps, "first" or
+        "last" (OpenRLHF-M's server: its place is the first one's, its answer the last's)."""
         golds: dict[str, str] = {}
         conflicts = 0
         try:
@@ -35,6 +46,8 @@ class GoldIndex:
                     prompt, answer = _record(line, number, prompt_key, answer_key)
                     if golds.setdefault(prompt, answer) != answer:
                         conflicts += 1
+                        if repeated == "last":
+                            golds[prompt] = answer
         except OSError as exc:
             raise DatasetError(f"cannot be read ({exc.strerror})") from None
         except UnicodeDecodeError:
@@ -42,8 +55,8 @@ class GoldIndex:
         if not golds:
             raise DatasetError(f"has no records with {prompt_key!r} and {answer_key!r}")
         if conflicts:
-            log.warning("%s: %d repeated prompts with a different answer; the first answer "
-                        "is used", Path(path).name, conflicts)
+            log.warning("%s: %d repeated prompts with a different answer; the %s answer "
+                        "is used", Path(path).name, conflicts, repeated)
         return cls(golds)
 
     def lookup(self, prompt: str | None, query: str) -> tuple[str | None, str | None]:
@@ -56,6 +69,24 @@ class GoldIndex:
             if length <= size and (gold := self._golds.get(query[:length])) is not None:
                 return gold, query[:length]
         return None, None
+
+    def nearest(self, prompt: str) -> tuple[str, str]:
+        """(gold, the dataset prompt it was found by): the exact prompt, else the most similar
+        one (`similar`), as OpenRLHF-M's server looks up the request's prompt."""
+        gold = self._all.get(prompt)
+        if gold is not None:
+            return gold, prompt
+        index = self._closest.get(prompt)
+        if index is None:
+            index = similar.closest(prompt, self._prompts, self._by_length)
+            assert index is not None  # a loaded index is never empty
+            self._closest.put(prompt, index)
+            # Once per prompt (later lookups come from the cache): the seed prints every time.
+            log.warning("prompt not in the dataset; using the most similar one (similarity "
+                        "%.3f): %s -> %s", float(similar.ratio(prompt, self._prompts[index])),
+                        short(prompt), short(self._prompts[index]))
+        found = self._prompts[index]
+        return self._all[found], found
 
 
 def _record(line: str, number: int, prompt_key: str, answer_key: str) -> tuple[str, str]:

@@ -1,9 +1,10 @@
-"""Verification off the event loop: a pebble process pool with a time limit on every item.
+"""Verification off the event loop: a pebble process pool with a time limit on every task.
 
 sympy can run for minutes, or forever, on a hostile answer (`9^{9^{9^{9}}}`), and it does so
-in C where no signal reaches it. A thread cannot be stopped and `concurrent.futures` cannot
-kill a worker; pebble kills the worker running an item past its limit and starts a new one,
-so one bad item costs one item's limit and nothing else.
+in C where no signal reaches it; so can a regular expression on a hostile response. A thread
+cannot be stopped and `concurrent.futures` cannot kill a worker; pebble kills the worker
+running a task past its limit and starts a new one, so one bad item costs one item's limit and
+nothing else.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import asyncio
 import logging
 import multiprocessing
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pebble
 
 from podagent.errors import PodagentError
 from podagent.rewards import verify
+from podagent.rewards.verify import short
 
 log = logging.getLogger("podagent.rewards")
 
@@ -33,17 +37,21 @@ class Outcome:
     gold_parses: int = 0
 
 
-def short(text: str, limit: int = 60) -> str:
-    """A repr for one log line: long inputs are cut, with their length."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}…({len(text)} chars)"
+@dataclass(frozen=True)
+class Ran:
+    """A task's result, or why there is none."""
+
+    status: str  # "ok", "timeout" or "crashed"
+    value: Any = None
 
 
 def _init_worker() -> None:
     # Ctrl-C in a terminal reaches the whole process group: only the server decides to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    verify.worker_warm()
+    from podagent.rewards import openrlhf_m_verify
+
+    verify.worker_warm()  # no-ops in a worker forked from the warm forkserver (`warm`)
+    openrlhf_m_verify.worker_warm()
 
 
 class VerifierPool:
@@ -59,42 +67,53 @@ class VerifierPool:
                                         context=context)
         self._closing = False
 
-    async def warm(self, timeout: float = 300.0) -> None:
-        """Waits until workers answer right; raises WorkersFailed if they cannot.
+    async def warm(self, probe: Callable[[], Any], timeout: float = 300.0) -> None:
+        """Waits until every worker answers `probe` (a coroutine factory returning True when
+        the answer is right); raises WorkersFailed if they cannot.
 
         A server whose workers cannot verify would score every item 0 and look healthy."""
-        probes = [self.check(r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}")
-                  for _ in range(self.workers)]
         try:
-            outcomes = await asyncio.wait_for(asyncio.gather(*probes), timeout)
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(probe() for _ in range(self.workers))), timeout)
         except asyncio.TimeoutError:
             raise WorkersFailed(f"verifier workers did not answer within {timeout:g} s") from None
-        if not all(o.status == "ok" and o.correct for o in outcomes):
+        if not all(answers):
             raise WorkersFailed("verifier workers failed their first item (see the log above)")
 
-    async def check(self, answer: str, gold: str) -> Outcome:
-        future = self._pool.schedule(verify.worker_check, args=(answer, gold),
-                                     timeout=self.item_timeout)
+    async def run(self, function: Callable[..., Any], args: tuple[Any, ...],
+                  what: str | None = None) -> Ran:
+        """`function(*args)` in a worker, killed past the item timeout. A failure is logged
+        with `what` (the item, briefly); `what=None`: the caller deals with it."""
+        future = self._pool.schedule(function, args=args, timeout=self.item_timeout)
         try:
-            correct, parses = await asyncio.wrap_future(future)
+            return Ran("ok", await asyncio.wrap_future(future))
         except Exception as exc:
-            return self._failed(exc, answer, gold)
+            return Ran(self._failed(exc, what))
+
+    async def check(self, answer: str, gold: str) -> Outcome:
+        """The boxed profile's verdict for one canonical pair."""
+        ran = await self.run(verify.worker_check, (answer, gold),
+                             what=f"answer={short(answer)} gold={short(gold)}")
+        if ran.status != "ok":
+            return Outcome(False, ran.status)
+        correct, parses = ran.value
         return Outcome(bool(correct), "ok", parses)
 
-    def _failed(self, exc: Exception, answer: str, gold: str) -> Outcome:
+    def _failed(self, exc: Exception, what: str | None) -> str:
         if self._closing:  # the server is stopping: the item was abandoned, not failed
-            return Outcome(False, "crashed")
-        if isinstance(exc, TimeoutError):
-            log.warning("item timed out after %g s and scored 0 (worker replaced): "
-                        "answer=%s gold=%s", self.item_timeout, short(answer), short(gold))
-            return Outcome(False, "timeout")
-        if isinstance(exc, pebble.ProcessExpired):
-            log.warning("worker died (exit %s) on an item, which scored 0: answer=%s gold=%s",
-                        exc.exitcode, short(answer), short(gold))
+            return "crashed"
+        status = "timeout" if isinstance(exc, TimeoutError) else "crashed"
+        if what is None:
+            return status
+        if status == "timeout":
+            log.warning("item timed out after %g s and scored 0 (worker replaced): %s",
+                        self.item_timeout, what)
+        elif isinstance(exc, pebble.ProcessExpired):
+            log.warning("worker died (exit %s) on an item, which scored 0: %s",
+                        exc.exitcode, what)
         else:  # raised inside the worker (e.g. RecursionError in sympy)
-            log.warning("item failed with %s and scored 0: answer=%s gold=%s",
-                        type(exc).__name__, short(answer), short(gold))
-        return Outcome(False, "crashed")
+            log.warning("item failed with %s and scored 0: %s", type(exc).__name__, what)
+        return status
 
     def close(self) -> None:
         """Stops the workers now; whatever they were verifying is abandoned."""

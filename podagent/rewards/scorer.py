@@ -1,24 +1,41 @@
 """A batch of the protocol in, one reward per item out, doing as little sympy as it can.
 
 GRPO sends every prompt's samples together (8 or more), all with the same gold, and many
-samples end in the same answer. So, in order: an exact match of the canonical strings is
-correct at once (`verify.quick_verdict`); a pair verified before comes from the verdict cache;
-equal pairs in a batch, and pairs already being verified for another request, are verified once;
-only what is left goes to the pool, where each worker keeps its parsed golds.
+samples end in the same answer. Each profile has its scorer:
+
+* `BoxedScorer` (`--scoring boxed`), in order: an exact match of the canonical strings is
+  correct at once (`verify.quick_verdict`); a pair verified before comes from the verdict
+  cache; equal pairs in a batch, and pairs already being verified for another request, are
+  verified once; only what is left goes to the pool, where each worker keeps its parsed golds.
+* `OpenrlhfMScorer` (`--scoring openrlhf-m`): response, format and gold are found here
+  (`openrlhf_m`); an item seen before comes from the verdict cache; equal items in a batch, and
+  items already being verified for another request, are verified once; the rest goes to the
+  pool a prompt's samples at a time, where a worker parses the gold once and takes the
+  shortcuts of `openrlhf_m_verify`. math-verify's pattern search runs only in the pool: on a
+  hostile response it can take seconds, and only a worker can be killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
+import math
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from podagent.rewards import verify
+from podagent.rewards import openrlhf_m, verify
+from podagent.rewards import openrlhf_m_verify as seed
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
+from podagent.rewards.settings import RewardSettings
+from podagent.rewards.verify import short
+
+log = logging.getLogger("podagent.rewards")
 
 VERDICT_CACHE_SIZE = 1 << 16
 # Longer pairs are not cached: they are rare, seldom repeat, and would make the cache's memory
@@ -46,6 +63,7 @@ class Stats:
     gold_parses: int = 0  # golds parsed by the workers (each worker keeps its own cache)
     unlabeled: int = 0  # items with no gold (no label, not in the dataset): accuracy 0
     no_answer: int = 0  # items whose response gave no final answer
+    quirks: int = 0  # openrlhf-m: items scored by the seed's quirks (unparseable gold, ...)
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,10 @@ def parse_request(body: bytes, max_items: int) -> tuple[list[str], list[str] | N
 
 
 class Scorer:
+    """What both profiles share: request parsing off the loop, counters, /health."""
+
+    profile = ""
+
     def __init__(self, pool: VerifierPool, *, max_items: int = 1024,
                  format_weight: float = verify.FORMAT_WEIGHT, golds: GoldIndex | None = None):
         self.pool, self.max_items, self.format_weight = pool, max_items, format_weight
@@ -117,24 +139,65 @@ class Scorer:
         self.stats = Stats()
         self.started = time.monotonic()
         self._verdicts = verify.LRU(VERDICT_CACHE_SIZE)
-        self._gold_forms = verify.LRU(4096)  # raw label -> canonical gold
-        self._inflight: dict[tuple[str, str], asyncio.Task[bool]] = {}
         # Decoding, validation and extraction are plain Python on up to max_body bytes: one
-        # thread keeps them off the event loop (so /health answers) and owns _gold_forms.
+        # thread keeps them off the event loop (so /health answers) and owns their caches.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-prep")
 
     def close(self) -> None:
         self._prep.shutdown(wait=False, cancel_futures=True)
 
+    def settings(self) -> dict[str, Any]:
+        return {"scoring": self.profile}
+
     def health(self) -> dict[str, Any]:
         return {
-            "status": "ok", **asdict(self.stats),
-            "in_flight": len(self._inflight), "pool_size": self.pool.workers,
+            "status": "ok", **self.settings(), **asdict(self.stats),
+            "in_flight": self.in_flight(), "pool_size": self.pool.workers,
             "item_timeout_s": self.pool.item_timeout, "format_weight": self.format_weight,
             "verdict_cache_entries": len(self._verdicts),
             "dataset_prompts": len(self.golds) if self.golds is not None else None,
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
+
+    def in_flight(self) -> int:
+        return 0
+
+    def prepare(self, body: bytes) -> list[Any]:
+        raise NotImplementedError
+
+    async def score(self, items: list[Any]) -> dict[str, list[float]]:
+        raise NotImplementedError
+
+    async def probe(self) -> bool:
+        """One known-good item through a worker: True when it comes back right."""
+        raise NotImplementedError
+
+    async def score_body(self, body: bytes) -> dict[str, list[float]]:
+        loop = asyncio.get_running_loop()
+        try:
+            items = await loop.run_in_executor(self._prep, self.prepare, body)
+        except BadRequest:
+            self.stats.bad_requests += 1
+            raise
+        return await self.score(items)
+
+
+class BoxedScorer(Scorer):
+    """`--scoring boxed`: the last `\\boxed{}` (else `<answer>` block) against the gold."""
+
+    profile = "boxed"
+
+    def __init__(self, pool: VerifierPool, **kwargs: Any):
+        super().__init__(pool, **kwargs)
+        self._gold_forms = verify.LRU(4096)  # raw label -> canonical gold
+        self._inflight: dict[tuple[str, str], asyncio.Task[bool]] = {}
+
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def probe(self) -> bool:
+        outcome = await self.pool.check(r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}")
+        return outcome.status == "ok" and outcome.correct
 
     # --- preparation (in the prep thread) -------------------------------------------------------
 
@@ -164,15 +227,6 @@ class Scorer:
         return items
 
     # --- scoring (on the event loop) ------------------------------------------------------------
-
-    async def score_body(self, body: bytes) -> dict[str, list[float]]:
-        loop = asyncio.get_running_loop()
-        try:
-            items = await loop.run_in_executor(self._prep, self.prepare, body)
-        except BadRequest:
-            self.stats.bad_requests += 1
-            raise
-        return await self.score(items)
 
     async def score(self, items: list[Item]) -> dict[str, list[float]]:
         stats = self.stats
@@ -239,6 +293,228 @@ class Scorer:
         return outcome.correct
 
 
-
 def _cacheable(key: tuple[str, str]) -> bool:
     return len(key[0]) + len(key[1]) <= MAX_CACHED_PAIR_CHARS
+
+
+# --- openrlhf-m ----------------------------------------------------------------------------------
+
+# A prompt's samples go to one worker together (it parses their gold once), at most this many
+# per task; fewer when that would leave workers idle.
+MAX_GROUP = 8
+_QUIRKS = (seed.GOLD_UNPARSED, seed.VERIFY_RAISED)
+_QUIRK_TEXT = {seed.GOLD_UNPARSED: "does not parse",
+               seed.VERIFY_RAISED: "made math-verify's comparison raise"}
+
+
+@dataclass(frozen=True)
+class SeedItem:
+    response: str
+    gold: str | None  # as math-verify gets it ($-wrapped), None when there is none
+    format: bool
+
+
+def _digest(gold: str, response: str) -> bytes:
+    """The verdict cache's key: responses are long, and the cache's memory stays fixed."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(gold.encode("utf-8", "surrogatepass"))
+    h.update(b"\0")
+    h.update(response.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+class OpenrlhfMScorer(Scorer):
+    """`--scoring openrlhf-m`: OpenRLHF-M's reward server, item for item (`openrlhf_m`)."""
+
+    profile = "openrlhf-m"
+
+    def __init__(self, pool: VerifierPool, *, template: str = "chatml", strict: bool = False,
+                 **kwargs: Any):
+        super().__init__(pool, **kwargs)
+        self.template, self.strict = template, strict
+        # Verdicts are seed.MATCH/MISMATCH/...: --strict applies when they become numbers.
+        self._unparsed_golds = verify.LRU(4096)
+        self._inflight: dict[bytes, asyncio.Future[str | None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def settings(self) -> dict[str, Any]:
+        return {"scoring": self.profile, "template": self.template, "strict": self.strict}
+
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def probe(self) -> bool:
+        ran = await self.pool.run(seed.worker_check_group, (
+            r"$\frac{\sqrt{2}}{2}$",
+            [r"<think>r</think><answer>\boxed{\frac{1}{\sqrt{2}}}</answer>"]),
+            what="the start-up probe")
+        return ran.status == "ok" and ran.value[0][0][0] == seed.MATCH
+
+    def quirk_value(self) -> float:
+        return 0.0 if self.strict else 1.0
+
+    # --- preparation (in the prep thread) -------------------------------------------------------
+
+    def prepare(self, body: bytes) -> list[SeedItem]:
+        query, prompts, labels = parse_request(body, self.max_items)
+        by_dataset = self.golds is not None and prompts is not None
+        if self.golds is not None and prompts is None and labels is None and query:
+            raise BadRequest("missing 'prompts': gold answers are looked up in the dataset "
+                             "by prompt (or send 'labels')")
+        items = []
+        for index, text in enumerate(query):
+            response = openrlhf_m.response_of(text, self.template)
+            raw: str | None = None
+            if by_dataset:
+                assert self.golds is not None and prompts is not None
+                raw = self.golds.nearest(prompts[index])[0]
+            elif labels is not None:
+                raw = labels[index]
+            gold = openrlhf_m.gold_form(raw) if raw is not None else None
+            items.append(SeedItem(response, gold, openrlhf_m.well_formed(response)))
+        return items
+
+    # --- scoring (on the event loop) ------------------------------------------------------------
+
+    async def score(self, items: list[SeedItem]) -> dict[str, list[float]]:
+        stats = self.stats
+        stats.requests += 1
+        stats.items += len(items)
+        verdicts: list[str | None] = [None] * len(items)
+        waiting: dict[bytes, list[int]] = {}
+        new: dict[bytes, tuple[str, str]] = {}
+        for index, item in enumerate(items):
+            if item.gold is None:
+                stats.unlabeled += 1
+                continue
+            if self._unparsed_golds.get(item.gold) is not None:
+                stats.fast_path += 1
+                verdicts[index] = seed.GOLD_UNPARSED
+                continue
+            key = _digest(item.gold, item.response)
+            cached = self._verdicts.get(key)
+            if cached is not None:
+                stats.cache_hits += 1
+                verdicts[index] = cached
+            elif key in waiting:
+                stats.deduped += 1
+                waiting[key].append(index)
+            else:
+                waiting[key] = [index]
+                if key in self._inflight:
+                    stats.deduped += 1  # another request is verifying the same item now
+                else:
+                    new[key] = (item.gold, item.response)
+        self._schedule(new)
+        keys = list(waiting)
+        # Shielded: one request giving up must not cancel a verification others wait for.
+        results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in keys))
+        for key, verdict in zip(keys, results, strict=True):
+            for index in waiting[key]:
+                verdicts[index] = verdict
+        return self._reply(items, verdicts)
+
+    def _reply(self, items: list[SeedItem], verdicts: list[str | None]) -> dict[str, list[float]]:
+        accuracy, quirks = [], defaultdict(list)
+        for index, (item, verdict) in enumerate(zip(items, verdicts, strict=True)):
+            if verdict in _QUIRKS:
+                assert item.gold is not None and verdict is not None
+                quirks[(verdict, item.gold)].append(index)
+                accuracy.append(self.quirk_value())
+            else:
+                accuracy.append(1.0 if verdict == seed.MATCH else 0.0)
+        for (verdict, gold), indices in quirks.items():
+            self.stats.quirks += len(indices)
+            log.warning("gold answer %s %s: item%s %s of this request scored accuracy %g (%s)",
+                        short(gold), _QUIRK_TEXT[verdict], "s" if len(indices) > 1 else "",
+                        ", ".join(map(str, indices)), self.quirk_value(),
+                        "--strict 1" if self.strict
+                        else "as OpenRLHF-M's server; --strict 1 scores 0")
+        weight = self.format_weight
+        formats = [weight if item.format else 0.0 for item in items]
+        rewards = [acc + fmt for acc, fmt in zip(accuracy, formats, strict=True)]
+        # The seed's keys, and only those: the trainer logs what it would log with the seed.
+        return {"rewards": rewards, "format_rewards": formats, "acc_rewards": accuracy}
+
+    def _schedule(self, new: dict[bytes, tuple[str, str]]) -> None:
+        """Start verifying `new` items, a prompt's samples (one gold) per task."""
+        if not new:
+            return
+        loop = asyncio.get_running_loop()
+        by_gold: dict[str, list[bytes]] = defaultdict(list)
+        for key, (gold, _) in new.items():
+            by_gold[gold].append(key)
+            future: asyncio.Future[str | None] = loop.create_future()
+            self._inflight[key] = future
+            future.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
+        size = max(1, min(MAX_GROUP, math.ceil(len(new) / self.pool.workers)))
+        for gold, keys in by_gold.items():
+            for start in range(0, len(keys), size):
+                group = keys[start : start + size]
+                task = asyncio.ensure_future(self._verify_group(
+                    gold, group, [new[k][1] for k in group]))
+                self._tasks.add(task)  # the loop keeps only a weak reference
+                task.add_done_callback(self._tasks.discard)
+
+    async def _verify_group(self, gold: str, keys: list[bytes], responses: list[str]) -> None:
+        try:
+            ran = await self.pool.run(seed.worker_check_group, (gold, responses),
+                                      what=None if len(keys) > 1 else self._what(gold, responses))
+            if ran.status == "ok":
+                found, parses = ran.value
+                self.stats.gold_parses += parses
+                for key, (verdict, how) in zip(keys, found, strict=True):
+                    self._done(key, gold, verdict, how)
+                return
+            if len(keys) == 1:
+                self._failed(keys[0], ran.status)
+                return
+            # One item of the group may be the slow one: each gets its own time limit now.
+            log.info("%d items of one prompt ran past %g s together; verifying them one by one",
+                     len(keys), self.pool.item_timeout)
+            await asyncio.gather(*(self._verify_group(gold, [k], [r])
+                                   for k, r in zip(keys, responses, strict=True)))
+        finally:
+            for key in keys:  # nothing may wait forever (e.g. this task was cancelled)
+                future = self._inflight.get(key)
+                if future is not None and not future.done():
+                    future.set_result(None)
+
+    def _done(self, key: bytes, gold: str, verdict: str, how: str) -> None:
+        stats = self.stats
+        if how == seed.BY_MATH_VERIFY:
+            stats.verified += 1
+        elif how == seed.BY_CACHE:
+            stats.cache_hits += 1
+        else:
+            stats.fast_path += 1
+            if how == seed.BY_NO_ANSWER:
+                stats.no_answer += 1
+        if verdict == seed.GOLD_UNPARSED:
+            self._unparsed_golds.put(gold, True)
+        self._verdicts.put(key, verdict)
+        future = self._inflight.get(key)
+        if future is not None and not future.done():
+            future.set_result(verdict)
+
+    def _failed(self, key: bytes, status: str) -> None:
+        if status == "timeout":
+            self.stats.timeouts += 1  # not cached: a loaded machine can time out a fair item
+        else:
+            self.stats.crashes += 1
+        future = self._inflight.get(key)
+        if future is not None and not future.done():
+            future.set_result(None)  # scores 0
+
+    @staticmethod
+    def _what(gold: str, responses: list[str]) -> str:
+        return (f"response={short(openrlhf_m.readable(responses[0]))} gold={short(gold)}")
+
+
+def make_scorer(settings: RewardSettings, pool: VerifierPool,
+                golds: GoldIndex | None = None) -> Scorer:
+    common: dict[str, Any] = {"max_items": settings.max_items,
+                              "format_weight": settings.format_weight, "golds": golds}
+    if settings.scoring == "boxed":
+        return BoxedScorer(pool, **common)
+    return OpenrlhfMScorer(pool, template=settings.template, strict=settings.strict, **common)

@@ -1,9 +1,9 @@
 """The HTTP server: OpenRLHF's remote reward protocol on aiohttp.
 
     POST /get_reward  {"query": [...], "prompts": [...], "labels": [...]}
-                      -> {"rewards": [...], "scores": [...], "format_rewards": [...],
-                          "acc_rewards": [...]}
-    GET  /health      -> {"status": "ok", counters...}
+                      -> {"rewards": [...], "format_rewards": [...], "acc_rewards": [...]}
+                         (the boxed profile adds "scores": the accuracies)
+    GET  /health      -> {"status": "ok", "scoring": profile, counters...}
 
 Every answer is JSON. A request that breaks the protocol gets 400 (413 for a body over
 max_body) with {"error": "..."} saying what is wrong; anything unexpected gets a 500 with
@@ -24,8 +24,8 @@ from aiohttp import web
 
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
-from podagent.rewards.scorer import BadRequest, Scorer
-from podagent.rewards.settings import RewardSettings
+from podagent.rewards.scorer import BadRequest, Scorer, make_scorer
+from podagent.rewards.settings import RewardSettings, describe
 
 log = logging.getLogger("podagent.rewards")
 
@@ -112,7 +112,9 @@ def load_golds(settings: RewardSettings) -> GoldIndex | None:
     """The dataset's gold table, or None without --dataset. Raises DatasetError."""
     if settings.dataset is None:
         return None
-    return GoldIndex.load(settings.dataset, settings.prompt_key, settings.answer_key)
+    # A prompt given twice keeps its last answer under openrlhf-m, as the seed's table does.
+    repeated = "last" if settings.scoring == "openrlhf-m" else "first"
+    return GoldIndex.load(settings.dataset, settings.prompt_key, settings.answer_key, repeated)
 
 
 @contextlib.asynccontextmanager
@@ -123,10 +125,13 @@ async def running(settings: RewardSettings,
     Raises OSError if the address cannot be bound."""
     pool = VerifierPool(settings.workers, settings.item_timeout)
     try:
+        scorer = make_scorer(settings, pool, golds)
         # Listening only once the workers answer: a probe that gets 200 means ready.
-        await pool.warm()
-        scorer = Scorer(pool, max_items=settings.max_items,
-                        format_weight=settings.format_weight, golds=golds)
+        try:
+            await pool.warm(scorer.probe)
+        except BaseException:
+            scorer.close()
+            raise
         runner = web.AppRunner(make_app(scorer, settings.max_body), access_log=None,
                                shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
@@ -150,8 +155,10 @@ async def _serve(settings: RewardSettings, golds: GoldIndex | None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with running(settings, golds) as server:
-        log.info("listening on %s (%d workers, item timeout %g s, format weight %g%s)",
-                 server.url, settings.workers, settings.item_timeout, settings.format_weight,
+        log.info("listening on %s: scoring %s; %d workers, item timeout %g s, format weight "
+                 "%g%s", server.url,
+                 describe(settings.scoring, settings.template, settings.strict), settings.workers,
+                 settings.item_timeout, settings.format_weight,
                  f", {len(golds)} dataset prompts" if golds is not None else "")
         await stop.wait()
         log.info("stopping: %s", _summary(server.scorer))

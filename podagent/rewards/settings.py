@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from podagent import config
+from podagent.rewards import openrlhf_m
 from podagent.rewards.verify import FORMAT_WEIGHT
 
 ENV_PREFIX = "PODAGENT_REWARD_"
@@ -74,17 +75,30 @@ class Field:
     help: str
     default: Any = None
     default_doc: str = ""
+    flag_name: str = ""  # when the flag is not --ATTR (the seed's own flag name)
 
     @property
     def flag(self) -> str:
-        return "--" + self.attr.replace("_", "-")
+        return self.flag_name or "--" + self.attr.replace("_", "-")
 
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.attr.upper()
 
 
+SCORING = ("openrlhf-m", "boxed")
+
+
 FIELDS: tuple[Field, ...] = (
+    Field("scoring", config.choice(*SCORING),
+          "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item) or boxed "
+          "(the last \\boxed{} or <answer> block; see the README).", "openrlhf-m"),
+    Field("template", config.choice(*openrlhf_m.TEMPLATES),
+          "openrlhf-m: the chat template whose assistant prefix starts the response "
+          "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
+    Field("strict", config.zero_one,
+          "openrlhf-m: 1 scores an unparseable gold answer, or a comparison that raises, as "
+          "accuracy 0; 0 scores them 1, as OpenRLHF-M's server does.", False),
     # Loopback by default: the server has no authentication. The head passes its
     # cluster-private address.
     Field("host", config.host, "Address to listen on.", "127.0.0.1"),
@@ -100,7 +114,9 @@ FIELDS: tuple[Field, ...] = (
     Field("format_weight", number(0, 100),
           "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", FORMAT_WEIGHT),
     Field("dataset", existing_file,
-          "JSONL of prompts and gold answers, for requests that send no labels."),
+          "JSONL of prompts and gold answers. openrlhf-m: gold answers come from it by the "
+          "request's prompts (labels are used only without it); boxed: for requests that send "
+          "no labels."),
     Field("prompt_key", key, "Prompt field of --dataset records.", "prompt"),
     Field("answer_key", key, "Gold answer field of --dataset records.", "answer"),
 )
@@ -109,6 +125,9 @@ FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
 
 @dataclass(frozen=True)
 class RewardSettings:
+    scoring: str = "openrlhf-m"
+    template: str = "chatml"
+    strict: bool = False
     host: str = "127.0.0.1"
     port: int = 5000
     workers: int = 1
@@ -137,6 +156,14 @@ def build(flags: Mapping[str, str | None] | None = None,
             values[f.attr] = f.default
     values.setdefault("workers", cpu_count())
     return RewardSettings(**values, sources=sources)
+
+
+def describe(scoring: str, template: str, strict: bool) -> str:
+    """The profile in a few words, for the server's log and the head's output."""
+    if scoring == "openrlhf-m":
+        return (f"openrlhf-m (OpenRLHF-M's reward rule, prompt template {template}"
+                f"{', strict' if strict else ''})")
+    return "boxed (the last \\boxed{} or <answer> block against the gold)"
 
 
 def settings_table() -> str:

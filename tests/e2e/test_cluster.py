@@ -108,7 +108,8 @@ def _worker_gets_rewards_from_the_head(head: Agent, worker: Agent) -> None:
     assert url.startswith(f"http://{head.pod.ip}:"), url
     result = worker.pod.run([sys.executable, "-c", REWARD_CLIENT, url], timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "200 [1.5, 0.5]", result.stdout
+    # openrlhf-m, the default profile: accuracies 1 and 0; no format bonus (no <think> block).
+    assert result.stdout.strip() == "200 [1.0, 0.0]", result.stdout
 
 
 # Secrets set on every pod, as a RunPod template's secrets would be.

@@ -58,8 +58,9 @@ def test_builtin_server_is_probed_and_the_job_reads_its_url(called: PodagentRun)
     assert url.endswith(f":{run.reward_port}/get_reward")
     job_log = run.read("job.log")
     assert f"URL {url}" in job_log
-    # accuracy 1 + format bonus 0.5 for the boxed right answer; 0 + 0.5 for the wrong one
-    assert "REWARDS [1.5, 0.5]" in job_log
+    # The default openrlhf-m profile: accuracy 1 for the boxed right answer, 0 for the wrong
+    # one; no <think>/<answer> structure, so no format bonus.
+    assert "REWARDS [1.0, 0.0]" in job_log
     assert "listening on" in run.read("reward.log")
     assert f"REMOTE_RM_URL={url}" in run.stdout  # the summary names it
     assert run.leftovers == []

@@ -22,6 +22,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_f
 from podagent.rewards import server
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
+from podagent.rewards.scorer import BoxedScorer
 from podagent.rewards.settings import RewardSettings
 from podagent.rewards.verify import Verifier
 
@@ -138,6 +139,8 @@ def verifier() -> Verifier:
 def pool() -> Iterator[VerifierPool]:
     """One worker, so which worker parsed a gold is not up to chance."""
     p = VerifierPool(workers=1, item_timeout=2.0)
-    asyncio.run(p.warm())
+    scorer = BoxedScorer(p)
+    asyncio.run(p.warm(scorer.probe))
+    scorer.close()
     yield p
     p.close()

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -30,6 +31,11 @@ BAD = {
     "host": (["--host", "not a host!"], {}, "--host='not a host!' must be an IP address"),
     "dataset-missing": (["--dataset", "no-such.jsonl"], {},
                         "--dataset='no-such.jsonl' must be an existing JSONL file"),
+    "scoring": (["--scoring", "exact"], {},
+                "--scoring='exact' must be one of openrlhf-m, boxed"),
+    "template-env": ([], {"PODAGENT_REWARD_TEMPLATE": "llama3"},
+                     "PODAGENT_REWARD_TEMPLATE='llama3' must be one of chatml, qwen1, base"),
+    "strict": (["--strict", "yes"], {}, "--strict='yes' must be 0 or 1"),
 }
 
 
@@ -95,6 +101,21 @@ def test_flags_win_over_the_environment_and_both_over_defaults():
     assert built.source_name("port") == "--port"
     assert built.source_name("workers") == "PODAGENT_REWARD_WORKERS"
     assert settings.build({}, {}).workers == settings.cpu_count()
+
+
+def test_the_readme_has_the_settings_table():
+    readme = Path(__file__).resolve().parents[3] / "README.md"
+    assert settings.settings_table() in readme.read_text(encoding="utf-8"), \
+        "regenerate with: python -m podagent.rewards.settings"
+
+
+def test_the_profile_settings_and_their_defaults():
+    built = settings.build({}, {})
+    assert (built.scoring, built.template, built.strict) == ("openrlhf-m", "chatml", False)
+    built = settings.build({"template": "base"}, {"PODAGENT_REWARD_SCORING": "boxed",
+                                                  "PODAGENT_REWARD_STRICT": "1"})
+    assert (built.scoring, built.template, built.strict) == ("boxed", "base", True)
+    assert built.source_name("template") == "--prompt-template"
 
 
 def test_help_documents_the_reward_formula_and_every_variable():

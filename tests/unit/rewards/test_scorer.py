@@ -1,4 +1,5 @@
-"""The batch path with a real pool: fast path, verdict cache, dedupe, gold parsing, timeouts."""
+"""The boxed profile's batch path with a real pool: fast path, verdict cache, dedupe, gold parsing,
+timeouts (test_openrlhf_m_scorer.py has the openrlhf-m profile's)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import json
 import time
 
-from podagent.rewards.scorer import Scorer
+from podagent.rewards.scorer import BoxedScorer as Scorer
 from podagent.rewards.verify import FORMAT_WEIGHT
 
 ROOT_HALF = r"\frac{\sqrt{2}}{2}"

@@ -1,4 +1,5 @@
-"""The server as trainers meet it: a real `python -m podagent.rewards` on a free port."""
+"""The server as trainers meet it: a real `python -m podagent.rewards` on a free port (the boxed
+profile here; test_openrlhf_m_server.py runs the default profile the same way)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reward-server")
     dataset = tmp / "golds.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in DATASET))
-    with live_server(tmp, "--workers", "2", "--item-timeout", str(ITEM_TIMEOUT),
+    with live_server(tmp, "--scoring", "boxed", "--workers", "2",
+                     "--item-timeout", str(ITEM_TIMEOUT),
                      "--max-items", str(MAX_ITEMS), "--dataset", str(dataset),
                      env={"PODAGENT_REWARD_MAX_BODY": "1MiB"}) as server:
         yield server
@@ -188,7 +190,7 @@ def test_health_answers_while_a_heavy_batch_is_in_flight(live: Live):
 
 
 def test_an_internal_error_is_a_json_500_and_the_server_lives_on(caplog):
-    settings = RewardSettings(port=0, workers=1, item_timeout=5.0)
+    settings = RewardSettings(scoring="boxed", port=0, workers=1, item_timeout=5.0)
     with thread_server(settings) as running:
         real = running.scorer.score_body
 
