@@ -142,6 +142,18 @@ def preset_name(raw: str) -> str:
     return raw
 
 
+def reward_scoring(raw: str) -> str:
+    from podagent.rewards.settings import SCORING  # late: that module builds on this one
+
+    return choice(*SCORING)(raw)
+
+
+def reward_template(raw: str) -> str:
+    from podagent.rewards.openrlhf_m import TEMPLATES
+
+    return choice(*TEMPLATES)(raw)
+
+
 def command_line(raw: str) -> tuple[str, ...]:
     try:
         argv = tuple(shlex.split(raw))
@@ -261,6 +273,15 @@ FIELDS: tuple[Field, ...] = (
     Field("reward_restarts", "PODAGENT_REWARD_RESTARTS", "--reward-restarts", whole(0, 100),
           "Restarts of a reward server that dies or stops answering during the job.",
           default=3),
+    Field("reward_scoring", "PODAGENT_REWARD_SCORING", "--reward-scoring", reward_scoring,
+          "Built-in reward server's scoring: openrlhf-m (OpenRLHF-M's reward server, item for "
+          "item) or boxed (see Reward server).", default="openrlhf-m"),
+    Field("reward_template", "PODAGENT_REWARD_TEMPLATE", "--reward-template", reward_template,
+          "openrlhf-m: the chat template of the trainer's queries (chatml, qwen1 or base, as "
+          "OpenRLHF-M's --prompt-template).", default="chatml"),
+    Field("reward_strict", "PODAGENT_REWARD_STRICT", "--reward-strict", zero_one,
+          "openrlhf-m: 1 scores an unparseable gold answer accuracy 0 instead of OpenRLHF-M's 1.",
+          default=False),
     Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
           "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
     Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
@@ -323,6 +344,9 @@ class Settings:
     reward_port: int = 5000
     reward_timeout: float = 600.0
     reward_restarts: int = 3
+    reward_scoring: str = "openrlhf-m"
+    reward_template: str = "chatml"
+    reward_strict: bool = False
     debug_ray: bool = False
     checkpoint_dir: str | None = None
     resume: str = "auto"

@@ -68,8 +68,13 @@ class RewardServer:
         argv = settings.reward_cmd if settings.reward == "cmd" else (
             sys.executable, "-m", "podagent.rewards",
             "--host", self.listen_host, "--port", str(settings.reward_port))
+        # The scoring settings go by name too, so that a flag given to the head reaches the
+        # server (a custom PODAGENT_REWARD=cmd server may read them as well).
         env = {**os.environ, **env, "PODAGENT_REWARD_HOST": self.listen_host,
-               "PODAGENT_REWARD_PORT": str(settings.reward_port)}
+               "PODAGENT_REWARD_PORT": str(settings.reward_port),
+               "PODAGENT_REWARD_SCORING": settings.reward_scoring,
+               "PODAGENT_REWARD_TEMPLATE": settings.reward_template,
+               "PODAGENT_REWARD_STRICT": "1" if settings.reward_strict else "0"}
         self.process = ManagedProcess("reward", tuple(argv or ()), env, run_dir / "reward.log")
         # A server an earlier podagent of this run started, kept on re-attach (not our child).
         self.adopted: psutil.Process | None = None
@@ -82,7 +87,18 @@ class RewardServer:
     def label(self) -> str:
         return "built-in reward server" if self.s.reward == "builtin" else "reward server"
 
+    @property
+    def scoring(self) -> str:
+        """What the built-in server scores by, in a few words."""
+        from podagent.rewards.settings import describe
+
+        return describe(self.s.reward_scoring, self.s.reward_template, self.s.reward_strict)
+
     def start(self) -> None:
+        if self.s.reward == "builtin":
+            self.reporter.say(f"{self.label} scoring: {self.scoring}")
+            self.reporter.event("reward_scoring", scoring=self.s.reward_scoring,
+                                template=self.s.reward_template, strict=self.s.reward_strict)
         self.process.start()
 
     def adopt(self) -> bool:
@@ -93,7 +109,30 @@ class RewardServer:
         except (requests.RequestException, ValueError):
             return False
         self.adopted = _listener(self.s.reward_port)
+        if self.s.reward == "builtin":
+            self._say_adopted_scoring()
         return True
+
+    def _say_adopted_scoring(self) -> None:
+        """The kept server scores as it was started: say how, and whether that is what this
+        run asks for."""
+        try:
+            health = requests.get(self.url.replace("/get_reward", "/health"), timeout=10).json()
+        except (requests.RequestException, ValueError):
+            return
+        if not isinstance(health, dict):
+            return
+        kept = health.get("scoring")
+        same = kept == self.s.reward_scoring and (kept == "boxed" or (
+            health.get("template"), health.get("strict")) == (self.s.reward_template,
+                                                              self.s.reward_strict))
+        if same:
+            self.reporter.say(f"{self.label} scoring: {self.scoring}")
+        else:
+            self.reporter.warn(f"{self.label} kept from before scores with {kept} "
+                               f"(template {health.get('template')}, strict "
+                               f"{health.get('strict')}), not {self.scoring}: "
+                               f"stop the run to change it")
 
     def exited(self) -> int | None:
         if self.adopted is not None:
