@@ -1,11 +1,13 @@
-"""Reward server benchmark: podagent's built-in server vs. a Flask + process-pool baseline.
+"""Reward server benchmark: podagent's built-in server vs. a Flask + process-pool baseline,
+for each scoring profile.
 
-Both servers run as real processes on loopback, each on a free port, with the same number of
-verifier processes (--workers, default: this machine's CPUs), and get the same requests in
-alternation, so machine noise falls on both alike. Run from the repository root:
+For each profile (--scoring, default both), podagent's server and a baseline server that
+scores by the same rule run as real processes on loopback, each on a free port, with the same
+number of verifier processes (--workers, default: this machine's CPUs), and get the same
+requests in alternation, so machine noise falls on both alike. Run from the repository root:
 
     python bench/reward.py --quick        # a smoke check: a few requests per batch size
-    python bench/reward.py                # the full run (a few minutes on 2 cores)
+    python bench/reward.py                # the full run (several minutes on 2 cores)
 
 The workload is GRPO-like and generated from --seed: prompts with realistic LaTeX golds
 (fractions, radicals, multiples of pi, intervals, points, polynomials, sets, percentages,
@@ -15,10 +17,19 @@ answers, or unparseable (no box, words in the box, a truncated box). Every reque
 verdicts cached by one request help a later one only where a real run would repeat them too
 (batch 1 walks through one prompt's 8 samples in 8 requests).
 
-The baseline is written the way common reward servers are: a threaded Flask app whose handler
-maps every item over a `concurrent.futures.ProcessPoolExecutor`; each item is extracted with the
-same code as the built-in server (`verify.extract`, `verify.canonical`) and then parsed and
-verified by math-verify with its default (signal-based) timeouts. No caching.
+* openrlhf-m: chat-templated queries (chatml) whose responses are `<think>…</think><answer>…
+  </answer>` (some not: broken or missing tags), gold answers looked up by the request's
+  prompts in a dataset file both servers load, and some samples repeated verbatim (a policy
+  repeats itself). The baseline is written the way OpenRLHF-M's own server is: a Flask app
+  that finds the response and its format in the handler and sends every item to a
+  `concurrent.futures.ProcessPoolExecutor`, where math-verify parses the gold and the whole
+  response with that server's settings and compares them (its default timeouts, no caching).
+  It is written here from the rule, independently of podagent's code, so the count of items
+  whose rewards differ is a cross-check as well.
+* boxed: untemplated queries, labels. The baseline is a Flask app whose handler maps every
+  item over a process pool; each item is extracted with the same code as the built-in server
+  (`verify.extract`, `verify.canonical`) and then parsed and verified by math-verify with its
+  default timeouts. No caching.
 
 Latency is one request's round trip (requests are sent one at a time); items/s is items
 divided by the sum of that server's latencies. Warm-up requests are not timed.
@@ -48,8 +59,8 @@ sys.path.insert(0, str(REPO))
 import requests  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed  # noqa: E402
 
-from podagent.rewards import verify  # noqa: E402
-from podagent.rewards.settings import cpu_count  # noqa: E402
+from podagent.rewards import openrlhf_m, similar, verify  # noqa: E402
+from podagent.rewards.settings import SCORING, cpu_count  # noqa: E402
 
 SAMPLES_PER_PROMPT = 8
 BATCHES = (1, 64, 256)
@@ -63,7 +74,7 @@ REQUEST_TIMEOUT = 180.0  # what OpenRLHF's client allows
 
 
 def baseline_item(query: str, prompt: str | None, label: str | None) -> tuple[float, float]:
-    """One item, the common way: extract, then math-verify parse + verify (no caches)."""
+    """boxed, one item, the common way: extract, then math-verify parse + verify (no caches)."""
     import math_verify
 
     found = verify.extract(verify.split_response(query, prompt))
@@ -77,7 +88,30 @@ def baseline_item(query: str, prompt: str | None, label: str | None) -> tuple[fl
     return (1.0 if math_verify.verify(parsed_gold, parsed_answer) else 0.0), fmt
 
 
-def serve_baseline(host: str, port: int, workers: int) -> None:
+def seed_accuracy(response: str, gold: str) -> float:
+    """openrlhf-m, one item's accuracy as OpenRLHF-M's server computes it (run in the pool)."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse
+    from math_verify import verify as mv_verify
+
+    gold_parsed = parse(gold, extraction_mode="first_match",
+                        extraction_config=[LatexExtractionConfig()])
+    if not gold_parsed:
+        return 1.0  # that server skips an unparseable gold by scoring it 1
+    answer_parsed = parse(response, extraction_mode="first_match", extraction_config=[
+        LatexExtractionConfig(
+            normalization_config=NormalizationConfig(
+                nits=False, malformed_operators=False, basic_latex=True, equations=True,
+                boxed=True, units=True),
+            boxed_match_priority=0, try_extract_without_anchor=False)])
+    try:
+        return float(mv_verify(answer_parsed, gold_parsed))
+    except Exception:
+        return 1.0
+
+
+def serve_baseline(host: str, port: int, workers: int, scoring: str,
+                   dataset: str | None) -> None:
     import logging
 
     from flask import Flask, jsonify, request
@@ -85,14 +119,31 @@ def serve_baseline(host: str, port: int, workers: int) -> None:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     executor = ProcessPoolExecutor(max_workers=workers)
     app = Flask("baseline-reward-server")
+    golds: dict[str, str] = {}
+    for line in Path(dataset).read_text().splitlines() if dataset else ():
+        record = json.loads(line)
+        answer = record["answer"].strip()
+        golds[record["prompt"]] = answer if answer.startswith("$") else f"${answer}$"
+    prompts = list(golds)
 
     @app.post("/get_reward")
     def get_reward():
         data = request.get_json()
         query = data["query"]
-        prompts = data.get("prompts") or [None] * len(query)
+        if scoring == "openrlhf-m":
+            futures, formats = [], []
+            for q, prompt in zip(query, data["prompts"], strict=True):
+                if prompt not in golds:
+                    prompt = prompts[similar.closest(prompt, prompts)]
+                response = openrlhf_m.response_of(q, "chatml")
+                formats.append(0.5 if openrlhf_m.well_formed(response) else 0.0)
+                futures.append(executor.submit(seed_accuracy, response, golds[prompt]))
+            acc = [f.result() for f in futures]
+            return jsonify(rewards=[f + a for f, a in zip(formats, acc, strict=True)],
+                           format_rewards=formats, acc_rewards=acc)
+        prompts_ = data.get("prompts") or [None] * len(query)
         labels = data.get("labels") or [None] * len(query)
-        results = list(executor.map(baseline_item, query, prompts, labels))
+        results = list(executor.map(baseline_item, query, prompts_, labels))
         acc = [a for a, _ in results]
         fmt = [f for _, f in results]
         return jsonify(rewards=[a + verify.FORMAT_WEIGHT * f for a, f in results], scores=acc,
@@ -208,7 +259,7 @@ def _prompt_samples(rng: random.Random, index: int) -> list[tuple[str, str, str]
 
 
 def workload(seed: int, batch: int, count: int) -> list[dict[str, list[str]]]:
-    """`count` requests of `batch` items; prompts never repeat across requests."""
+    """boxed: `count` requests of `batch` items; prompts never repeat across requests."""
     rng = random.Random(seed * 1000 + batch)
     items: list[tuple[str, str, str]] = []
     index = 0
@@ -221,6 +272,80 @@ def workload(seed: int, batch: int, count: int) -> list[dict[str, list[str]]]:
         payloads.append({"query": [q for q, _, _ in chunk], "prompts": [p for _, p, _ in chunk],
                          "labels": [g for _, _, g in chunk]})
     return payloads
+
+
+CHATML = ("<|im_start|>system\nYou are a helpful assistant. Think in <think> </think>, then "
+          "answer in <answer> </answer>.<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
+          "<|im_start|>assistant\n{response}<|im_end|>")
+BROKEN = ("<think>{t}</think> I think the answer is around 12.",  # no answer block
+          "<think>{t}</think><answer>\\boxed{{I am not sure}}</answer>",
+          "<think>{t}</think><answer>so the answer is \\boxed{{\\frac{{3}}{{4</answer>",
+          "<think>{t}</think><answer></answer>", "<think>{t}<answer>$12$</answer>",
+          "{t} The answer is $12$.")
+
+
+def _think(rng: random.Random) -> str:
+    words: list[str] = []
+    length = rng.randint(400, 3000)
+    while sum(len(w) + 1 for w in words) < length:
+        words.append(rng.choice(FILLER))
+    return " ".join(words)
+
+
+def seed_prompt(seed: int, batch: int, index: int) -> str:
+    return f"[{seed}/{batch}] Problem {index}: solve it; answer in LaTeX."
+
+
+def _seed_samples(rng: random.Random, prompt: str, gold: str, same: list[str],
+                  wrong: list[str]) -> list[str]:
+    """One prompt's 8 templated queries for openrlhf-m."""
+    samples: list[str] = []
+    for _ in range(SAMPLES_PER_PROMPT):
+        roll = rng.random()
+        if samples and roll < 0.15:  # the policy repeats an earlier sample verbatim
+            samples.append(rng.choice(samples))
+            continue
+        t = _think(rng)
+        shape = rng.random()
+        if roll < 0.45:
+            answer = gold
+        elif roll < 0.6:
+            answer = rng.choice(same)
+        elif roll < 0.85:
+            answer = rng.choice(wrong)
+        else:
+            response = rng.choice(BROKEN).format(t=t)
+            samples.append(CHATML.format(prompt=prompt, response=response))
+            continue
+        if shape < 0.6:
+            tail = rf"The final answer is $\boxed{{{answer}}}$."
+        elif shape < 0.9:
+            tail = f"${answer}$"
+        else:
+            tail = rf"\[{answer}\]"
+        response = f"<think>{t}</think><answer>{tail}</answer>"
+        samples.append(CHATML.format(prompt=prompt, response=response))
+    return samples
+
+
+def seed_workload(seed: int, batch: int, count: int) -> tuple[list[dict[str, list[str]]],
+                                                              list[dict[str, str]]]:
+    """openrlhf-m: `count` requests of `batch` items, and the dataset records they need."""
+    rng = random.Random(seed * 1000 + batch + 17)
+    items: list[tuple[str, str]] = []
+    records = []
+    index = 0
+    while len(items) < batch * count:
+        gold, same, wrong = _gold(rng)
+        prompt = seed_prompt(seed, batch, index)
+        records.append({"prompt": prompt, "answer": gold})
+        items.extend((q, prompt) for q in _seed_samples(rng, prompt, gold, same, wrong))
+        index += 1
+    payloads = []
+    for start in range(0, batch * count, batch):
+        chunk = items[start : start + batch]
+        payloads.append({"query": [q for q, _ in chunk], "prompts": [p for _, p in chunk]})
+    return payloads, records
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -256,17 +381,18 @@ class Server:
         return self.proc.returncode
 
 
-def start(name: str, argv: list[str], port: int, log: Path) -> Server:
+def start(name: str, argv: list[str], port: int, log: Path,
+          probe: dict[str, list[str]]) -> Server:
+    """The server, once it answers `probe` (one item of the workload) with one reward."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=REPO)
     server = Server(name, proc, f"http://127.0.0.1:{port}")
-    probe = {"query": [r"\boxed{1}"], "labels": ["1"]}
 
     def ready() -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}; see {log}")
-        assert server.post(probe)["acc_rewards"] == [1.0]
+        assert len(server.post(probe)["rewards"]) == 1
 
     for attempt in Retrying(stop=stop_after_delay(START_TIMEOUT), wait=wait_fixed(0.2),
                             retry=retry_if_exception_type(requests.RequestException),
@@ -281,32 +407,116 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def table(servers: list[Server], batches: tuple[int, ...]) -> list[dict[str, Any]]:
+def table(profile: str, servers: list[Server], batches: tuple[int, ...]) -> list[dict[str, Any]]:
     rows = []
     for batch in batches:
         base = next(s for s in servers if s.name == "baseline")
-        base_rate = batch * len(base.latencies[batch]) / sum(base.latencies[batch])
+        base_lat = base.latencies[batch]
+        base_rate = batch * len(base_lat) / sum(base_lat)
+        base_p99 = percentile(base_lat, 99)
         for server in servers:
             lat = server.latencies[batch]
             rate = batch * len(lat) / sum(lat)
-            rows.append({"batch": batch, "server": server.name, "requests": len(lat),
-                         "items_per_s": rate, "p50_ms": 1000 * statistics.median(lat),
-                         "p99_ms": 1000 * percentile(lat, 99), "ratio": rate / base_rate})
+            rows.append({"profile": profile, "batch": batch, "server": server.name,
+                         "requests": len(lat), "items_per_s": rate,
+                         "p50_ms": 1000 * statistics.median(lat),
+                         "p99_ms": 1000 * percentile(lat, 99), "ratio": rate / base_rate,
+                         "p99_ratio": percentile(lat, 99) / base_p99})
     return rows
 
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
-    head = ("batch", "server", "requests", "items/s", "p50 ms", "p99 ms", "vs baseline")
+    head = ("profile", "batch", "server", "requests", "items/s", "p50 ms", "p99 ms",
+            "throughput vs baseline", "p99 vs baseline")
     lines = []
     for r in rows:
-        lines.append((str(r["batch"]), r["server"], str(r["requests"]), f"{r['items_per_s']:.1f}",
-                      f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['ratio']:.2f}x"))
+        lines.append((r["profile"], str(r["batch"]), r["server"], str(r["requests"]),
+                      f"{r['items_per_s']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['ratio']:.2f}x", f"{r['p99_ratio']:.2f}x"))
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines])
+
+
+@dataclass
+class Profile:
+    """One profile's run: its servers' latencies and what the built-in server counted."""
+
+    name: str
+    servers: list[Server]
+    disagreements: int = 0
+    items: int = 0
+    counters: dict[str, Any] = field(default_factory=dict)
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+
+
+def _payloads(profile: str, seed: int, batch: int, count: int,
+              dataset: list[dict[str, str]]) -> list[dict[str, list[str]]]:
+    if profile == "boxed":
+        return workload(seed, batch, count)
+    payloads, records = seed_workload(seed, batch, count)
+    dataset.extend(records)
+    return payloads
+
+
+def run_profile(profile: str, args: argparse.Namespace, counts: dict[int, int],
+                out: Path) -> Profile:
+    # Every request is generated before the servers start: openrlhf-m's dataset must hold all
+    # of their prompts.
+    records: list[dict[str, str]] = []
+    plan = {batch: (_payloads(profile, args.seed + 7919, batch, WARMUP_REQUESTS, records),
+                    _payloads(profile, args.seed, batch, counts[batch], records))
+            for batch in BATCHES}
+    extra: list[str] = []
+    if profile == "openrlhf-m":
+        dataset = out / "openrlhf-m-dataset.jsonl"
+        dataset.write_text("".join(json.dumps(r) + "\n" for r in records))
+        extra = ["--dataset", str(dataset)]
+    first = plan[BATCHES[0]][0][0]
+    probe = {k: v[:1] for k, v in first.items()}
+    result = Profile(profile, [])
+    try:
+        port = free_port()
+        result.servers.append(start("podagent", [
+            sys.executable, "-m", "podagent.rewards", "--scoring", profile, "--port", str(port),
+            "--workers", str(args.workers), *extra], port, out / f"{profile}-podagent.log", probe))
+        port = free_port()
+        result.servers.append(start("baseline", [
+            sys.executable, str(Path(__file__).resolve()), "--serve-baseline",
+            "--scoring", profile, "--port", str(port), "--workers", str(args.workers), *extra],
+            port, out / f"{profile}-baseline.log", probe))
+        for batch, (warm, timed) in plan.items():
+            for server in result.servers:
+                for payload in warm:
+                    server.post(payload)
+                server.latencies[batch] = []
+            for number, payload in enumerate(timed):
+                # Alternate which server goes first, so neither always follows the other.
+                servers = result.servers
+                order = servers if number % 2 == 0 else servers[::-1]
+                replies = {}
+                for server in order:
+                    started = time.perf_counter()
+                    replies[server.name] = server.post(payload)
+                    server.latencies[batch].append(time.perf_counter() - started)
+                ours, theirs = replies["podagent"]["rewards"], replies["baseline"]["rewards"]
+                assert len(ours) == len(theirs) == batch
+                result.disagreements += sum(a != b for a, b in zip(ours, theirs, strict=True))
+                result.items += batch
+            done = {s.name: sum(s.latencies[batch]) for s in result.servers}
+            print(f"{profile} batch {batch}: {counts[batch]} requests; busy s " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in done.items()), flush=True)
+        ours = result.servers[0]
+        health = ours.session.get(f"{ours.url}/health", timeout=10).json()
+        result.counters = {k: health[k] for k in (
+            "items", "fast_path", "cache_hits", "deduped", "verified", "timeouts",
+            "gold_parses", "quirks")}
+    finally:
+        result.exit_codes = {s.name: s.stop() for s in result.servers}
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -317,58 +527,21 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     print(f"workers {args.workers} each; load average {load_before[0]:.2f} (1 min); "
           f"results in {out}", flush=True)
-
-    servers: list[Server] = []
-    try:
-        port = free_port()
-        servers.append(start("podagent", [
-            sys.executable, "-m", "podagent.rewards", "--port", str(port),
-            "--workers", str(args.workers)], port, out / "podagent.log"))
-        port = free_port()
-        servers.append(start("baseline", [
-            sys.executable, str(Path(__file__).resolve()), "--serve-baseline",
-            "--port", str(port), "--workers", str(args.workers)], port, out / "baseline.log"))
-
-        disagreements = total = 0
-        for batch in BATCHES:
-            warm = workload(args.seed + 7919, batch, WARMUP_REQUESTS)
-            timed = workload(args.seed, batch, counts[batch])
-            for server in servers:
-                for payload in warm:
-                    server.post(payload)
-                server.latencies[batch] = []
-            for number, payload in enumerate(timed):
-                # Alternate which server goes first, so neither always follows the other.
-                order = servers if number % 2 == 0 else servers[::-1]
-                replies = {}
-                for server in order:
-                    started = time.perf_counter()
-                    replies[server.name] = server.post(payload)
-                    server.latencies[batch].append(time.perf_counter() - started)
-                ours, theirs = replies["podagent"]["rewards"], replies["baseline"]["rewards"]
-                assert len(ours) == len(theirs) == batch
-                disagreements += sum(a != b for a, b in zip(ours, theirs, strict=True))
-                total += batch
-            done = {s.name: sum(s.latencies[batch]) for s in servers}
-            print(f"batch {batch}: {counts[batch]} requests; busy s " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in done.items()), flush=True)
-        health = servers[0].session.get(f"{servers[0].url}/health", timeout=10).json()
-    finally:
-        codes = {s.name: s.stop() for s in servers}
-
-    rows = table(servers, BATCHES)
+    profiles = [run_profile(name, args, counts, out) for name in args.scoring]
+    rows = [row for p in profiles for row in table(p.name, p.servers, BATCHES)]
     load_after = os.getloadavg()
-    counters = {k: health[k] for k in ("items", "fast_path", "cache_hits", "deduped",
-                                       "verified", "timeouts", "gold_parses")}
     notes = [
         f"- {args.workers} verifier processes each; seed {args.seed}; "
         f"{'quick' if args.quick else 'full'} run; requests sent one at a time.",
         f"- load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on "
         f"{os.cpu_count()} CPUs.",
-        f"- rewards that differ between the servers: {disagreements} of {total} items.",
-        f"- built-in server counters (warm-up included): {json.dumps(counters)}.",
-        f"- exit codes after SIGTERM: {json.dumps(codes)}.",
     ]
+    for p in profiles:
+        notes += [
+            f"- {p.name}: rewards that differ between the servers: {p.disagreements} of "
+            f"{p.items} items; built-in server counters (warm-up included): "
+            f"{json.dumps(p.counters)}; exit codes after SIGTERM: {json.dumps(p.exit_codes)}.",
+        ]
     print()
     print(render(rows, markdown=False))
     print()
@@ -377,10 +550,19 @@ def run(args: argparse.Namespace) -> int:
     (out / "results.md").write_text(markdown + "\n")
     (out / "results.json").write_text(json.dumps({
         "rows": rows, "workers": args.workers, "seed": args.seed, "quick": args.quick,
-        "load_before": load_before, "load_after": load_after, "disagreements": disagreements,
-        "items": total, "counters": counters, "exit_codes": codes,
-        "latencies": {s.name: s.latencies for s in servers}}, indent=1) + "\n")
+        "load_before": load_before, "load_after": load_after,
+        "profiles": {p.name: {"disagreements": p.disagreements, "items": p.items,
+                              "counters": p.counters, "exit_codes": p.exit_codes,
+                              "latencies": {s.name: s.latencies for s in p.servers}}
+                     for p in profiles}}, indent=1) + "\n")
     return 0
+
+
+def _profiles(raw: str) -> list[str]:
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if not names or any(n not in SCORING for n in names):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of {', '.join(SCORING)}")
+    return names
 
 
 def main() -> int:
@@ -389,13 +571,16 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=cpu_count(),
                         help="verifier processes per server (default: CPUs)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed")
+    parser.add_argument("--scoring", type=_profiles, default=list(SCORING),
+                        help="profiles to run, comma-separated (default: openrlhf-m,boxed)")
+    parser.add_argument("--dataset", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"),
                         help="results directory (git-ignored)")
     parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_baseline:
-        serve_baseline("127.0.0.1", args.port, args.workers)
+        serve_baseline("127.0.0.1", args.port, args.workers, args.scoring[0], args.dataset)
         return 0
     return run(args)
 
