@@ -1,9 +1,15 @@
-"""Test-wide hooks."""
+"""Test-wide hooks and the field environments (tests/compat/fieldenv.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+from tests.compat.fieldenv import FIELDS, Installed, build_wheel, create
 
 # Set by tests/compat when it runs the suite again inside an environment holding another Ray:
 # there only the tests marked ray_matrix are collected, so modules that need what such an
@@ -19,3 +25,16 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
         return "pytest.mark.ray_matrix" not in collection_path.read_text(errors="replace")
     return None
+
+
+@pytest.fixture(scope="session")
+def field_envs(tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[dict[str, concurrent.futures.Future[Installed]]]:
+    """name -> the future of its environment, all built at once (pip waits on the network):
+    a test waits only for the one it reads, and a field whose install failed fails its own
+    tests, with pip's output. Session-wide: the compat tests and an e2e test with a worker on
+    another Ray share them."""
+    root = tmp_path_factory.mktemp("field-envs")
+    wheel = build_wheel(root / "dist")
+    with concurrent.futures.ThreadPoolExecutor(len(FIELDS)) as pool:
+        yield {name: pool.submit(create, field, root, wheel) for name, field in FIELDS.items()}
