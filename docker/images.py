@@ -39,9 +39,18 @@ BASE_DOCKERFILE = Path(__file__).resolve().parent / "base.Dockerfile"
 # CA certificates.
 DEBIAN = {"suite": "bookworm", "mirror": "http://deb.debian.org/debian", "variant": "minbase",
           "include": ["python3", "python3-venv", "ca-certificates"]}
+# What Debian's and Ubuntu's official images (the bases of trainers' images) carry, so that apt
+# keeps no package caches in a layer; made as their build scripts make it.
+APT_DOCKER_CLEAN = (
+    'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb '
+    '/var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };\n'
+    'APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb '
+    '/var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };\n'
+    'Dir::Cache::pkgcache "";\nDir::Cache::srcpkgcache "";\n')
 ROOTFS_REPO = "podagent-rootfs"
 BASE_REPO = "podagent-base"
 IMAGE_REPO = "podagent"
+IMAGE_LABEL = "podagent.image=test"  # on podagent's images built here (for pruning replaced ones)
 
 # Never a bare `torch`: PyPI's default build pulls several GB of CUDA packages. The `+cpu` build
 # comes from the pip configuration of the machine (a local wheel, or PyTorch's CPU index given as
@@ -193,7 +202,8 @@ def say(message: str) -> None:
 
 
 def ensure_rootfs(docker: Docker) -> Made:
-    tag = f"{ROOTFS_REPO}:{DEBIAN['suite']}-{digest(json.dumps(DEBIAN, sort_keys=True))}"
+    recipe = digest(json.dumps(DEBIAN, sort_keys=True), APT_DOCKER_CLEAN)
+    tag = f"{ROOTFS_REPO}:{DEBIAN['suite']}-{recipe}"
     found = docker.image_id(tag)
     if found:
         return Made(tag, found, True, 0.0)
@@ -205,17 +215,20 @@ def ensure_rootfs(docker: Docker) -> Made:
         run(["debootstrap", f"--variant={DEBIAN['variant']}",
              f"--include={','.join(DEBIAN['include'])}", DEBIAN["suite"], str(root),
              DEBIAN["mirror"]], timeout=1800)
-        # The downloaded .debs and package lists are not part of an image (as in Debian's).
-        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        # The downloaded .debs, apt's caches and package lists are not part of an image.
+        for cache in ("var/cache/apt/archives", "var/cache/apt", "var/lib/apt/lists"):
             for item in (root / cache).glob("*"):
                 if item.is_file():
                     item.unlink()
+        (root / "etc/apt/apt.conf.d/docker-clean").write_text(APT_DOCKER_CLEAN)
         with subprocess.Popen(["tar", "--numeric-owner", "-C", str(root), "-c", "."],
                               stdout=subprocess.PIPE) as tar:
             run([docker.path, "import", "-", tag], stdin=tar.stdout.fileno(), timeout=900)
         if tar.returncode != 0:
             raise RuntimeError(f"tar of the root filesystem exited {tar.returncode}")
-    return Made(tag, docker.image_id(tag) or "", False, time.monotonic() - started)
+    made = Made(tag, docker.image_id(tag) or "", False, time.monotonic() - started)
+    drop_other_tags(docker, ROOTFS_REPO, f"{DEBIAN['suite']}-", keep=tag)
+    return made
 
 
 # --- the bases -----------------------------------------------------------------------------------
@@ -252,7 +265,18 @@ def ensure_base(docker: Docker, base: Base, rootfs: Made) -> Made:
         run([docker.path, "build", "--network", "host", "--progress", "plain",
              "--build-arg", f"ROOTFS={rootfs.tag}", "--tag", tag, str(context)],
             env=docker.build_env, timeout=3600)
-    return Made(tag, docker.image_id(tag) or "", False, time.monotonic() - started)
+    made = Made(tag, docker.image_id(tag) or "", False, time.monotonic() - started)
+    drop_other_tags(docker, BASE_REPO, f"{base.name}-", keep=tag)
+    return made
+
+
+def drop_other_tags(docker: Docker, repo: str, prefix: str, keep: str) -> None:
+    """Remove this script's images that `keep` replaces (older hashes of the same thing), so the
+    cache does not grow with every change of a recipe."""
+    tags = docker("images", "--format", "{{.Repository}}:{{.Tag}}", repo).stdout.split()
+    stale = [t for t in tags if t.startswith(f"{repo}:{prefix}") and t != keep]
+    if stale:
+        docker("rmi", *stale, check=False, timeout=600)
 
 
 # --- podagent's image ----------------------------------------------------------------------------
@@ -279,11 +303,14 @@ def build_image(docker: Docker, base: Base, base_image: Made, no_cache: bool = F
     say(f"building {tag} on {base_image.tag}")
     started = time.monotonic()
     argv = [docker.path, "build", "--network", "host", "--progress", "plain",
-            "--build-arg", f"BASE_IMAGE={base_image.tag}", "--tag", tag, str(REPO)]
+            "--build-arg", f"BASE_IMAGE={base_image.tag}", "--label", IMAGE_LABEL,
+            "--tag", tag, str(REPO)]
     if no_cache:
         argv.insert(2, "--no-cache")
     output = run(argv, env=docker.build_env, timeout=3600)
     seconds = time.monotonic() - started
+    # The image this build replaced under the tag, and nothing else.
+    docker("image", "prune", "--force", "--filter", f"label={IMAGE_LABEL}", check=False)
     # Steps that BuildKit took from its cache print CACHED; a build of nothing new is "cached".
     steps = re.findall(r"^#\d+ \[\d+/\d+\]", output.stderr, re.M)
     cached = bool(steps) and len(re.findall(r"^#\d+ CACHED$", output.stderr, re.M)) >= len(

@@ -37,10 +37,15 @@ def engine() -> Iterator[engine_module.Engine]:
 def built(engine: engine_module.Engine) -> dict[str, images.Built]:
     """podagent's image on every base (base name -> Built); bases come from the cache."""
     started = time.monotonic()
-    _, made = images.ensure_all(docker=engine.docker)
-    print(f"\nimages ready in {time.monotonic() - started:.1f} s: "
-          + "; ".join(f"{b.image.tag} adds {images.mib(b.added)} to {b.base_image.tag}"
-                      for b in made))
+    rootfs, made = images.ensure_all(docker=engine.docker)
+
+    def took(m: images.Made) -> str:
+        return "cached" if m.cached else f"made in {m.seconds:.0f} s"
+
+    print(f"\nimages ready in {time.monotonic() - started:.1f} s (root filesystem "
+          f"{took(rootfs)}): " + "; ".join(
+              f"{b.image.tag} ({b.image.seconds:.0f} s) adds {images.mib(b.added)} to "
+              f"{b.base_image.tag} ({took(b.base_image)})" for b in made))
     return {b.base.name: b for b in made}
 
 
@@ -69,3 +74,13 @@ def pods(net: PodNet) -> Iterator[list[PodContainer]]:
     for pod in made:
         pod.remove()
         net.docker("volume", "rm", "--force", pod.volume, check=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    # A failed test shows every pod's output: the containers are still there until teardown.
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for pod in item.funcargs.get("pods") or []:
+            report.sections.append((f"{pod.role_name} ({pod.pod_id}) output", pod.logs[-5000:]))

@@ -227,7 +227,11 @@ class PodContainer:
                                      f"printing {text!r}:\n{self.logs[-3000:]}")
             return False
 
-        wait_for(seen, timeout=timeout, interval=POLL, what=f"{self.role_name} to print {text!r}")
+        try:
+            wait_for(seen, timeout=timeout, interval=POLL,
+                     what=f"{self.role_name} to print {text!r}")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}:\n{self.logs[-3000:]}") from None
 
     def wait_exit(self, timeout: float) -> int:
         def exited() -> dict[str, Any] | None:
