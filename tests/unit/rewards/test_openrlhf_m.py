@@ -246,7 +246,7 @@ def _number_texts(draw) -> str:
     return f"\\boxed{{{text}}}" if draw(st.booleans()) else text
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(_number_texts())
 def test_plain_values_are_built_as_latex2sympy_parses_them(text):
     """The value is math-verify's own call's (latex2sympy with math-verify's arguments)."""
