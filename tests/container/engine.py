@@ -87,8 +87,10 @@ def install_missing() -> list[str]:
     if not wanted:
         return []
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-q"],
-                 ["apt-get", "install", "-y", "-q", "--no-install-recommends", *wanted]):
+    # Another apt (someone else's install) may hold the lock for a while: wait for it, bounded.
+    lock = ["-o", "DPkg::Lock::Timeout=300"]
+    for argv in (["apt-get", *lock, "update", "-q"],
+                 ["apt-get", *lock, "install", "-y", "-q", "--no-install-recommends", *wanted]):
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env,
                               stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
