@@ -7,9 +7,11 @@ every package that was there before must still be there at the same version.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tests.compat.fieldenv import FIELDS, Installed, core_floors
+from tests.compat.fieldenv import FIELDS, ROOT, Installed, core_floors
 
 EXIT_BAD_INPUT = 2
 
@@ -95,3 +97,24 @@ def test_core_alone_runs_a_head_plan_that_needs_no_extra(field_envs, tmp_path):
         cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"with Ray {field.after['ray']};" in result.stdout.splitlines()[0]
+
+
+# --- the reward server on OpenRLHF-M's math-verify ---------------------------------------------
+
+
+def test_reward_tests_pass_on_openrlhf_ms_math_verify(field_envs, tmp_path):
+    """The whole reward suite (parity corpus, fast/slow agreement, server) on math-verify 0.5.2,
+    in the environment podagent[reward] went into beside OpenRLHF-M's pin."""
+    field = installed(field_envs, "openrlhf-m")
+    env = field.env
+    tools = env.run([str(env.bin / "python"), "-m", "pip", "install", "--quiet",
+                     "--constraint", str(env.hold()), "pytest>=8", "hypothesis>=6.100"])
+    assert tools.returncode == 0, tools.stdout[-3000:] + tools.stderr[-3000:]
+    assert env.packages()["math-verify"] == "0.5.2"
+    result = env.run([str(env.bin / "python"), "-m", "pytest", "tests/unit/rewards", "-q",
+                      "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "rewards")],
+                     cwd=ROOT, timeout=1800)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    passed = re.match(r"(\d+) passed(, \d+ warnings?)? in ", summary)
+    assert passed and int(passed[1]) > 400, summary
