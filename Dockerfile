@@ -18,6 +18,7 @@ FROM ${BASE_IMAGE}
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
+    && apt-get clean \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/podagent/src

@@ -12,6 +12,7 @@ import dns.exception
 import dns.resolver
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from podagent import ray_compat
 from podagent.config import Settings
 from podagent.errors import AuthRefused, HeadUnreachable
 from podagent.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
@@ -158,7 +159,13 @@ class HeadFinder:
         return HeadLocation(ip, f"{how} ({name})")
 
     def wait_for_gcs(self, ip: str) -> GcsClient:
-        """Until the GCS answers its health RPC (an open port is not enough)."""
+        """Until the GCS answers its health RPC (an open port is not enough).
+
+        On a head whose Ray gives its dashboard a fixed start-up deadline (before 2.52), also
+        until the head's own node is alive in the node table: that node registers only once
+        `ray start --head` got past the dashboard, and a head that missed the deadline starts
+        Ray again, taking away a GCS that workers joined too early.
+        """
         client = GcsClient(f"{ip}:{self.s.ray_port}", metadata=self.s.grpc_metadata())
         progress = Progress(self.reporter)
         started = time.monotonic()
@@ -166,6 +173,9 @@ class HeadFinder:
         def attempt() -> None:
             try:
                 self.head_ray_version = client.check_alive(timeout=2.0)
+                if not self._head_start_is_final() and not client.head_node_alive(timeout=2.0):
+                    raise GcsUnavailable("its GCS answers, but the head's own node has not "
+                                         "registered yet (Ray is still starting there)")
             except GcsAuthRefused as exc:
                 client.close()
                 which = "a different cluster token" if self.s.auth_token else "no cluster token"
@@ -186,3 +196,12 @@ class HeadFinder:
             client.close()
             raise self._timeout(f"the head's Ray GCS at {ip}:{self.s.ray_port}") from None
         return client
+
+    def _head_start_is_final(self) -> bool:
+        """Once its GCS answers, does the head's `ray start` always go on to succeed? Not on a
+        Ray without a settable dashboard deadline (ray_compat.FEATURES)."""
+        try:
+            head = ray_compat.RayVersion(self.head_ray_version)
+            return head.has("dashboard_startup_timeout")
+        except ValueError:  # a GCS that names no version: assume the worst
+            return False

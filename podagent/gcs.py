@@ -1,7 +1,8 @@
 """A small client for the Ray GCS over plain gRPC.
 
 Workers stay light: importing Ray costs ~70 MB and a second of start-up, while these probes
-need only grpcio and three tiny messages. The messages are encoded here by hand (field numbers
+need only grpcio and a few messages (of the node table, only the two fields that say whether
+the head's node is alive). The messages are encoded here by hand (field numbers
 from gcs_service.proto, the same in every supported Ray; tests check them against the generated
 classes of the installed Ray and of every supported release, tests/compat).
 The node census, which needs Ray's large GcsNodeInfo message, imports Ray's classes lazily:
@@ -148,6 +149,21 @@ class GcsClient:
             raise GcsUnavailable(f"GCS answered status {code}: {message}")
         version = reply.get(2, [b""])[0]
         return version.decode(errors="replace") if isinstance(version, bytes) else ""
+
+    def head_node_alive(self, timeout: float = 2.0) -> bool:
+        """Is the head's own node ALIVE in the node table? It registers when the head's raylet
+        starts, the last step of `ray start --head`. Decoded by hand like the probes above:
+        GetAllNodeInfoReply.node_info_list is field 2, and in each GcsNodeInfo is_head_node is
+        field 25 and state field 7 (ALIVE is 0, so absent on the wire)."""
+        reply = decode(self._call(_GET_ALL_NODES, b"", timeout))
+        code, message = _status(reply)
+        if code:
+            raise GcsUnavailable(f"GCS answered status {code}: {message}")
+        for raw in reply.get(2, []):
+            node = decode(raw) if isinstance(raw, bytes) else {}
+            if node.get(25, [0])[0] == 1 and node.get(7, [0])[0] == 0:
+                return True
+        return False
 
     def kv_get(self, namespace: str, key: str, timeout: float = 2.0) -> bytes | None:
         request = encode([(1, key.encode()), (2, namespace.encode())])

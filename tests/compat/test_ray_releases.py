@@ -123,6 +123,22 @@ def codec_problems(r: Release) -> list[str]:
         problems.append("a failed KV put was taken as done")
     except gcs.GcsUnavailable:
         pass
+
+    # The node table: is the head's own node alive? (A worker asks before it joins.)
+    node, nodes = r.message("ray.rpc.GcsNodeInfo"), r.message("ray.rpc.GetAllNodeInfoReply")
+    state = r.pool.FindEnumTypeByName("ray.rpc.GcsNodeInfo.GcsNodeState")
+    for listed, expected in (
+            ([(False, "ALIVE"), (True, "DEAD")], False),
+            ([(True, "DEAD"), (False, "ALIVE"), (True, "ALIVE")], True)):
+        reply = nodes(status=status(code=0), node_info_list=[
+            node(node_id=bytes([i]) * 28, node_manager_address=f"10.0.0.{i}",
+                 is_head_node=head, state=state.values_by_name[alive].number,
+                 resources_total={"CPU": 1.0}) for i, (head, alive) in enumerate(listed)])
+        seen, _, request = _exchange(reply.SerializeToString(), lambda c: c.head_node_alive())
+        if seen is not expected:
+            problems.append(f"head node alive read as {seen} for {listed}")
+        if r.message("ray.rpc.GetAllNodeInfoRequest").FromString(request).ListFields():
+            problems.append("GetAllNodeInfo request is not an empty request")
     return problems
 
 

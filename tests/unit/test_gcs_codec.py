@@ -208,6 +208,44 @@ def test_check_alive_sends_a_valid_request_and_reads_the_status():
         client.close()
 
 
+def _nodes_reply(*nodes: tuple[bool, str], code: int = 0) -> bytes:
+    from ray.core.generated import gcs_pb2
+
+    state = gcs_pb2.GcsNodeInfo.GcsNodeState
+    infos = [gcs_pb2.GcsNodeInfo(node_id=bytes([i]) * 28, node_manager_address=f"10.0.0.{i}",
+                                 is_head_node=head, state=state.Value(alive),
+                                 resources_total={"CPU": 2.0}, start_time_ms=1700000000000)
+             for i, (head, alive) in enumerate(nodes, 1)]
+    return _reply(gcs_service_pb2.GetAllNodeInfoReply, node_info_list=infos,
+                  status=gcs_service_pb2.GcsStatus(code=code, message="busy" if code else ""))
+
+
+@pytest.mark.parametrize(("nodes", "alive"), [
+    ((), False),
+    (((False, "ALIVE"),), False),  # a worker only
+    (((True, "DEAD"),), False),  # an earlier head, gone
+    (((True, "DEAD"), (False, "ALIVE"), (True, "ALIVE")), True),
+])
+def test_head_node_alive_reads_rays_node_table(nodes, alive):
+    client = Recorder(_nodes_reply(*nodes))
+    try:
+        assert client.head_node_alive() is alive
+    finally:
+        client.close()
+    ((method, request),) = client.calls
+    assert method == "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
+    assert gcs_service_pb2.GetAllNodeInfoRequest.FromString(request).ListFields() == []
+
+
+def test_head_node_alive_raises_for_a_failed_status():
+    client = Recorder(_nodes_reply((True, "ALIVE"), code=14))
+    try:
+        with pytest.raises(GcsUnavailable, match="status 14: busy"):
+            client.head_node_alive()
+    finally:
+        client.close()
+
+
 # --- a real gRPC call to nowhere ----------------------------------------------------------------
 
 

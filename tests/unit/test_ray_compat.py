@@ -74,6 +74,23 @@ def test_no_token_needs_nothing_of_ray():
     ray_compat.check(config.build({}, {}), RayVersion("2.48.0"))
 
 
+@pytest.mark.parametrize(("head", "final"), [
+    ("2.48.0", False), ("2.51.2", False), ("2.52.0", True), ("2.60.0", True), ("", False)])
+def test_workers_wait_for_the_heads_node_where_its_start_may_be_retried(head, final):
+    """Before 2.52 a head's `ray start` can fail after its GCS answered (the dashboard's fixed
+    deadline) and be started again: there a worker waits for the head's node, not the GCS."""
+    import io
+
+    from podagent.discovery import HeadFinder
+    from podagent.report import Reporter
+    from podagent.waiting import Signals
+
+    finder = HeadFinder(config.build({}, {}), Reporter("worker", "t", None, stream=io.StringIO()),
+                        Signals())
+    finder.head_ray_version = head
+    assert finder._head_start_is_final() is final
+
+
 # --- the installed Ray ---------------------------------------------------------------------------
 
 
