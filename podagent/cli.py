@@ -122,7 +122,7 @@ def _secret_values(settings: config.Settings) -> list[str]:
 def _dry_run(settings: config.Settings, decision: RoleDecision,
              ray: ray_compat.RayVersion) -> None:
     """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
-    from podagent import node, ray_node
+    from podagent.cluster import node, ray_node
 
     reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values(settings),
                         log_format=settings.log_format, quiet=settings.quiet)
@@ -174,8 +174,8 @@ def _require_parts(settings: config.Settings, role: Role) -> None:
 
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
               job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
-    from podagent.head import Head
-    from podagent.worker import Worker
+    from podagent.cluster.head import Head
+    from podagent.cluster.worker import Worker
 
     settings = _build(flags, job_argv)
     try:
@@ -196,7 +196,7 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     _say_untested(reporter, ray)
     reporter.event("role", role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__, ray=ray.version)
-    from podagent import wandb_run
+    from podagent.cluster import wandb_run
 
     bringup = wandb_run.attach(reporter, settings, decision.role)
 
@@ -353,7 +353,7 @@ def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> Non
         except errors.MissingDependency as exc:
             _fail(str(exc), exit_code(exc))
         _check_cluster(settings, role, reporter)
-    from podagent import preflight
+    from podagent.checks import preflight
 
     results = preflight.run_checks(settings, role)
     click.echo(preflight.to_json(results) if as_json else preflight.render_table(results))
@@ -364,14 +364,14 @@ def _check_cluster(settings: config.Settings, role: Role, reporter: Reporter) ->
     """Submit the cluster check to the running cluster's Jobs API and follow it."""
     import time
 
-    from podagent import control
-    from podagent.jobs import JobRunner
+    from podagent.cluster.jobs import JobRunner
+    from podagent.control import lookup
 
     signals = Signals()
     signals.install()
     head_ip = "the head"
     try:
-        head_ip = control.head_ip(settings, role, reporter)
+        head_ip = lookup.head_ip(settings, role, reporter)
         url = f"http://{head_ip}:{settings.dashboard_port}"
         submission = time.strftime(f"{settings.run_name}-check-%H%M%S", time.gmtime())
         log = settings.run_dir / f"{submission}.log"
@@ -379,7 +379,7 @@ def _check_cluster(settings: config.Settings, role: Role, reporter: Reporter) ->
         env = {}
         if settings.reward != "none":
             env["REMOTE_RM_URL"] = f"http://{head_ip}:{settings.reward_port}/get_reward"
-        runner.submit((sys.executable, "-m", "podagent.clustercheck"), env, None,
+        runner.submit((sys.executable, "-m", "podagent.checks.clustercheck"), env, None,
                       {"podagent_check": "1"}, signals)
         reporter.say(f"cluster check {submission} submitted to {url}")
         status = runner.follow(signals)
@@ -417,18 +417,18 @@ def _asking(ctx: click.Context, flags: dict[str, Any], stream: TextIO | None = N
 def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None:
     """From any pod: the head, Ray's nodes (IP, GPUs, alive), the job, the reward server."""
     settings, role, reporter = _asking(ctx, flags)
-    from podagent import control
+    from podagent.control import status as status_mod
 
     if local:
-        healthy, line = control.local_health(settings)
+        healthy, line = status_mod.local_health(settings)
         click.echo(line)
         sys.exit(EXIT_OK if healthy else 1)
     _ray()
     try:
-        state = control.cluster_status(settings, role, reporter)
+        state = status_mod.cluster_status(settings, role, reporter)
     except errors.PodagentError as exc:
         _fail(str(exc), exit_code(exc))
-    click.echo(json.dumps(state, indent=2) if as_json else control.render_status(state))
+    click.echo(json.dumps(state, indent=2) if as_json else status_mod.render_status(state))
 
 
 @main.command(context_settings=CONTEXT)
@@ -441,10 +441,10 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     then the head); every podagent exits 0."""
     settings, role, reporter = _asking(ctx, flags)
     _ray()
-    from podagent import control
+    from podagent.control import stop as stop_mod
 
     try:
-        took = control.request_stop(settings, role, reporter,
+        took = stop_mod.request_stop(settings, role, reporter,
                                     by=settings.pod_id or socket.gethostname(), timeout=wait)
     except errors.PodagentError as exc:
         _fail(str(exc), exit_code(exc))
@@ -458,12 +458,12 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
 def logs(ctx: click.Context, follow: bool, **flags: Any) -> None:
     """From any pod: the run's job log (from the head's Jobs API)."""
     settings, role, reporter = _asking(ctx, flags)
-    from podagent import control
+    from podagent.control import logs as logs_mod
 
     signals = Signals()
     signals.install()
     try:
-        control.follow_logs(settings, role, reporter, follow,
+        logs_mod.follow_logs(settings, role, reporter, follow,
                             lambda text: click.echo(text, nl=False), signals)
     except errors.PodagentError as exc:
         if isinstance(exc, errors.Interrupted):
@@ -482,8 +482,9 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
     workers, --nproc-per-node from the GPUs, and torch's c10d rendezvous at the head gives each
     node its rank. Options you pass win over podagent's.
     """
-    from podagent import discovery, node
-    from podagent import torchrun as torchrun_mod
+    from podagent import discovery
+    from podagent.cluster import node
+    from podagent.cluster import torchrun as torchrun_mod
 
     if not torchrun_args:
         _fail("podagent torchrun needs a training script: podagent torchrun [OPTIONS] -- "

@@ -57,6 +57,14 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+def alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a dead child nobody reaped yet still 'is running')."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def reap_zombies() -> None:
     """Collect exit statuses of adopted orphans (zombie children only)."""
     for child in psutil.Process().children():

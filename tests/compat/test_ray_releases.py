@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from podagent import config, gcs, ray_compat, ray_node
+from podagent import config, gcs, ray_compat
+from podagent.cluster import ray_node
 from podagent.roles import Role
 from tests.compat.ray_releases import Release, all_facts
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from podagent import node
+from podagent import runstate
 from podagent.gcs import GcsClient
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 
@@ -33,7 +33,7 @@ def _request_stop(run: PodagentRun, by: str) -> None:
     gcs = GcsClient(head["address"])
     try:
         request = json.dumps({"by": by, "at": time.time()}).encode()
-        gcs.kv_put(node.KV_NAMESPACE, node.KV_STOP_REQUEST, request, timeout=10)
+        gcs.kv_put(runstate.KV_NAMESPACE, runstate.KV_STOP_REQUEST, request, timeout=10)
     finally:
         gcs.close()
 

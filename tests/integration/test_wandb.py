@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from podagent import wandb_run
-from podagent.clustercheck import JSON_PREFIX
+from podagent.checks.clustercheck import JSON_PREFIX
+from podagent.cluster import wandb_run
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 from tests.unit.test_wandb_run import OfflineRun
 

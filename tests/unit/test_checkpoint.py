@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from podagent import checkpoint, config
+from podagent import config
+from podagent.cluster import checkpoint
 
 
 def _settings(directory, **env):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from podagent import clustercheck, collectives
+from podagent.checks import clustercheck, collectives
 
 
 def _node(ip, gpus, head=False, alive=True):

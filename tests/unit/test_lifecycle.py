@@ -10,11 +10,12 @@ import signal
 import pytest
 
 from podagent import config
+from podagent.cluster.lifecycle import EndRequested, Lifecycle
+from podagent.cluster.stop_watch import WatchedSignals as _Waits
 from podagent.errors import Interrupted, RayStartError
-from podagent.head import _parse_stop_request, _Waits
-from podagent.lifecycle import EndRequested, Lifecycle
 from podagent.report import Reporter
 from podagent.roles import Role, RoleDecision
+from podagent.runstate import parse_stop_request as _parse_stop_request
 from podagent.waiting import Signals
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from podagent import config, nccl, preflight
-from podagent.preflight import CheckResult, Status
+from podagent import config, nccl
+from podagent.checks import preflight
+from podagent.checks.preflight import CheckResult, Status
 from podagent.roles import Role
 from tests.e2e.pods import DnsServer
 
@@ -117,7 +118,8 @@ def test_no_preset_interface_means_nccl_chooses(tmp_path):
 
 CHILD = """
 import json, sys
-from podagent import config, preflight, roles
+from podagent import config, roles
+from podagent.checks import preflight
 s = config.build({}, json.loads(sys.argv[1]))
 print(preflight.to_json(preflight.run_checks(s, roles.Role.HEAD)))
 """

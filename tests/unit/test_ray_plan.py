@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from podagent import config, ray_node
+from podagent import config, pod
+from podagent.cluster import ray_node
 from podagent.errors import PortInUse
 from podagent.roles import Role
 
@@ -121,8 +122,8 @@ def test_listen_all_opens_the_dashboard_on_every_interface():
     argv = ray_node.plan(s, Role.HEAD, "10.0.0.5", 0, {}).argv
     assert after(argv, "--dashboard-host") == "0.0.0.0"
     assert after(argv, "--node-ip-address") == "10.0.0.5"  # Ray's own address stays private
-    assert ray_node.listen_address(s, "10.0.0.5") == "0.0.0.0"
-    assert ray_node.listen_address(settings(), "10.0.0.5") == "10.0.0.5"
+    assert pod.listen_address(s, "10.0.0.5") == "0.0.0.0"
+    assert pod.listen_address(settings(), "10.0.0.5") == "10.0.0.5"
 
 
 def test_listen_rejects_anything_else():
@@ -173,7 +174,7 @@ def fake_dev(tmp_path, monkeypatch):
     def path(*parts):
         return tmp_path if parts == ("/dev",) else real(*parts)
 
-    monkeypatch.setattr(ray_node, "Path", path)
+    monkeypatch.setattr(pod, "Path", path)
     return tmp_path
 
 
@@ -206,11 +207,11 @@ GPUS = [
 @pytest.mark.parametrize(("env", "flags", "devices", "count", "source"), GPUS)
 def test_detect_gpus(fake_dev, env, flags, devices, count, source):
     _devices(fake_dev, *devices)
-    assert ray_node.detect_gpus(config.build(flags, env)) == (count, source)
+    assert pod.detect_gpus(config.build(flags, env)) == (count, source)
 
 
 def test_detect_gpus_stops_at_an_invalid_index(fake_dev):
-    assert ray_node.detect_gpus(settings(CUDA_VISIBLE_DEVICES="0,-1,1")) == (
+    assert pod.detect_gpus(settings(CUDA_VISIBLE_DEVICES="0,-1,1")) == (
         1, "CUDA_VISIBLE_DEVICES")
 
 
@@ -241,7 +242,7 @@ NODE_IPS = [
 
 @pytest.mark.parametrize(("env", "head_ip", "ifaces", "ifname", "address", "words"), NODE_IPS)
 def test_choose_node_ip(env, head_ip, ifaces, ifname, address, words):
-    ip, reason = ray_node.choose_node_ip(settings(**env), head_ip, ifaces, ifname)
+    ip, reason = pod.choose_node_ip(settings(**env), head_ip, ifaces, ifname)
     assert ip == address
     for word in words:
         assert word in reason
@@ -249,7 +250,7 @@ def test_choose_node_ip(env, head_ip, ifaces, ifname, address, words):
 
 def test_choose_node_ip_flag_is_named_as_a_flag():
     s = config.build({"node_ip": "10.0.0.8"}, {"PODAGENT_NODE_IP": "10.0.0.7"})
-    assert ray_node.choose_node_ip(s, None, IFACES) == ("10.0.0.8", "--node-ip")
+    assert pod.choose_node_ip(s, None, IFACES) == ("10.0.0.8", "--node-ip")
 
 
 # --- check_port_free ----------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import psutil
 import pytest
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from podagent import config, wandb_run
+from podagent import config
+from podagent.cluster import wandb_run
 from podagent.errors import RayStartError
 from podagent.report import REDACTED, Reporter
 from podagent.roles import Role

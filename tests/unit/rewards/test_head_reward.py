@@ -11,7 +11,7 @@ import requests
 
 from podagent import config
 from podagent.report import Reporter
-from podagent.reward import RewardServer
+from podagent.rewards.manager import RewardServer
 from podagent.waiting import Signals
 
 from .conftest import clean_env, free_port

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from podagent import config, discovery, nccl, ray_compat, roles
-from podagent.ray_node import detect_gpus
+from podagent.pod import detect_gpus
 
 
 class Status(str, enum.Enum):

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import enum
-import json
 import time
 from collections.abc import Callable
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import node, process, ray_compat, ray_node
+from podagent import process, ray_compat, runstate
+from podagent.cluster import node, ray_node
+from podagent.cluster.lifecycle import Lifecycle
 from podagent.config import Settings
 from podagent.discovery import HeadFinder, HeadLocation
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.gcs import GcsClient, GcsUnavailable
-from podagent.lifecycle import Lifecycle
 from podagent.report import Reporter
 from podagent.roles import Role, RoleDecision
 from podagent.waiting import Signals
@@ -139,7 +139,7 @@ class Worker(Lifecycle[WorkerState]):
             self.signals.sleep(WATCH_INTERVAL)
             process.reap_orphans()
             try:
-                state = self.gcs.kv_get(node.KV_NAMESPACE, node.KV_RUN_STATE,
+                state = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
                                         timeout=WATCH_INTERVAL)
             except GcsUnavailable as exc:
                 last_error = str(exc)
@@ -155,7 +155,7 @@ class Worker(Lifecycle[WorkerState]):
                 last_error = ""
             last_ok = time.monotonic()
             if state:
-                closing = json.loads(state)
+                closing = runstate.read_state(state)
                 self.reporter.say(f"the head is closing the run ({closing.get('outcome')}, "
                                   f"job {closing.get('job_status')}); leaving")
                 return WorkerState.LEFT

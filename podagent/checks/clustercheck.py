@@ -1,4 +1,4 @@
-"""The cluster check: the default job when no entrypoint is given (`-m podagent.clustercheck`).
+"""The cluster check: the default job when no entrypoint is given.
 
 Ray places one rank on every GPU (one per node with gloo when a node has no GPU), each under its
 own pod's NCCL environment (inherited from the pod's Ray node, never overridden by the job).
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from podagent import collectives
+from podagent.checks import collectives
 
 # A loaded pod can take minutes to start a Python worker that imports torch; a collective
 # that does not finish in this time is stuck (a rank that cannot reach another).

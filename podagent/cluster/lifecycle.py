@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
-from podagent import ray_node
+from podagent.cluster import ray_node
 from podagent.config import Settings
 from podagent.errors import PodagentError
 from podagent.report import Reporter

@@ -18,7 +18,7 @@ import psutil
 import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import ray_node
+from podagent import pod, process
 from podagent.config import Settings
 from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.process import ManagedProcess, stop_processes
@@ -64,7 +64,7 @@ class RewardServer:
         # Trainers call the cluster address; the server listens there only, unless
         # PODAGENT_LISTEN=all opens every interface.
         self.url = f"http://{host_ip}:{settings.reward_port}/get_reward"
-        self.listen_host = ray_node.listen_address(settings, host_ip)
+        self.listen_host = pod.listen_address(settings, host_ip)
         argv = settings.reward_cmd if settings.reward == "cmd" else (
             sys.executable, "-m", "podagent.rewards",
             "--host", self.listen_host, "--port", str(settings.reward_port))
@@ -100,6 +100,21 @@ class RewardServer:
             self.reporter.event("reward_scoring", scoring=self.s.reward_scoring,
                                 template=self.s.reward_template, strict=self.s.reward_strict)
         self.process.start()
+
+    def keep_or_start(self, reattached: bool) -> None:
+        """On re-attach, keep a server of this run that still answers; otherwise start one."""
+        if reattached and self.adopt():
+            if self.adopted:
+                self.reporter.say(f"{self.label} still answers at {self.url} "
+                                  f"(pid {self.adopted.pid}): keeping it")
+            else:
+                self.reporter.warn(f"{self.label} still answers at {self.url}, "
+                                   f"but its process is not visible from here: keeping it; "
+                                   f"podagent cannot stop it at the end")
+            return
+        self.start()
+        self.reporter.say(f"{self.label} starting for {self.url} "
+                          f"(log: {self.process.log_path})")
 
     def adopt(self) -> bool:
         """Keep a server that still answers a real request (an earlier podagent of this run
@@ -137,7 +152,7 @@ class RewardServer:
     def exited(self) -> int | None:
         if self.adopted is not None:
             # Not our child: its exit status is not ours to read.
-            return None if ray_node.RayNode.running(self.adopted) else ADOPTED_EXIT_UNKNOWN
+            return None if process.alive(self.adopted) else ADOPTED_EXIT_UNKNOWN
         return self.process.poll()
 
     def _exit_text(self, code: int) -> str:

@@ -21,7 +21,7 @@ from tenacity import (
     wait_fixed,
 )
 
-from podagent.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
+from podagent.checks.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
 from podagent.errors import JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
 from podagent.waiting import Signals

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from podagent import nccl, process, ray_node
+from podagent import nccl, pod, process
+from podagent.cluster import ray_node
 from podagent.config import Settings
 from podagent.report import Reporter
 from podagent.roles import Role
-
-KV_NAMESPACE = "podagent"
-KV_RUN_STATE = "run_state"  # the head's announcement that it is closing the cluster
-# A request to end the run in order (`podagent stop`): JSON {"by": "<pod>", "at": <epoch s>}.
-KV_STOP_REQUEST = "stop_request"
 
 
 @dataclass(frozen=True)
@@ -32,8 +28,8 @@ def prepare(settings: Settings, role: Role, reporter: Reporter,
         reporter.warn(warning)
     ifname = settings.environ.get("NCCL_SOCKET_IFNAME",
                                   nccl_env.variables.get("NCCL_SOCKET_IFNAME"))
-    node_ip, ip_rule = ray_node.choose_node_ip(settings, head_ip, nccl_ifname=ifname)
-    gpus, gpu_rule = ray_node.detect_gpus(settings)
+    node_ip, ip_rule = pod.choose_node_ip(settings, head_ip, nccl_ifname=ifname)
+    gpus, gpu_rule = pod.detect_gpus(settings)
     reporter.say(f"this pod: {node_ip} ({ip_rule}), {gpus} GPU(s) ({gpu_rule})")
     plan = ray_node.plan(settings, role, node_ip, gpus, nccl_env.variables, head_ip)
     reporter.event("prepared", preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from podagent import nccl, process
+from podagent import pod, process
 from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.roles import Role
@@ -27,55 +26,6 @@ def ray_executable() -> str:
     beside = Path(sys.executable).parent / "ray"
     return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
 
-
-def detect_gpus(settings: Settings) -> tuple[int, str]:
-    """(GPUs for Ray, how it was found)."""
-    if settings.num_gpus is not None:
-        return settings.num_gpus, settings.source_name("num_gpus")
-    env = settings.environ
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        # CUDA hides every device from the first invalid index on ("-1" hides all).
-        ids = []
-        for entry in visible.split(","):
-            if not entry.strip() or entry.strip().startswith("-"):
-                break
-            ids.append(entry)
-        return len(ids), "CUDA_VISIBLE_DEVICES"
-    devices = [p for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)]
-    if devices:
-        return len(devices), "/dev/nvidia*"
-    count = env.get("RUNPOD_GPU_COUNT", "")
-    if count.isdigit():
-        return int(count), "RUNPOD_GPU_COUNT"
-    return 0, "no GPU found"
-
-
-def choose_node_ip(settings: Settings, head_ip: str | None,
-                   ifaces: Mapping[str, list[str]] | None = None,
-                   nccl_ifname: str | None = None) -> tuple[str, str]:
-    """(this pod's cluster-private address, the rule that chose it)."""
-    if settings.node_ip:
-        return settings.node_ip, settings.source_name("node_ip")
-    if settings.node_addr:
-        return settings.node_addr, "NODE_ADDR (Instant Cluster)"
-    ifaces = nccl.interfaces() if ifaces is None else ifaces
-    if nccl_ifname:
-        for name in nccl.match_ifname(nccl_ifname, sorted(ifaces)) or []:
-            if ifaces[name]:
-                return ifaces[name][0], f"address of {name} (NCCL_SOCKET_IFNAME)"
-    if head_ip:
-        with contextlib.suppress(OSError):
-            name, source = nccl.route_to(head_ip, ifaces)
-            return source, f"source address of the route to the head via {name or '?'}"
-    for name, addrs in sorted(ifaces.items()):
-        for addr in addrs:
-            if not addr.startswith("127."):
-                return addr, f"first non-loopback address ({name})"
-    return "127.0.0.1", "no other address on this pod"
-
-
-ALL_INTERFACES = "0.0.0.0"
 
 # How fast the head's GCS declares a worker node dead (Ray 2.60, ray_config_def.h; read by the
 # gcs_server from RAY_<name>). Ray's defaults (a check every 3 s, 10 s timeout, 5 failures)
@@ -101,11 +51,6 @@ DASHBOARD_STARTUP_ENV = "RAY_DASHBOARD_STARTUP_TIMEOUT_S"
 DASHBOARD_STARTUP_TIMEOUT = "150"
 
 
-def listen_address(settings: Settings, node_ip: str) -> str:
-    """Where the head's dashboard and reward server listen (PODAGENT_LISTEN)."""
-    return ALL_INTERFACES if settings.listen == "all" else node_ip
-
-
 @dataclass(frozen=True)
 class RayPlan:
     """Everything needed to start this pod's Ray node; built once, shown, then run."""
@@ -120,7 +65,7 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
         # The dashboard runs jobs for whoever reaches it: only on the cluster-private address
         # unless PODAGENT_LISTEN=all asks for every interface.
         argv += ["--head", "--port", str(settings.ray_port),
-                 "--dashboard-host", listen_address(settings, node_ip),
+                 "--dashboard-host", pod.listen_address(settings, node_ip),
                  "--dashboard-port", str(settings.dashboard_port),
                  "--include-dashboard", "true"]
     else:
@@ -211,10 +156,7 @@ class RayNode:
 
     @staticmethod
     def running(proc: psutil.Process) -> bool:
-        try:
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return process.alive(proc)
 
     @staticmethod
     def stop(timeout: float, adopted_from: str | None = None,

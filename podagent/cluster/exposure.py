@@ -1,0 +1,41 @@
+"""Who can reach the head's dashboard (and so run code on it) and its reward server, said
+loudly before Ray starts: an open Jobs API is remote code execution (CVE-2023-48022)."""
+
+from __future__ import annotations
+
+from podagent import ray_compat
+from podagent.config import Settings
+from podagent.report import Reporter
+
+
+def warn(settings: Settings, listen: str, reporter: Reporter) -> None:
+    dashboard = f"{listen}:{settings.dashboard_port}"
+    if settings.listen == "all":
+        reward = ("" if settings.reward == "none"
+                  else f" and the reward server on port {settings.reward_port}")
+        if settings.auth_token:
+            reporter.say(f"PODAGENT_LISTEN=all: the dashboard{reward} listen on every "
+                         f"interface ({dashboard}); the Jobs API asks for the token, "
+                         f"the reward server asks for nothing")
+        else:
+            reporter.warn(
+                f"PODAGENT_LISTEN=all WITHOUT A CLUSTER TOKEN: the Ray dashboard{reward} "
+                f"listen on EVERY interface of this pod ({dashboard}), public ones too: "
+                f"anyone who reaches port {settings.dashboard_port} can run any code here. "
+                f"Set PODAGENT_TOKEN on every pod, or use PODAGENT_LISTEN=private")
+        reporter.event("listen_all", dashboard=dashboard, token=bool(settings.auth_token))
+    if not settings.auth_token and not listen.startswith("127."):
+        if settings.listen != "all":  # that warning said it already, louder
+            reporter.warn(
+                f"NO CLUSTER TOKEN: the Ray dashboard and Jobs API on {dashboard} will run "
+                f"jobs for anyone who can reach them; {token_advice()}")
+        reporter.event("auth_off", dashboard=dashboard)
+
+
+def token_advice() -> str:
+    ray = ray_compat.installed()
+    feature = ray_compat.FEATURES["token_auth"]
+    if ray and not ray.has(feature.name):
+        return (f"this image's {ray} has no cluster tokens (Ray {feature.since} or newer has "
+                f"them): keep the pods' network private")
+    return "set PODAGENT_TOKEN on every pod (`podagent token` makes one)"

@@ -1,0 +1,277 @@
+"""The head's lifecycle as a named state machine driven by one loop.
+
+Each state is a short handler; the work is done by collaborators with one job each: HeadRay
+(this pod's Ray), WorkerCensus (who joined, who left), StopWatch (`podagent stop`), the
+reattach check, JobRunner (the job) and RewardServer.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from podagent import pod
+from podagent.cluster import exposure, job_spec, node, ray_node, reattach
+from podagent.cluster.census import WorkerCensus
+from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
+from podagent.cluster.jobs import JobRunner
+from podagent.cluster.lifecycle import Lifecycle
+from podagent.cluster.stop_watch import StopWatch, WatchedSignals
+from podagent.config import Settings
+from podagent.errors import RayDied
+from podagent.report import Progress, Reporter
+from podagent.rewards.manager import RewardServer
+from podagent.roles import Role, RoleDecision
+from podagent.waiting import Signals
+
+NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
+
+
+class HeadState(str, enum.Enum):
+    """PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
+    -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE.
+
+    The reward server loads while the workers join. Re-attaching (CLEANING finds this pod's Ray
+    still running this run's job) skips STARTING_RAY: the reward server is kept if it answers,
+    the workers are counted, not awaited, and SUBMITTING finds the job and follows it.
+    Any state may raise (an error or a signal) or end on a stop request; teardown then runs
+    from `finally`.
+    """
+    PREPARING = "preparing"
+    CLEANING = "cleaning"
+    STARTING_RAY = "starting_ray"
+    STARTING_REWARD = "starting_reward"
+    WAITING_WORKERS = "waiting_workers"
+    WAITING_REWARD = "waiting_reward"
+    SUBMITTING = "submitting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Head(Lifecycle[HeadState]):
+    FIRST, LAST, SUCCESS = HeadState.PREPARING, HeadState.DONE, "succeeded"
+
+    def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
+                 signals: Signals):
+        self.stop_watch = StopWatch(reporter)
+        # Every wait of the head sleeps through this: it also ends on a stop request.
+        super().__init__(settings, decision, reporter,
+                         WatchedSignals(signals, self.stop_watch.look))
+        self.setup: node.NodeSetup | None = None
+        self.ray: HeadRay | None = None
+        self.census: WorkerCensus | None = None
+        self.job: JobRunner | None = None
+        self.reward: RewardServer | None = None
+        self.job_status: str | None = None
+        self._next_watch = 0.0
+
+    def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
+        return {
+            HeadState.PREPARING: self._prepare,
+            HeadState.CLEANING: self._clean,
+            HeadState.STARTING_RAY: self._start_ray,
+            HeadState.STARTING_REWARD: self._start_reward,
+            HeadState.WAITING_WORKERS: self._wait_workers,
+            HeadState.WAITING_REWARD: self._wait_reward,
+            HeadState.SUBMITTING: self._submit,
+            HeadState.RUNNING: self._follow,
+        }
+
+    # --- states --------------------------------------------------------------------------------
+
+    def _prepare(self) -> HeadState:
+        self.setup = node.prepare(self.s, Role.HEAD, self.reporter)
+        self.ray = HeadRay(self.s, self.setup, self.reporter, self.signals)
+        self.census = WorkerCensus(self.ray.nodes, self.reporter)
+        return HeadState.CLEANING
+
+    def _clean(self) -> HeadState:
+        assert self.setup and self.ray
+        listen = pod.listen_address(self.s, self.setup.node_ip)
+        exposure.warn(self.s, listen, self.reporter)
+        live = reattach.live_run(self.s, self.ray.address, self.ray.dashboard_url,
+                                 self.reporter, self.signals)
+        if live is not None:
+            self.ray.adopt(live)
+            self.stop_watch.gcs, self.adopted_ray = live, True
+            return HeadState.STARTING_REWARD
+        node.clean_stale_ray(self.s, self.reporter)
+        # Ray's dashboard agent (its default port): without it the Jobs API accepts no job.
+        # The dashboard and the reward server are checked where they will listen (with
+        # PODAGENT_LISTEN=all, a holder on any address of the port is in the way).
+        ports = [(self.setup.node_ip, self.s.ray_port), (listen, self.s.dashboard_port),
+                 (self.setup.node_ip, ray_node.DASHBOARD_AGENT_PORT)]
+        if self.s.reward != "none":
+            ports.append((listen, self.s.reward_port))
+        for address, port in ports:
+            ray_node.check_port_free(address, port)
+        return HeadState.STARTING_RAY
+
+    def _start_ray(self) -> HeadState:
+        assert self.ray
+        self.ray.start()
+        self.stop_watch.gcs = self.ray.gcs
+        return HeadState.STARTING_REWARD
+
+    def _start_reward(self) -> HeadState:
+        assert self.setup
+        if self.s.reward == "none":
+            self.reporter.say("no reward server (PODAGENT_REWARD=none)")
+            return HeadState.WAITING_WORKERS
+        self.reward = RewardServer(self.s, self.setup.node_ip, self.s.run_dir, self.reporter,
+                                   self.setup.nccl.variables)
+        self.reward.keep_or_start(reattached=self.adopted_ray)
+        return HeadState.WAITING_WORKERS
+
+    def _wait_workers(self) -> HeadState:
+        assert self.census
+        expected = self.s.expected_workers
+        if self.adopted_ray:
+            self.census.count(expected)
+            return HeadState.WAITING_REWARD
+        if expected == 0:
+            self.reporter.say("no workers expected: a single-node cluster")
+            return HeadState.WAITING_REWARD
+        self.reporter.say(f"waiting for {expected} worker(s) "
+                          f"(timeout {self.s.worker_timeout:g} s)")
+        with self.reporter.step("workers_joined") as step:
+            joined = self._await_joins(expected, lambda: step.elapsed)
+            if joined < expected:
+                self.census.accept_shortfall(expected, self.s.min_workers,
+                                             self.s.worker_timeout)
+            step.done(self._census_line(), nodes=joined + 1, gpus=self._total_gpus())
+        return HeadState.WAITING_REWARD
+
+    def _await_joins(self, expected: int, elapsed: Callable[[], float]) -> int:
+        assert self.census
+        census, progress = self.census, Progress(self.reporter, every=10.0)
+
+        def poll() -> int:
+            joined = census.poll_joins(expected)
+            progress(f"still waiting: {joined}/{expected} workers joined ({elapsed():.0f} s)")
+            self._check_reward_alive()
+            return joined
+
+        Retrying(stop=stop_after_delay(self.s.worker_timeout), wait=wait_fixed(NODE_POLL),
+                 retry=retry_if_result(lambda joined: joined < expected),
+                 sleep=self.signals.sleep, retry_error_callback=lambda state: None)(poll)
+        return len(census.workers)
+
+    def _check_reward_alive(self) -> None:
+        """Fail fast: a reward server that exits while the workers join is not waited for."""
+        if self.reward:
+            code = self.reward.exited()
+            if code is not None:
+                raise self.reward.died_error(code, "while starting")
+
+    def _wait_reward(self) -> HeadState:
+        if not self.reward:
+            return HeadState.SUBMITTING
+        with self.reporter.step("reward_ready") as step:
+            self.reward.wait_healthy(self.signals)
+            step.done(f"{self.reward.label} answers a real request at {self.reward.url}",
+                      url=self.reward.url)
+        self.reward.supervise()
+        return HeadState.SUBMITTING
+
+    def _submit(self) -> HeadState:
+        assert self.ray and self.setup and self.census
+        runner = self.ray.jobs_api()
+        with self.reporter.step("job_submitted") as step:
+            # Re-attached: the job runs already (no resume flag to work out, nothing to send).
+            entrypoint = job_spec.entrypoint(self.s, self.reporter, resume=not self.adopted_ray)
+            env = job_spec.env(self.s, self.setup.node_ip, len(self.census.workers) + 1,
+                               self._total_gpus(), self.reward.url if self.reward else None,
+                               bool(self.setup.plan.env_overrides.get("RAY_DEBUG")))
+            new = runner.submit(entrypoint, env, self.s.working_dir,
+                                {"podagent_run": self.s.run_name}, self.signals)
+            self.job = runner  # from here on, teardown stops it
+            if not new:
+                self._set_aside_job_log()
+            what = "submitted" if new else "already running: following it"
+            label = "the built-in cluster check" if not self.s.job else " ".join(entrypoint)
+            step.done(f"job {self.s.run_name} {what} ({label})", submission_id=self.s.run_name,
+                      new=new)
+        return HeadState.RUNNING
+
+    def _set_aside_job_log(self) -> None:
+        """Following a job again streams its log from the start: the earlier podagent's copy
+        (a prefix of it) is kept beside, so job.log holds the job's output exactly once."""
+        job_log = self.s.run_dir / "job.log"
+        if job_log.exists() and job_log.stat().st_size:
+            job_log.replace(self.s.run_dir / "job-before-reattach.log")
+
+    def _follow(self) -> HeadState:
+        assert self.job
+        with self.reporter.step("job_finished") as step:
+            self.job_status = self.job.follow(self.signals, on_tick=self._watch_cluster)
+            step.done(f"job {self.job_status}", status=self.job_status)
+        self.job.outcome(self.job_status)
+        return HeadState.DONE
+
+    def _watch_cluster(self) -> None:
+        """While the job runs: is this pod's Ray still alive, and did a worker node leave?"""
+        assert self.ray and self.census
+        if self.reward and self.reward.failure:
+            raise self.reward.failure
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + WATCH_INTERVAL
+        alive = self.ray.watch(now)
+        if alive is not None:
+            self.census.note_losses(alive)
+
+    def _total_gpus(self) -> int:
+        assert self.setup and self.census
+        return self.setup.gpus + self.census.gpus
+
+    def _census_line(self) -> str:
+        assert self.census
+        workers = len(self.census.workers)
+        return (f"cluster ready: {workers + 1} nodes, {self._total_gpus()} GPUs "
+                f"({workers} worker(s) joined)")
+
+    # --- teardown ------------------------------------------------------------------------------
+
+    def _teardown(self, outcome: str) -> None:
+        # With this pod's Ray dead there is no job to stop and nobody to tell: just clean up.
+        ray_dead = outcome == RayDied.__name__
+        if self.ray:
+            self.ray.closing()
+            if not ray_dead and self.ray.silent():
+                ray_dead = True
+                self.reporter.warn("this pod's Ray GCS does not answer: not stopping the job "
+                                   "through the Jobs API nor telling the workers; stopping "
+                                   "Ray")
+        if self.job and self.job_status is None and not ray_dead:
+            self._stop_job()
+        if self.reward:
+            self.reward.stop()
+        if self.ray and self.ray.gcs and not ray_dead:
+            self.ray.announce_close(outcome, self.job_status)
+            if self.census:
+                self.census.await_departures(self.s.head_grace)
+        if self.ray:
+            self.ray.close()
+        self._stop_ray(outcome, gcs_gone=ray_dead)
+        elapsed = time.monotonic() - self.started
+        reward = ""
+        if self.reward:
+            reward = f"; REMOTE_RM_URL={self.reward.url} ({self.reward.restarts} restart(s))"
+        self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s{reward}; "
+                          f"logs in {self.s.run_dir}")
+
+    def _stop_job(self) -> None:
+        assert self.job
+        status = self.job.stop(self.s.stop_timeout)
+        if status is None:
+            self.reporter.warn(f"asked Ray to stop job {self.s.run_name}; the dashboard "
+                               f"did not confirm it (Ray is stopped next either way)")
+        else:
+            self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
+            self.job_status = status  # the workers' closing announcement carries it
+        self.reporter.event("job_stopped", status=status)

@@ -1,0 +1,245 @@
+"""The head's own Ray: started (or adopted), proven healthy, watched while the job runs.
+
+The GCS is what workers need, so `start` returns once it answers; the dashboard (Jobs API)
+comes up seconds later and is awaited in a background thread while the workers join.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+
+import psutil
+import requests
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+)
+
+from podagent import runstate
+from podagent.cluster import ray_node
+from podagent.cluster.jobs import JobRunner
+from podagent.cluster.node import NodeSetup
+from podagent.config import Settings
+from podagent.errors import RayDied, RayStartError
+from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
+from podagent.report import Reporter
+from podagent.waiting import Signals
+
+RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray needs ~5-20 s
+RAY_START_ATTEMPTS = 3
+OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
+PROBE_MAX_WAIT = 0.1  # readiness probes of local ports: a refused connection costs nothing
+WATCH_INTERVAL = 1.0
+TEARDOWN_PROBE_TIMEOUT = 1.0  # a pod being stopped has seconds, not minutes
+
+
+class NotReady(Exception):
+    """A readiness probe saw no answer yet (retried)."""
+
+
+class HeadRay:
+    def __init__(self, settings: Settings, setup: NodeSetup, reporter: Reporter,
+                 signals: Signals):
+        self.s, self.setup, self.reporter, self.signals = settings, setup, reporter, signals
+        self.gcs: GcsClient | None = None
+        self.adopted = False  # an earlier podagent of this run started it (see reattach)
+        self._jobs_api: concurrent.futures.Future[JobRunner] | None = None
+        self._closing = threading.Event()
+        self._raylet: psutil.Process | None = None
+        self._unhealthy_since: float | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.setup.node_ip}:{self.s.ray_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.setup.node_ip}:{self.s.dashboard_port}"
+
+    # --- start or adopt ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # Importing Ray's job client and node messages takes ~1 s of CPU: do it while
+        # `ray start` runs, instead of after the workers joined.
+        threading.Thread(target=preload_ray_clients, name="preload", daemon=True).start()
+        with self.reporter.step("ray_head") as step:
+            self._ray_start()
+            self.gcs = GcsClient(self.address, metadata=self.s.grpc_metadata())
+            self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
+            step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
+        self._connect_jobs_api_in_background()
+
+    def adopt(self, gcs: GcsClient) -> None:
+        """Take over the Ray an earlier podagent of this run left running."""
+        self.gcs, self.adopted = gcs, True
+        # Ray's modules are imported here, before the Jobs API thread imports them too: two
+        # threads importing Ray at once can see a partly initialised module (ImportError).
+        preload_ray_clients()
+        self._connect_jobs_api_in_background()
+
+    def _ray_start(self) -> None:
+        """`ray start --head`, retried a bounded number of times: on a busy pod Ray can miss a
+        start-up deadline of its own (before 2.52 its dashboard gets a fixed 20 s) and succeed
+        on the next attempt, as a worker's join does."""
+        attempts = {"n": 0}
+
+        def attempt() -> None:
+            attempts["n"] += 1
+            try:
+                ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
+                                 RAY_START_TIMEOUT).start()
+            except RayStartError as exc:
+                if attempts["n"] < RAY_START_ATTEMPTS:
+                    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else "?"
+                    self.reporter.warn(f"starting Ray failed (attempt {attempts['n']} of "
+                                       f"{RAY_START_ATTEMPTS}): {last}; stopping what it "
+                                       f"started and trying again")
+                    ray_node.RayNode.stop(self.s.stop_timeout)
+                raise
+
+        Retrying(stop=stop_after_attempt(RAY_START_ATTEMPTS), wait=wait_fixed(1.0),
+                 retry=retry_if_exception_type(RayStartError), sleep=self.signals.sleep,
+                 reraise=True)(attempt)
+
+    # --- the Jobs API, awaited in the background -----------------------------------------------
+
+    def _connect_jobs_api_in_background(self) -> None:
+        self._jobs_api = concurrent.futures.ThreadPoolExecutor(1, "jobs-api").submit(
+            self._connect_jobs_api)
+
+    def _connect_jobs_api(self) -> JobRunner:
+        self._probe_until(self._dashboard_answers, "the dashboard's /api/version",
+                          self._sleep_unless_closing)
+        try:
+            return JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
+                             self.s.run_dir / "job.log", headers=self.s.auth_headers())
+        except Exception as exc:  # Ray's client raises plain exceptions of several kinds
+            raise RayStartError(f"the Jobs API at {self.dashboard_url} refused a client: "
+                                f"{exc}") from None
+
+    def jobs_api(self) -> JobRunner:
+        """The job client, once the dashboard answers (a step only when it had to be awaited)."""
+        assert self._jobs_api is not None
+        if self._jobs_api.done():
+            self.reporter.say(f"dashboard answers at {self.dashboard_url}")
+            return self._jobs_api.result()
+        with self.reporter.step("dashboard_ready") as step:
+            while not self._jobs_api.done():
+                self.signals.sleep(0.02)
+            runner = self._jobs_api.result()
+            step.done(f"dashboard answers at {self.dashboard_url}")
+        return runner
+
+    def _sleep_unless_closing(self, seconds: float) -> None:
+        # The background probe must end with the run: Python joins its thread at exit.
+        if self._closing.wait(seconds):
+            raise RayStartError("the head is closing the run")
+
+    # --- probes --------------------------------------------------------------------------------
+
+    def _gcs_answers(self) -> None:
+        assert self.gcs
+        self.gcs.check_alive(timeout=2.0)
+
+    def _dashboard_answers(self) -> None:
+        reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0,
+                             headers=self.s.auth_headers())
+        reply.raise_for_status()
+
+    def _probe_until(self, probe: Callable[[], None], what: str,
+                     sleep: Callable[[float], None]) -> None:
+        """Retry a readiness probe until RAY_START_TIMEOUT; the error says what and why."""
+        last = {"error": "not probed yet"}
+
+        def attempt() -> None:
+            try:
+                probe()
+            except (GcsUnavailable, requests.RequestException) as exc:
+                last["error"] = str(exc)
+                raise NotReady(str(exc)) from None
+
+        try:
+            Retrying(stop=stop_after_delay(RAY_START_TIMEOUT),
+                     wait=wait_exponential(multiplier=0.02, max=PROBE_MAX_WAIT),
+                     retry=retry_if_exception_type(NotReady), sleep=sleep,
+                     reraise=True)(attempt)
+        except NotReady:
+            raise RayStartError(
+                f"Ray head started but {what} did not answer within {RAY_START_TIMEOUT:g} s; "
+                f"last error: {last['error']}") from None
+
+    # --- while it runs -------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeInfo]:
+        """The node table; a GCS that stopped answering is a RayStartError."""
+        assert self.gcs
+        try:
+            return self.gcs.nodes(timeout=5.0)
+        except GcsUnavailable as exc:
+            raise RayStartError(f"this pod's Ray GCS stopped answering: {exc}") from None
+
+    def alive_workers(self) -> list[NodeInfo]:
+        return [n for n in self.nodes() if n.alive and not n.is_head]
+
+    def watch(self, now: float) -> set[str] | None:
+        """One health check of this pod's Ray: the ids of the workers alive, or None when the
+        GCS did not answer this time. Raises RayDied once it has been unwell for the grace."""
+        assert self.gcs
+        try:
+            self.gcs.check_alive(timeout=WATCH_INTERVAL)
+            self._raylet = self._raylet or ray_node.RayNode.find_raylet(
+                adopted_from=self.s.ray_temp_dir, adopted=self.adopted)
+            raylet_ok = self._raylet is not None and ray_node.RayNode.running(self._raylet)
+            problem = "" if raylet_ok else "this pod's raylet exited"
+            alive: set[str] | None = {n.node_id for n in self.alive_workers()}
+        except (GcsUnavailable, RayStartError) as exc:
+            problem, alive = f"the GCS does not answer ({exc})", None
+        if not problem:
+            self._unhealthy_since = None
+        else:
+            self._unhealthy_since = self._unhealthy_since or now
+            if now - self._unhealthy_since > OWN_RAY_GRACE:
+                raise RayDied(f"this pod's Ray stopped working while the job ran: {problem}")
+        return alive
+
+    # --- the end -------------------------------------------------------------------------------
+
+    def silent(self) -> bool:
+        """At the end: the GCS was started but does not answer now. Then the Jobs API cannot
+        stop the job and the workers cannot be told (each call would only wait out its
+        timeout): teardown goes straight to stopping Ray."""
+        if self.gcs is None:
+            return False
+        try:
+            self.gcs.check_alive(timeout=TEARDOWN_PROBE_TIMEOUT)
+        except GcsUnavailable:
+            return True
+        return False
+
+    def closing(self) -> None:
+        """The run ends: the background Jobs API probe gives up."""
+        self._closing.set()
+
+    def announce_close(self, outcome: str, job_status: str | None) -> None:
+        """Tell the workers this is an orderly end, so they leave with exit 0."""
+        assert self.gcs
+        with contextlib.suppress(GcsUnavailable):
+            self.gcs.kv_put(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
+                            runstate.closing(outcome, job_status))
+
+    def close(self) -> None:
+        if self.gcs:
+            self.gcs.close()
+
+
+def preload_ray_clients() -> None:
+    with contextlib.suppress(Exception):
+        import ray.core.generated.gcs_service_pb2
+        import ray.job_submission  # noqa: F401

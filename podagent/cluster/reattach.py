@@ -1,0 +1,73 @@
+"""Re-attach: this pod's Ray still runs this run's job (an earlier podagent of the run died and
+its Ray lived on). The head then adopts both instead of cleaning up, so the job is never
+submitted twice. Needs the run name set explicitly; anything else is cleaned as a stale Ray."""
+
+from __future__ import annotations
+
+import requests
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from podagent.config import Settings
+from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.report import Reporter
+from podagent.waiting import Signals
+
+REATTACH_PROBE_TIMEOUT = 15.0  # a live Ray's Jobs API gets this long to say what job it runs
+LIVE_JOB = ("PENDING", "RUNNING")
+
+
+class _NoAnswer(Exception):
+    pass
+
+
+def live_run(settings: Settings, address: str, dashboard_url: str, reporter: Reporter,
+             signals: Signals) -> GcsClient | None:
+    """A client of this pod's Ray when it still runs this run's job; None to clean it up."""
+    if settings.sources.get("run_name", "default") == "default":
+        return None  # a generated name never matches an earlier podagent's job
+    gcs = GcsClient(address, metadata=settings.grpc_metadata())
+    try:
+        gcs.check_alive(timeout=2.0)
+    except GcsUnavailable:  # no Ray here, or one of another cluster (another token)
+        gcs.close()
+        return None
+    status = job_status(settings, dashboard_url, signals)
+    if status not in LIVE_JOB:
+        gcs.close()
+        reporter.say(f"a Ray from an earlier run answers at {address} without a "
+                     f"running job {settings.run_name} ({status}): cleaning it up")
+        return None
+    reporter.say(f"re-attaching: this pod's Ray at {address} still runs job "
+                 f"{settings.run_name} ({status}); following it, not submitting again")
+    reporter.event("reattached", address=address, job_status=status)
+    return gcs
+
+
+def job_status(settings: Settings, dashboard_url: str, signals: Signals) -> str:
+    """This run's job status in the Jobs API on this pod ('no such job', 'no answer: ...')."""
+    url = f"{dashboard_url}/api/jobs/{settings.run_name}"
+    last = {"answer": "no answer"}
+
+    def attempt() -> str:
+        try:
+            reply = requests.get(url, timeout=5.0, headers=settings.auth_headers())
+        except requests.RequestException as exc:
+            last["answer"] = f"the Jobs API does not answer: {exc}"
+            raise _NoAnswer(str(exc)) from None
+        if reply.status_code == 404:
+            return "no such job"
+        if reply.status_code >= 400:
+            return f"the Jobs API answered HTTP {reply.status_code}"
+        try:
+            return str(reply.json()["status"])
+        except (ValueError, KeyError, TypeError):
+            return "the Jobs API's answer has no status"
+
+    try:
+        # A dashboard busy for a moment must not get its job killed: retry a little.
+        return Retrying(stop=stop_after_delay(REATTACH_PROBE_TIMEOUT),
+                        wait=wait_exponential(multiplier=0.2, max=2.0),
+                        retry=retry_if_exception_type(_NoAnswer), sleep=signals.sleep,
+                        reraise=True)(attempt)
+    except _NoAnswer:
+        return last["answer"]

@@ -1,0 +1,50 @@
+"""`podagent stop`: a request the head acts on (GCS KV), so the cluster comes down in podagent's
+own order; then wait until the head's Ray is gone."""
+
+from __future__ import annotations
+
+import time
+
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from podagent import runstate
+from podagent.config import Settings
+from podagent.control.lookup import HTTP_TIMEOUT, head_ip
+from podagent.errors import HeadUnreachable, StopTimeout
+from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.report import Reporter
+from podagent.roles import Role
+
+
+def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,
+                 timeout: float) -> float:
+    """Ask the head to end the run, then wait until its Ray is gone; returns seconds taken."""
+    ip = head_ip(settings, role, reporter)
+    gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
+    started = time.monotonic()
+    try:
+        gcs.kv_put(runstate.KV_NAMESPACE, runstate.KV_STOP_REQUEST,
+                   runstate.stop_request(by, time.time()), timeout=HTTP_TIMEOUT)
+    except GcsUnavailable as exc:
+        gcs.close()
+        raise HeadUnreachable(f"the head's Ray at {ip}:{settings.ray_port} does not answer: "
+                              f"{exc}") from None
+    reporter.say(f"asked the head at {ip} to stop the run; waiting for the cluster to go down")
+
+    def head_answers() -> bool:
+        try:
+            gcs.check_alive(timeout=1.0)
+            return True
+        except GcsUnavailable:
+            return False
+
+    try:
+        still_up = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(0.5),
+                            retry=retry_if_result(bool),
+                            retry_error_callback=lambda state: True)(head_answers)
+    finally:
+        gcs.close()
+    if still_up:
+        raise StopTimeout(f"the head at {ip} still runs {timeout:g} s after the stop request "
+                          f"(is its podagent running? `podagent status` shows the cluster)")
+    return time.monotonic() - started

@@ -1,0 +1,72 @@
+"""This pod: its GPUs, its cluster-private address, and where its services listen.
+
+Facts read from the settings and the machine, shared by the lifecycles (cluster/), the checks
+and the asking commands (control/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from podagent import nccl
+from podagent.config import Settings
+
+ALL_INTERFACES = "0.0.0.0"
+
+
+def detect_gpus(settings: Settings) -> tuple[int, str]:
+    """(GPUs for Ray, how it was found)."""
+    if settings.num_gpus is not None:
+        return settings.num_gpus, settings.source_name("num_gpus")
+    env = settings.environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # CUDA hides every device from the first invalid index on ("-1" hides all).
+        ids = []
+        for entry in visible.split(","):
+            if not entry.strip() or entry.strip().startswith("-"):
+                break
+            ids.append(entry)
+        return len(ids), "CUDA_VISIBLE_DEVICES"
+    devices = [p for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)]
+    if devices:
+        return len(devices), "/dev/nvidia*"
+    count = env.get("RUNPOD_GPU_COUNT", "")
+    if count.isdigit():
+        return int(count), "RUNPOD_GPU_COUNT"
+    return 0, "no GPU found"
+
+
+def choose_node_ip(settings: Settings, head_ip: str | None,
+                   ifaces: Mapping[str, list[str]] | None = None,
+                   nccl_ifname: str | None = None) -> tuple[str, str]:
+    """(this pod's cluster-private address, the rule that chose it)."""
+    if settings.node_ip:
+        return settings.node_ip, settings.source_name("node_ip")
+    if settings.node_addr:
+        return settings.node_addr, "NODE_ADDR (Instant Cluster)"
+    ifaces = nccl.interfaces() if ifaces is None else ifaces
+    if nccl_ifname:
+        for name in nccl.match_ifname(nccl_ifname, sorted(ifaces)) or []:
+            if ifaces[name]:
+                return ifaces[name][0], f"address of {name} (NCCL_SOCKET_IFNAME)"
+    if head_ip:
+        with contextlib.suppress(OSError):
+            name, source = nccl.route_to(head_ip, ifaces)
+            return source, f"source address of the route to the head via {name or '?'}"
+    for name, addrs in sorted(ifaces.items()):
+        for addr in addrs:
+            if not addr.startswith("127."):
+                return addr, f"first non-loopback address ({name})"
+    return "127.0.0.1", "no other address on this pod"
+
+
+ALL_INTERFACES = "0.0.0.0"
+
+
+def listen_address(settings: Settings, node_ip: str) -> str:
+    """Where the head's dashboard and reward server listen (PODAGENT_LISTEN)."""
+    return ALL_INTERFACES if settings.listen == "all" else node_ip

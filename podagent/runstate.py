@@ -1,0 +1,52 @@
+"""What the head, its workers and the asking commands say to each other, through Ray's own
+key-value store (namespace `podagent` in the head's GCS): no extra port, no extra service.
+
+* `run_state`: the head's announcement that it is closing the run (JSON: state, outcome, the
+  job's status). Workers read it once a second and leave with exit 0 on it.
+* `stop_request`: `podagent stop` asks the head to end the run in order (JSON: by, at).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+KV_NAMESPACE = "podagent"
+KV_RUN_STATE = "run_state"
+KV_STOP_REQUEST = "stop_request"
+
+
+def closing(outcome: str, job_status: str | None) -> bytes:
+    """The head's announcement, as stored."""
+    return json.dumps({"state": "closing", "outcome": outcome,
+                       "job_status": job_status}).encode()
+
+
+def read_state(raw: bytes | None) -> dict[str, Any]:
+    """The run's state as announced; a run nobody has announced anything of is running."""
+    if not raw:
+        return {"state": "running"}
+    try:
+        state = json.loads(raw)
+    except ValueError:
+        return {"state": "unreadable"}
+    return state if isinstance(state, dict) else {"state": "unreadable"}
+
+
+def stop_request(by: str, at: float) -> bytes:
+    return json.dumps({"by": by, "at": at}).encode()
+
+
+def parse_stop_request(raw: bytes) -> tuple[str, float | None]:
+    """(who asked, when); a request that is not the expected JSON still stops the run."""
+    try:
+        request = json.loads(raw)
+    except ValueError:
+        return "an unnamed pod", None
+    if not isinstance(request, dict):
+        return "an unnamed pod", None
+    by = str(request.get("by") or "an unnamed pod")[:100]
+    at = request.get("at")
+    # Epoch seconds up to the year 5000; anything else is not a time (and would not format).
+    valid = isinstance(at, (int, float)) and not isinstance(at, bool) and 0 < at < 95e9
+    return by, float(at) if valid else None
