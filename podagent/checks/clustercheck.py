@@ -322,7 +322,7 @@ def node_rows(report: Report) -> list[dict[str, Any]]:
             "all_reduce": ok("all_reduce"), "gather": ok("gather"),
             "all_gather": ok("all_gather"), "sequential_gathers": ok("sequential_gathers"),
             "gather_ms": max(seq) if seq else None,
-            "busbw": min(b["busbw"] for b in payload) if payload else None,
+            "busbw": _slowest_bus(payload),
             "reward": ok("reward"), "sampler": ok("sampler_steps"),
             "steps": next((res["checks"]["sampler_steps"]["steps"] for res in results
                            if res and "sampler_steps" in res["checks"]), None),
@@ -375,10 +375,17 @@ def bandwidth_lines(report: Report) -> list[str]:
     lines = []
     for i, point in enumerate(sweeps[0]):
         # The slowest rank's time is the collective's time.
-        slowest = min((s[i] for s in sweeps), key=lambda b: b["busbw"])
+        slowest = min((s[i] for s in sweeps), key=lambda b: b["algbw"])
+        bus = (f"busbw {slowest['busbw']:.3f} GB/s" if slowest["busbw"] is not None
+               else "busbw - (one rank: nothing crosses a link)")
         lines.append(f"all_reduce {point['size_bytes'] / collectives.MB:g} MiB: "
-                     f"algbw {slowest['algbw']:.3f} GB/s, busbw {slowest['busbw']:.3f} GB/s")
+                     f"algbw {slowest['algbw']:.3f} GB/s, {bus}")
     return lines
+
+
+def _slowest_bus(points: list[dict[str, Any]]) -> float | None:
+    """The lowest bus bandwidth of the points; None when none has one (a single rank)."""
+    return min((p["busbw"] for p in points if p["busbw"] is not None), default=None)
 
 
 def summary(report: Report) -> dict[str, Any]:
@@ -387,7 +394,7 @@ def summary(report: Report) -> dict[str, Any]:
     return {
         "passed": not report.failures, "backend": report.backend, "world": len(report.ranks),
         "nodes": node_rows(report), "failures": report.failures,
-        "busbw": min((s["busbw"] for s in sweeps), default=None),
+        "busbw": _slowest_bus(sweeps),
         "algbw": min((s["algbw"] for s in sweeps), default=None),
         "payload_bytes": sweeps[0]["size_bytes"] if sweeps else None,
         "transport": sorted({t for r in report.results.values() for t in r["transport"]}),

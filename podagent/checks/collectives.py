@@ -20,14 +20,16 @@ class Bandwidth:
     size_bytes: int
     seconds: float  # per all_reduce, averaged over the timed iterations
     algbw: float  # GB/s: bytes / time
-    busbw: float  # GB/s: algbw * 2(n-1)/n, the ring all_reduce's per-link traffic (nccl-tests)
+    # GB/s: algbw * 2(n-1)/n, the ring all_reduce's per-link traffic (nccl-tests); None for
+    # one rank, where nothing crosses a link and no bus bandwidth exists.
+    busbw: float | None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def bus_factor(world: int) -> float:
-    return 2 * (world - 1) / world if world > 1 else 1.0
+def bus_factor(world: int) -> float | None:
+    return 2 * (world - 1) / world if world > 1 else None
 
 
 def device_for(backend: str) -> Any:
@@ -135,7 +137,8 @@ def measure_all_reduce(size_bytes: int, world: int, backend: str, warmup: int = 
     _sync(backend)
     seconds = (time.perf_counter() - started) / iterations
     algbw = size_bytes / seconds / 1e9
-    return Bandwidth(size_bytes, seconds, algbw, algbw * bus_factor(world))
+    factor = bus_factor(world)
+    return Bandwidth(size_bytes, seconds, algbw, algbw * factor if factor else None)
 
 
 def payload_sizes(max_bytes: int) -> list[int]:

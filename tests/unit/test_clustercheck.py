@@ -47,3 +47,43 @@ def test_sampler_shards_cover_the_dataset_and_overlap_only_by_padding():
 
 def test_steps_per_epoch_halve_from_one_node_to_two():
     assert [collectives.expected_steps(1000, w, 8) for w in (1, 2, 3)] == [125, 63, 42]
+
+
+def _measured_alone(tmp_path) -> collectives.Bandwidth:
+    """A real gloo all_reduce with one rank (a one-machine cluster without GPUs)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        return collectives.measure_all_reduce(collectives.MB, 1, "gloo", warmup=1,
+                                              iterations=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_has_no_bus_bandwidth_and_shows_a_dash(tmp_path):
+    point = _measured_alone(tmp_path)
+    assert point.algbw > 0 and point.busbw is None
+    rank = clustercheck.Rank(0, "id-1", "10.0.0.1", gpu=False)
+    report = clustercheck.Report("gloo", [rank], results={0: {
+        "transport": [], "checks": {"payload": {"ok": True, "sweep": [point.as_dict()]}}}})
+    header, row = clustercheck.render(report, reward=False)
+    column = header.index("busbw GB/s")
+    assert row[column:column + 2] == "- " and "busbw GB/s" in header
+    assert clustercheck.bandwidth_lines(report) == [
+        f"all_reduce 1 MiB: algbw {point.algbw:.3f} GB/s, busbw - (one rank: nothing "
+        f"crosses a link)"]
+    assert clustercheck.summary(report)["busbw"] is None
+
+
+def test_two_ranks_report_the_slower_ones_bus_bandwidth():
+    assert collectives.bus_factor(1) is None and collectives.bus_factor(2) == 1.0
+    points = [{"size_bytes": collectives.MB, "seconds": 0.01, "algbw": a, "busbw": a}
+              for a in (2.0, 1.5)]
+    ranks = [clustercheck.Rank(r, f"id-{r}", f"10.0.0.{r + 1}", gpu=False) for r in (0, 1)]
+    report = clustercheck.Report("gloo", ranks, results={r: {
+        "transport": [], "checks": {"payload": {"ok": True, "sweep": [points[r]]}}}
+        for r in (0, 1)})
+    assert clustercheck.summary(report)["busbw"] == 1.5
+    assert clustercheck.bandwidth_lines(report)[0].endswith("busbw 1.500 GB/s")
