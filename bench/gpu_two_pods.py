@@ -46,7 +46,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
 RAW = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
-from podagent import collectives
+from podagent.checks import collectives
 rank, backend, master = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if backend == "nccl":
     torch.cuda.set_device(0)
