@@ -1,0 +1,226 @@
+"""The head's collaborators, each with scripted inputs: the worker census (scripted node
+tables), the stop watch (a scripted KV store and clock), the job's spec, and the own-Ray
+watch (a scripted GCS and clock)."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from podagent import config, runstate
+from podagent.cluster import job_spec
+from podagent.cluster.census import WorkerCensus
+from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
+from podagent.cluster.lifecycle import EndRequested
+from podagent.cluster.stop_watch import StopWatch
+from podagent.errors import RayDied, RayStartError, WorkersTimeout
+from podagent.gcs import GcsUnavailable, NodeInfo
+from podagent.report import Reporter
+
+
+class Heard:
+    """A reporter whose lines and events the test reads."""
+
+    def __init__(self) -> None:
+        self.out = io.StringIO()
+        self.events: list[dict] = []
+        self.reporter = Reporter("head", "pod", None, stream=self.out)
+        self.reporter.add_listener(self.events.append)
+
+    def named(self, name: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == name]
+
+    @property
+    def text(self) -> str:
+        return self.out.getvalue()
+
+
+def node(ip: str, alive: bool = True, head: bool = False, gpus: float = 1.0) -> NodeInfo:
+    return NodeInfo(f"id-{ip}", ip, alive, gpus, 2.0, head, 0)
+
+
+def scripted(*tables: list[NodeInfo]) -> Iterator[list[NodeInfo]]:
+    """Each read returns the next table; the last one stays."""
+    yield from tables
+    while True:
+        yield tables[-1]
+
+
+# --- the census ----------------------------------------------------------------------------------
+
+def test_census_records_joins_and_a_worker_that_leaves_before_the_job():
+    heard = Heard()
+    head = node("10.0.0.1", head=True)
+    tables = scripted([head], [head, node("10.0.0.2")],
+                      [head, node("10.0.0.2"), node("10.0.0.3", gpus=2)],
+                      [head, node("10.0.0.3", gpus=2), node("10.0.0.4", alive=False)])
+    census = WorkerCensus(lambda: next(tables), heard.reporter)
+    assert [census.poll_joins(2) for _ in range(4)] == [0, 1, 2, 1]
+    assert census.ips() == ["10.0.0.3"] and census.gpus == 2
+    assert "worker joined: 10.0.0.2 (1 GPUs) [1/2]" in heard.text
+    assert "worker 10.0.0.2 left again before the job started" in heard.text
+    assert [e["ip"] for e in heard.named("worker_joined")] == ["10.0.0.2", "10.0.0.3"]
+    assert [e["ip"] for e in heard.named("worker_lost")] == ["10.0.0.2"]
+
+
+def test_census_shortfall_fails_unless_the_minimum_is_met():
+    heard = Heard()
+    census = WorkerCensus(lambda: [node("10.0.0.2")], heard.reporter)
+    census.poll_joins(3)
+    with pytest.raises(WorkersTimeout, match=r"only 1 of 3 workers joined within 60 s; "
+                                             r"joined: 10\.0\.0\.2"):
+        census.accept_shortfall(3, None, 60.0)
+    with pytest.raises(WorkersTimeout):
+        census.accept_shortfall(3, 2, 60.0)
+    census.accept_shortfall(3, 1, 60.0)
+    assert "going on because PODAGENT_MIN_WORKERS=1" in heard.text
+
+
+def test_census_on_reattach_counts_and_warns_when_short():
+    heard = Heard()
+    census = WorkerCensus(lambda: [node("10.0.0.1", head=True), node("10.0.0.2")],
+                          heard.reporter)
+    census.count(2)
+    assert "re-attached with 1 of 2 expected worker(s) alive" in heard.text
+    counted = heard.named("workers_counted")[0]
+    assert (counted["workers"], counted["expected"], counted["ips"]) == (1, 2, ["10.0.0.2"])
+
+
+def test_census_reports_each_loss_once_while_the_job_runs():
+    heard = Heard()
+    census = WorkerCensus(lambda: [node("10.0.0.2"), node("10.0.0.3")], heard.reporter)
+    census.poll_joins(2)
+    census.note_losses({"id-10.0.0.3"})
+    census.note_losses({"id-10.0.0.3"})
+    census.note_losses(set())
+    assert [e["ip"] for e in heard.named("worker_lost")] == ["10.0.0.2", "10.0.0.3"]
+
+
+def test_census_awaits_departures_and_names_who_stayed():
+    heard = Heard()
+    tables = scripted([node("10.0.0.2"), node("10.0.0.3")], [node("10.0.0.3")], [])
+    census = WorkerCensus(lambda: next(tables), heard.reporter)
+    census.poll_joins(2)
+    census.await_departures(grace=5.0)
+    assert "still connected" not in heard.text
+
+    stuck = WorkerCensus(lambda: [node("10.0.0.2")], heard.reporter)
+    stuck.poll_joins(1)
+    stuck.await_departures(grace=0.3)
+    assert "1 worker(s) still connected; stopping Ray anyway" in heard.text
+
+
+def test_census_stops_waiting_for_departures_when_the_gcs_is_gone():
+    heard = Heard()
+    reads = iter([[node("10.0.0.2")]])
+
+    def nodes() -> list[NodeInfo]:
+        for table in reads:
+            return table
+        raise RayStartError("this pod's Ray GCS stopped answering")
+
+    census = WorkerCensus(nodes, heard.reporter)
+    census.poll_joins(1)
+    census.await_departures(grace=30.0)  # returns at once: nobody is left to wait for
+    assert "still connected" not in heard.text
+
+
+# --- the stop watch ------------------------------------------------------------------------------
+
+class ScriptedKv:
+    def __init__(self, *answers: bytes | Exception | None):
+        self.answers, self.reads = list(answers), 0
+
+    def kv_get(self, namespace: str, key: str, timeout: float) -> bytes | None:
+        assert (namespace, key) == (runstate.KV_NAMESPACE, runstate.KV_STOP_REQUEST)
+        self.reads += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_stop_watch_reads_at_most_once_a_second_and_ends_the_run_on_a_request():
+    heard, now = Heard(), [100.0]
+    kv = ScriptedKv(None, GcsUnavailable("busy"), runstate.stop_request("pod-7", 1.7e9))
+    watch = StopWatch(heard.reporter, clock=lambda: now[0])
+    watch.look()  # no GCS yet: nothing to read
+    watch.gcs = kv  # type: ignore[assignment]
+    watch.look()
+    watch.look()  # within the second: no read
+    assert kv.reads == 1
+    now[0] += 1.0
+    watch.look()  # the GCS did not answer this time: not a stop
+    now[0] += 1.0
+    with pytest.raises(EndRequested) as ended:
+        watch.look()
+    assert ended.value.outcome == "StopRequested" and kv.reads == 3
+    assert "stop requested by pod-7 at " in heard.text
+    assert heard.named("stop_requested")[0]["by"] == "pod-7"
+    now[0] += 5.0
+    watch.look()  # seen once: the run is already ending
+    assert kv.reads == 3
+
+
+# --- the job's spec ------------------------------------------------------------------------------
+
+def test_job_env_carries_wandb_settings_never_the_key():
+    settings = config.build({}, {"WANDB_PROJECT": "p", "WANDB_API_KEY": "k" * 40,
+                                 "PODAGENT_RUN_NAME": "r1"})
+    env = job_spec.env(settings, "10.0.0.1", nodes=3, gpus=24,
+                       reward_url="http://10.0.0.1:5000/get_reward", ray_debug=True)
+    assert env == {"PODAGENT_NUM_NODES": "3", "PODAGENT_NUM_GPUS": "24",
+                   "PODAGENT_HEAD_ADDR": "10.0.0.1", "PODAGENT_RUN_NAME": "r1",
+                   "REMOTE_RM_URL": "http://10.0.0.1:5000/get_reward", "RAY_DEBUG": "legacy",
+                   "WANDB_PROJECT": "p"}
+
+
+def test_entrypoint_is_the_cluster_check_without_a_job_and_unchanged_on_reattach():
+    heard = Heard()
+    assert job_spec.entrypoint(config.build({}, {}), heard.reporter) == job_spec.CLUSTER_CHECK
+    settings = config.build({"job": "python train.py"}, {})
+    assert job_spec.entrypoint(settings, heard.reporter, resume=False) == ("python", "train.py")
+
+
+# --- the own-Ray watch ---------------------------------------------------------------------------
+
+class ScriptedGcs:
+    def __init__(self, answers: list[bool], workers: list[NodeInfo]):
+        self.answers, self.workers = answers, workers
+
+    def check_alive(self, timeout: float) -> str:
+        if not (self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]):
+            raise GcsUnavailable("deadline exceeded")
+        return "2.60.0"
+
+    def nodes(self, timeout: float) -> list[NodeInfo]:
+        return [node("10.0.0.1", head=True), *self.workers]
+
+
+def test_own_ray_watch_tolerates_a_busy_moment_then_calls_it_dead():
+    settings = config.build({}, {})
+    ray = HeadRay(settings, None, Heard().reporter, None)  # type: ignore[arg-type]
+    ray.gcs = ScriptedGcs([True, False, True, False], [node("10.0.0.2")])  # type: ignore
+    ray._raylet = psutil.Process()  # a process that runs: the raylet is fine
+    assert ray.watch(0.0) == {"id-10.0.0.2"}
+    assert ray.watch(1.0) is None  # silent once: not dead yet
+    assert ray.watch(2.0) == {"id-10.0.0.2"}  # answered again: the grace starts over
+    assert ray.watch(3.0) is None
+    assert ray.watch(3.0 + OWN_RAY_GRACE) is None
+    with pytest.raises(RayDied, match="the GCS does not answer"):
+        ray.watch(3.1 + OWN_RAY_GRACE)
+
+
+def test_own_ray_silent_at_teardown_only_when_started_and_not_answering():
+    ray = HeadRay(config.build({}, {}), None, Heard().reporter, None)  # type: ignore[arg-type]
+    assert ray.silent() is False  # never started: nothing to call silent
+    ray.gcs = ScriptedGcs([False], [])  # type: ignore[assignment]
+    assert ray.silent() is True
+    ray.gcs = ScriptedGcs([True], [])  # type: ignore[assignment]
+    assert ray.silent() is False
+    assert json.loads(runstate.closing("Interrupted", "STOPPED")) == {
+        "state": "closing", "outcome": "Interrupted", "job_status": "STOPPED"}
