@@ -1,7 +1,9 @@
-"""The README's tables are generated from the code, and CI runs the README's test command."""
+"""The README's tables are generated from the code, CI runs the README's test command, and every
+relative link of the README and docs/ resolves."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +37,51 @@ def test_ruff_is_clean():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- links: every relative link in the README and docs/ points at a file (and heading) that exists
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```.*?^```[^\n]*$", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} +(.+?) *#* *$", re.MULTILINE)
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks (where brackets are code, not links)."""
+    return FENCE.sub("", text)
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub makes of the headings: lower case, punctuation dropped, spaces to
+    hyphens; a repeated heading gets -1, -2, ..."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in HEADING.findall(_prose(text)):
+        heading = LINK.sub(lambda m: m.group(0)[1:m.group(0).index("]")], heading)
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(_prose(doc.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_page_of_docs_is_linked_from_the_readme():
+    linked = {(ROOT / target.partition("#")[0]).resolve()
+              for target in LINK.findall(_prose(README))}
+    assert [p.name for p in DOCS[1:] if p.resolve() not in linked] == []
