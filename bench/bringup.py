@@ -1,7 +1,7 @@
 """Bring-up benchmark: podagent vs. the bare `ray start` floor vs. `ray symmetric-run`.
 
 Pods are Linux network namespaces on one private bridge with a real DNS server, exactly as in
-the end-to-end tests (tests/e2e/pods.py). Needs root and iproute2. Run from the repository root
+the end-to-end tests (tests/harness/pods.py). Needs root and iproute2. Run from the repository root
 with the project's virtual environment:
 
     python bench/bringup.py [--workers 1,2,4] [--runs 3] [--methods podagent,floor,symmetric]
@@ -39,8 +39,8 @@ import tenacity  # noqa: E402
 
 from podagent import __version__ as PODAGENT_VERSION  # noqa: E402
 from podagent.gcs import GcsClient, GcsUnavailable  # noqa: E402
-from tests.e2e.agents import Agent, clean_environ  # noqa: E402
-from tests.e2e.pods import (  # noqa: E402
+from tests.harness.agents import Agent, clean_environ  # noqa: E402
+from tests.harness.pods import (  # noqa: E402
     DnsServer,
     Pod,
     PodNetwork,

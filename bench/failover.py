@@ -62,7 +62,7 @@ from bringup import (
 
 from podagent import __version__ as PODAGENT_VERSION
 from podagent.gcs import GcsClient, GcsUnavailable
-from tests.e2e.pods import Pod, run_cmd, wait_for
+from tests.harness.pods import Pod, run_cmd, wait_for
 
 METHODS = ("podagent-headloss", "ray-headloss", "podagent-workerloss", "ray-workerloss",
            "podagent-workercut", "ray-workercut")

@@ -43,8 +43,8 @@ from podagent import __version__ as PODAGENT_VERSION  # noqa: E402
 from tests.container import engine as engine_module  # noqa: E402
 from tests.container.engine import images  # noqa: E402
 from tests.container.pods import PodContainer, Session, pod_net, template_env  # noqa: E402
-from tests.e2e.agents import Agent  # noqa: E402
-from tests.e2e.pods import DnsServer, PodNetwork, cleanup_stale, wait_for  # noqa: E402
+from tests.harness.agents import Agent  # noqa: E402
+from tests.harness.pods import DnsServer, PodNetwork, cleanup_stale, wait_for  # noqa: E402
 
 WORKERS = 2
 RUN_NAME = "bench"

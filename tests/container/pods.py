@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.container.engine import STATE_DIR, images
-from tests.e2e.pods import RUNPOD_ZONE, DnsServer, random_pod_id, run_cmd, wait_for
+from tests.harness.pods import RUNPOD_ZONE, DnsServer, random_pod_id, run_cmd, wait_for
 from tests.unit.test_container import SECRET_REFERENCE, TEMPLATE
 
 LABEL = "podagent.test"  # on everything the harness creates; the value is the session's token

@@ -1,4 +1,4 @@
-"""Fixtures for end-to-end tests on fake pods (see pods.py)."""
+"""Fixtures for end-to-end tests on fake pods (see tests/harness/pods.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.agents import Agent
-from tests.e2e.pods import DnsServer, Pod, PodNetwork, cleanup_stale
+from tests.harness.agents import Agent
+from tests.harness.pods import DnsServer, Pod, PodNetwork, cleanup_stale
 
 
 @pytest.fixture(scope="session")

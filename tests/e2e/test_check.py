@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from tests.e2e.agents import form_cluster
 from tests.e2e.test_cluster import FORM_TIMEOUT
+from tests.harness.agents import form_cluster
 
 EXIT_JOB_FAILED = 3
 

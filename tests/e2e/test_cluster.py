@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from podagent import config
-from tests.e2e.agents import Agent, form_cluster
-from tests.e2e.pods import wait_for
+from tests.harness.agents import Agent, form_cluster
+from tests.harness.pods import wait_for
 
 # Three Ray nodes on a 2-core machine are slow to form: generous, bounded waits.
 FORM_TIMEOUT = 240.0

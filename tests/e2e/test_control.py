@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.e2e.agents import form_cluster
-from tests.e2e.pods import wait_for
 from tests.e2e.test_cluster import FORM_TIMEOUT, LONG_JOB
+from tests.harness.agents import form_cluster
+from tests.harness.pods import wait_for
 
 
 def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agents):

@@ -35,8 +35,8 @@ import pytest
 
 import podagent
 from podagent import config
-from tests.e2e.agents import clean_environ
-from tests.e2e.pods import Pod, PodNetwork, wait_for
+from tests.harness.agents import clean_environ
+from tests.harness.pods import Pod, PodNetwork, wait_for
 from tests.unit.test_container import (
     ROOT,
     SECRET_REFERENCE,

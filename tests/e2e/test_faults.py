@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.e2e.agents import Agent, form_cluster
-from tests.e2e.pods import Pod, wait_for
 from tests.e2e.test_cluster import FORM_TIMEOUT
+from tests.harness.agents import Agent, form_cluster
+from tests.harness.pods import Pod, wait_for
 
 NOTICE_WITHIN = 15.0  # the bound: worker pod killed -> the head has recorded it
 EXIT_REWARD_FAILED, EXIT_REWARD_TIMEOUT, EXIT_SIGTERM = 11, 12, 143

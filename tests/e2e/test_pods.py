@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import MakePod
-from tests.e2e.pods import (
+from tests.harness.pods import (
     RUNPOD_ZONE,
     CommandError,
     DnsServer,
@@ -87,7 +87,7 @@ time.sleep(600)
 # A run that crashes: builds a network with a busy pod and exits without close().
 CRASHING_RUN = """
 import json, os, subprocess, sys
-from tests.e2e.pods import PodNetwork
+from tests.harness.pods import PodNetwork
 net = PodNetwork()
 pod = net.add_pod("x")
 p = pod.popen([sys.executable, "-c", "import time; time.sleep(600)"],

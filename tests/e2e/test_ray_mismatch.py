@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-from tests.e2e.agents import form_cluster
+from tests.harness.agents import form_cluster
 
 EXIT_BAD_INPUT, EXIT_SIGTERM = 2, 143
 

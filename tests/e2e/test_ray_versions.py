@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.e2e.agents import form_cluster
-from tests.e2e.pods import wait_for
+from tests.harness.agents import form_cluster
+from tests.harness.pods import wait_for
 
 pytestmark = pytest.mark.ray_matrix
 

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from tests.e2e.agents import Agent, form_cluster
+from tests.harness.agents import Agent, form_cluster
 
 DDP_STEP = """
 import json, os, sys

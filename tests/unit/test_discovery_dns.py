@@ -16,7 +16,7 @@ from podagent.discovery import DnsOutcome, HeadFinder
 from podagent.errors import HeadUnreachable, Interrupted
 from podagent.report import Reporter
 from podagent.waiting import Signals
-from tests.e2e.pods import DnsServer
+from tests.harness.pods import DnsServer
 
 
 class NoDataDnsServer(DnsServer):

@@ -18,7 +18,7 @@ from podagent import config, nccl
 from podagent.checks import preflight
 from podagent.checks.preflight import CheckResult, Status
 from podagent.roles import Role
-from tests.e2e.pods import DnsServer
+from tests.harness.pods import DnsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD_IP = "127.0.0.7"  # any 127/8 address is this machine; a distinct one shows it was used

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from tests.e2e.pods import DnsServer, Pod, wait_for
+from tests.harness.pods import DnsServer, Pod, wait_for
 
 # Variables a test must not inherit from the machine it runs on.
 _SCRUB_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")

@@ -1,0 +1,8 @@
+"""Fake RunPod pods on one machine, shared by the end-to-end tests (tests/e2e) and the
+benchmarks (bench/). Plain modules (no pytest import); they need root and iproute2's `ip`.
+
+- pods.py: pods as Linux network namespaces on a private bridge, and a real DNS server answering
+  `<pod_id>.runpod.internal`;
+- agents.py: the real podagent entrypoint in a pod, configured by environment variables, its
+  output captured to a file.
+"""
