@@ -1,7 +1,7 @@
 """Bring-up benchmark: podagent vs. the bare `ray start` floor vs. `ray symmetric-run`.
 
 Pods are Linux network namespaces on one private bridge with a real DNS server, exactly as in
-the end-to-end tests (tests/harness/pods.py). Needs root and iproute2. Run from the repository root
+the end-to-end tests (tests/harness/). Needs root and iproute2. Run from the repository root
 with the project's virtual environment:
 
     python bench/bringup.py [--workers 1,2,4] [--runs 3] [--methods podagent,floor,symmetric]
@@ -16,48 +16,35 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import re
-import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil  # noqa: E402
-import tenacity  # noqa: E402
+import psutil
+import tenacity
 
-from podagent import __version__ as PODAGENT_VERSION  # noqa: E402
-from podagent.gcs import GcsClient, GcsUnavailable  # noqa: E402
-from tests.harness.agents import Agent, clean_environ  # noqa: E402
-from tests.harness.pods import (  # noqa: E402
-    DnsServer,
-    Pod,
-    PodNetwork,
-    cleanup_stale,
-    netns_pids,
-    wait_for,
-)
+from podagent.gcs import GcsClient, GcsUnavailable
+from tests.harness import benchkit
+from tests.harness import cluster as harness
+from tests.harness.agents import Agent
+from tests.harness.benchkit import RunFailed, fmt, last_lines, median, reason_line, table, verdict
+from tests.harness.pods import Pod, wait_for
 
 METHODS = ("podagent", "floor", "symmetric")
-RAY_PORT, DASHBOARD_PORT = 6379, 8265
-NET_PREFIX = "pb"  # distinct from the tests' "pa": cleanup_stale never touches the other's
 TRIVIAL_JOB = "python -c pass"
 LONG_JOB = "python -c 'import time; print(\"training\", flush=True); time.sleep(600)'"
 ENTRY_MARKER = "ENTRY"
 ENTRY_CODE = f"import time; print({ENTRY_MARKER!r}, repr(time.time()), flush=True)"
 FOOTPRINT_WINDOW = 20.0
-EXIT_HEAD_LOST = 7
 
 # Targets printed next to the figures.
 TARGET_OVERHEAD_S = 0.5
@@ -65,9 +52,6 @@ TARGET_JOIN_S = 0.3
 TARGET_HEAD_LOSS_S = 10.0
 TARGET_RSS_MB = 80.0
 TARGET_CPU_PCT = 1.0
-
-VENV_BIN = Path(sys.executable).parent
-RAY = str(VENV_BIN / "ray")
 
 # `ray symmetric-run` runs through this stand-in for the `ray` executable. All pods share one
 # PID namespace (only the network is private), so Ray's process scans would see every pod's
@@ -130,167 +114,7 @@ class Run:
     logs: str = ""
 
 
-class RunFailed(Exception):
-    def __init__(self, reason: str, tail: list[str] | None = None):
-        super().__init__(reason)
-        self.reason, self.tail = reason, tail or []
-
-
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def last_lines(text: str, count: int = 12) -> list[str]:
-    return [ANSI.sub("", line) for line in text.splitlines() if line.strip()][-count:]
-
-
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def reason_line(text: str) -> str:
-    """The most telling line of a failed program's output."""
-    lines = [ANSI.sub("", line).strip() for line in text.splitlines() if line.strip()]
-    # A program's own verdict first (click's "Error: ...", an exception's last line), then any
-    # line that sounds like one; lines Ray forwards from other nodes' raylets come last.
-    ranked = (lambda line: line.startswith(("Error:", "ERROR:", "podagent: error")),
-              lambda line: re.match(r"^[A-Za-z_.]*(Error|Exception): ", line) is not None,
-              lambda line: any(k in line for k in ("Error", "ERROR", "Timed out", "timed out",
-                                                   "Failed", "failed", "Check failed")))
-    for rank in ranked:
-        for line in reversed(lines):
-            if rank(line) and not line.startswith("Traceback"):
-                return line[:300]
-    return lines[-1][:300] if lines else "<no output>"
-
-
-def foreign_raylets() -> int:
-    """Live raylets on this machine before a run starts: other suites' Ray (noise). Zombies
-    do not count: the floor's and symmetric-run's daemons are orphans that the machine's init
-    reaps a while after the bench killed them."""
-    count = 0
-    for proc in psutil.process_iter(["name", "status"]):
-        if proc.info["name"] == "raylet" and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            count += 1
-    return count
-
-
-# --- pods ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Cluster:
-    net: PodNetwork
-    dns: DnsServer
-    head: Pod
-    workers: list[Pod]
-    tmp: dict[str, str]  # pod name -> its own short Ray temp dir
-
-    @property
-    def pods(self) -> list[Pod]:
-        return [self.head, *self.workers]
-
-
-@contextlib.contextmanager
-def cluster(n: int) -> Iterator[Cluster]:
-    """A fresh private network, DNS server and N+1 registered pods; all gone afterwards."""
-    net = PodNetwork(prefix=NET_PREFIX)
-    dns: DnsServer | None = None
-    tmp: dict[str, str] = {}
-    try:
-        dns = DnsServer(address=net.host_ip, port=0).start()
-        head = net.add_pod("head")
-        workers = [net.add_pod(f"w{i}") for i in range(1, n + 1)]
-        tag = secrets.token_hex(3)
-        for pod in (head, *workers):
-            dns.set_record(pod.dns_name, pod.ip)
-            tmp[pod.name] = f"/tmp/pb-{tag}-{pod.name}"  # <= 40 bytes: Ray's sockets live there
-        yield Cluster(net, dns, head, workers, tmp)
-    finally:
-        try:
-            net.close()  # SIGKILLs every process of every pod, then deletes the namespaces
-        finally:
-            if dns is not None:
-                dns.stop()
-            for path in tmp.values():
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def pod_env(**extra: str) -> dict[str, str]:
-    env = clean_environ()
-    env["PATH"] = os.pathsep.join([str(VENV_BIN), env.get("PATH", os.defpath)])
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-def kill_pod(pod: Pod, timeout: float = 10.0) -> None:
-    """SIGKILL every process of one pod until none is left (pods share one PID namespace, so
-    `ray stop` would hit the other pods too: kill by namespace instead)."""
-
-    def gone() -> bool:
-        pids = netns_pids(pod.netns)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return not pids
-
-    wait_for(gone, timeout=timeout, interval=0.02, what=f"every process of pod {pod.name} to die")
-
-
-def run_in_pod(pod: Pod, argv: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
-    """argv to completion inside the pod, output appended to a file (never a pipe: daemons that
-    `ray start` leaves behind could hold a pipe open). Killed at the deadline (exit -9)."""
-    with open(log, "ab") as out:
-        out.write(f"$ {' '.join(argv)}\n".encode())
-        out.flush()
-        proc = pod.popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            return proc.wait(timeout=max(0.1, timeout))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-            return -9
-
-
 # --- method 1: podagent -------------------------------------------------------------------------
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    events = []
-    for line in read_text(path).splitlines():
-        with contextlib.suppress(ValueError):
-            events.append(json.loads(line))
-    return events
-
-
-def start_agents(c: Cluster, logdir: Path, head_env: dict[str, str],
-                 worker_env: dict[str, str]) -> tuple[list[Agent], float]:
-    common = {"PATH": pod_env()["PATH"], "PODAGENT_RUN_NAME": "bench"}
-    agents = [Agent(c.head, c.dns, logdir, {"HEAD_POD_ID": c.head.pod_id, **common, **head_env})]
-    agents += [Agent(w, c.dns, logdir, {"HEAD_POD_ID": c.head.pod_id, **common, **worker_env})
-               for w in c.workers]
-    for a in agents:
-        a.ray_tmp = c.tmp[a.pod.name]
-        a.env["PODAGENT_RAY_TEMP_DIR"] = a.ray_tmp
-    t0 = time.time()
-    for a in agents:
-        a.start()
-    return agents, t0
-
-
-def close_agents(agents: list[Agent]) -> None:
-    for a in agents:
-        if a.proc is not None:
-            with contextlib.suppress(Exception):
-                a.close()
-
-
-def exit_codes(agents: list[Agent]) -> dict[str, int | None]:
-    return {a.pod.name: (a.proc.poll() if a.proc else None) for a in agents}
 
 
 def join_latencies(events: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
@@ -312,9 +136,9 @@ def join_latencies(events: list[dict[str, Any]]) -> tuple[list[float], list[floa
 def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
     n = run.n
     agents: list[Agent] = []
-    with cluster(n) as c:
+    with harness.cluster(n) as c:
         try:
-            agents, t0 = start_agents(
+            agents, t0 = harness.start_agents(
                 c, logdir,
                 # The floor starts no reward server: compare the bring-up alone.
                 head_env={"EXPECTED_WORKERS": str(n), "PODAGENT_JOB": TRIVIAL_JOB,
@@ -323,14 +147,12 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
                 worker_env={"PODAGENT_HEAD_TIMEOUT": str(int(timeout - 30))})
             head = agents[0]
             try:
-                wait_for(lambda: all(a.proc.poll() is not None for a in agents),
-                         timeout=max(1.0, t0 + timeout - time.time()), interval=0.1,
-                         what=f"all {n + 1} podagents to exit")
+                harness.wait_agents_exit(agents, timeout=max(1.0, t0 + timeout - time.time()))
             except TimeoutError as exc:
-                run.exit_codes = exit_codes(agents)
+                run.exit_codes = harness.exit_codes(agents)
                 raise RunFailed(str(exc), last_lines(head.output)) from None
-            run.exit_codes = exit_codes(agents)
-            events = read_events(logdir / "head" / "bench" / "events.jsonl")
+            run.exit_codes = harness.exit_codes(agents)
+            events = harness.read_events(logdir / "head" / "bench" / "events.jsonl")
             submitted = [e for e in events
                          if e.get("event") == "job_submitted" and e.get("result") == "ok"]
             run.extra["join_latency_s"], run.extra["join_after_polling_s"] = (
@@ -348,7 +170,7 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
                                 last_lines(head.output))
             run.ok = True
         finally:
-            close_agents(agents)
+            harness.close_agents(agents)
 
 
 # --- method 2: the bare floor -------------------------------------------------------------------
@@ -356,25 +178,23 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
 
 def run_floor(run: Run, logdir: Path, timeout: float) -> None:
     n = run.n
-    env = pod_env()
+    env = harness.pod_env()
     stop = threading.Event()
     joins: dict[str, dict[str, Any]] = {}
     threads: list[threading.Thread] = []
-    with cluster(n) as c:
+    with harness.cluster(n) as c:
         head = c.head
         head_log = logdir / "head.out"
 
         def join(pod: Pod, deadline: float) -> None:
             """The bare worker: `ray start --address` again until it exits 0 (bounded)."""
             state = joins[pod.name]
-            argv = [RAY, "start", "--address", f"{head.ip}:{RAY_PORT}", "--node-ip-address",
-                    pod.ip, "--num-gpus", "0", "--disable-usage-stats", "--temp-dir",
-                    c.tmp[pod.name]]
+            argv = c.ray_start(pod)
 
             def attempt() -> int:
                 state["attempts"] += 1
-                return run_in_pod(pod, argv, env, logdir / f"{pod.name}.out",
-                                  deadline - time.time())
+                return harness.run_in_pod(pod, argv, env, logdir / f"{pod.name}.out",
+                                          deadline - time.time())
 
             try:
                 state["rc"] = tenacity.Retrying(
@@ -388,16 +208,15 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
             state["done"] = time.time()
 
         try:
-            head_argv = [RAY, "start", "--head", "--node-ip-address", head.ip, "--port",
-                         str(RAY_PORT), "--dashboard-host", head.ip, "--num-gpus", "0",
-                         "--disable-usage-stats", "--temp-dir", c.tmp[head.name]]
+            head_argv = c.ray_start(head, "--dashboard-host", head.ip)
             t0 = time.time()
             deadline = t0 + timeout
             # The head's `ray start` first, then the workers' loops, all at once.
             head_rc: dict[str, int] = {}
             head_thread = threading.Thread(
                 target=lambda: head_rc.setdefault(
-                    "rc", run_in_pod(head, head_argv, env, head_log, deadline - time.time())),
+                    "rc", harness.run_in_pod(head, head_argv, env, head_log,
+                                             deadline - time.time())),
                 daemon=True)
             head_thread.start()
             for pod in c.workers:
@@ -408,13 +227,13 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
             head_thread.join(max(0.1, deadline - time.time()))
             if head_rc.get("rc") != 0:
                 raise RunFailed(f"head `ray start --head` exit {head_rc.get('rc')}: "
-                                f"{reason_line(read_text(head_log))}",
-                                last_lines(read_text(head_log)))
+                                f"{reason_line(harness.read_text(head_log))}",
+                                last_lines(harness.read_text(head_log)))
 
             run.extra["head_up_s"] = round(time.time() - t0, 3)
             # The GCS is up now: a client made before that would sit in gRPC's reconnect
             # back-off and add up to a second to the floor.
-            gcs = GcsClient(f"{head.ip}:{RAY_PORT}")
+            gcs = GcsClient(f"{head.ip}:{harness.RAY_PORT}")
             try:
                 def all_alive() -> bool:
                     if joins and all("done" in s for s in joins.values()) and any(
@@ -428,21 +247,22 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
                              what=f"{n + 1} alive nodes in the head's node table",
                              ignore=(GcsUnavailable,))
                 except TimeoutError as exc:
-                    tails = {p: reason_line(read_text(logdir / f"{p}.out")) for p in joins}
+                    tails = {p: reason_line(harness.read_text(logdir / f"{p}.out")) for p in joins}
                     raise RunFailed(f"{exc}; workers: {tails}",
-                                    last_lines(read_text(head_log))) from None
+                                    last_lines(harness.read_text(head_log))) from None
             finally:
                 gcs.close()
             run.extra["nodes_alive_s"] = round(time.time() - t0, 3)
 
-            submit = [RAY, "job", "submit", "--address", f"http://{head.ip}:{DASHBOARD_PORT}",
-                      "--no-wait", "--", *TRIVIAL_JOB.split()]
+            dashboard = f"http://{head.ip}:{harness.DASHBOARD_PORT}"
+            submit = [harness.RAY, "job", "submit", "--address", dashboard, "--no-wait", "--",
+                      *TRIVIAL_JOB.split()]
             attempts = {"n": 0}
 
             def submit_once() -> int:
                 attempts["n"] += 1
-                return run_in_pod(head, submit, env, logdir / "submit.out",
-                                  deadline - time.time())
+                return harness.run_in_pod(head, submit, env, logdir / "submit.out",
+                                          deadline - time.time())
 
             rc = tenacity.Retrying(
                 stop=tenacity.stop_after_delay(max(1.0, deadline - time.time())),
@@ -455,23 +275,16 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
             run.exit_codes = {"head": head_rc.get("rc"), "submit": rc,
                               **{p: s["rc"] for p, s in joins.items()}}
             if rc != 0:
-                text = read_text(logdir / "submit.out")
+                text = harness.read_text(logdir / "submit.out")
                 raise RunFailed(f"`ray job submit` exit {rc}: {reason_line(text)}",
                                 last_lines(text))
             run.seconds = round(submitted - t0, 3)
             run.ok = True
         finally:
             stop.set()
-            kill_everything(c)
+            harness.kill_everything(c)
             for t in threads:
                 t.join(timeout=15)
-
-
-def kill_everything(c: Cluster) -> None:
-    """Stop Ray by killing each pod's processes (never `ray stop`: one PID namespace)."""
-    for pod in c.pods:
-        with contextlib.suppress(Exception):
-            kill_pod(pod)
 
 
 # --- method 3: ray symmetric-run ----------------------------------------------------------------
@@ -489,7 +302,7 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
     n = run.n
     procs: dict[str, subprocess.Popen[Any]] = {}
     files = []
-    with cluster(n) as c:
+    with harness.cluster(n) as c:
         bindir = Path(c.tmp[c.head.name] + "-bin")
         try:
             shim = write_shim(bindir)
@@ -502,11 +315,11 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
                 # without --temp-dir takes the head's temp dir from the GCS (one file system
                 # here: the pods would share it).
                 argvs[pod.name] = [
-                    str(shim), "symmetric-run", "--address", f"{c.head.ip}:{RAY_PORT}",
+                    str(shim), "symmetric-run", "--address", f"{c.head.ip}:{harness.RAY_PORT}",
                     "--min-nodes", str(n + 1), "--num-gpus", "0", "--disable-usage-stats",
                     "--temp-dir", f"{c.tmp[pod.name]}/ray", "--", "python", "-c", ENTRY_CODE]
-                envs[pod.name] = pod_env(PATH=os.pathsep.join([str(bindir), pod_env()["PATH"]]),
-                                         RAY_TMPDIR=c.tmp[pod.name])
+                path = os.pathsep.join([str(bindir), harness.pod_env()["PATH"]])
+                envs[pod.name] = harness.pod_env(PATH=path, RAY_TMPDIR=c.tmp[pod.name])
             outs = {pod.name: logdir / f"{pod.name}.out" for pod in c.pods}
             t0 = time.time()
             for pod in c.pods:
@@ -517,11 +330,11 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
             head = procs[c.head.name]
 
             def marker() -> float | None:
-                for line in read_text(outs[c.head.name]).splitlines():
+                for line in harness.read_text(outs[c.head.name]).splitlines():
                     if line.startswith(ENTRY_MARKER + " "):
                         return float(line.split()[1])
                 if head.poll() is not None:
-                    text = read_text(outs[c.head.name])
+                    text = harness.read_text(outs[c.head.name])
                     raise RunFailed(f"head exited {head.returncode} before the entrypoint ran: "
                                     f"{reason_line(text)}", last_lines(text))
                 return None
@@ -530,10 +343,10 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
                 entry = wait_for(marker, timeout=max(1.0, t0 + timeout - time.time()),
                                  interval=0.1, what="the head's entrypoint marker")
             except TimeoutError as exc:
-                text = read_text(outs[c.head.name])
+                text = harness.read_text(outs[c.head.name])
                 raise RunFailed(f"{exc}: {reason_line(text)}", last_lines(text)) from None
             except RunFailed as exc:
-                failed = {p.name: reason_line(read_text(outs[p.name])) for p in c.workers
+                failed = {p.name: reason_line(harness.read_text(outs[p.name])) for p in c.workers
                           if procs[p.name].poll() not in (None, 0)}
                 if failed:
                     exc.reason += "; workers: " + "; ".join(f"{k}: {v}" for k, v in failed.items())
@@ -543,7 +356,7 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
                 head.wait(timeout=60)
             run.exit_codes = {name: p.poll() for name, p in procs.items()}
             if head.returncode != 0:
-                text = read_text(outs[c.head.name])
+                text = harness.read_text(outs[c.head.name])
                 raise RunFailed(f"head exit {head.returncode} after the entrypoint: "
                                 f"{reason_line(text)}", last_lines(text))
             run.ok = True
@@ -552,12 +365,12 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
                 run.exit_codes = {name: p.poll() for name, p in procs.items()}
             worker_errors = {}
             for pod in c.workers:
-                text = read_text(logdir / f"{pod.name}.out")
+                text = harness.read_text(logdir / f"{pod.name}.out")
                 if "Error" in text or "Timed out" in text or "Exception" in text:
                     worker_errors[pod.name] = reason_line(text)
             if worker_errors:
                 run.extra["worker_errors"] = worker_errors
-            kill_everything(c)
+            harness.kill_everything(c)
             for f in files:
                 f.close()
             shutil.rmtree(bindir, ignore_errors=True)
@@ -597,9 +410,9 @@ def run_headloss(run: Run, logdir: Path, timeout: float, grace: float,
     n = run.n
     agents: list[Agent] = []
     run.extra["grace_s"] = grace
-    with cluster(n) as c:
+    with harness.cluster(n) as c:
         try:
-            agents, t0 = start_agents(
+            agents, t0 = harness.start_agents(
                 c, logdir,
                 head_env={"EXPECTED_WORKERS": str(n), "PODAGENT_JOB": LONG_JOB,
                           "PODAGENT_WORKER_TIMEOUT": str(int(timeout - 30))},
@@ -611,19 +424,19 @@ def run_headloss(run: Run, logdir: Path, timeout: float, grace: float,
                 for w in workers:
                     w.wait_output("watching the head", timeout=60)
             except (TimeoutError, AssertionError) as exc:
-                run.exit_codes = exit_codes(agents)
+                run.exit_codes = harness.exit_codes(agents)
                 raise RunFailed(str(exc).splitlines()[0], last_lines(head.output)) from None
             run.extra["formed_s"] = round(time.time() - t0, 3)
-            events = read_events(logdir / "head" / "bench" / "events.jsonl")
+            events = harness.read_events(logdir / "head" / "bench" / "events.jsonl")
             run.extra["join_latency_s"], run.extra["join_after_polling_s"] = (
                 join_latencies(events))
             if footprint:
                 run.extra["footprint"] = sample_footprint(workers, FOOTPRINT_WINDOW)
             if any(w.proc.poll() is not None for w in workers):
-                raise RunFailed(f"a worker exited while idle: {exit_codes(workers)}")
+                raise RunFailed(f"a worker exited while idle: {harness.exit_codes(workers)}")
 
             killed = time.monotonic()
-            kill_pod(c.head)
+            harness.kill_pod(c.head)
             exited: dict[str, float] = {}
 
             def all_exited() -> bool:
@@ -637,78 +450,57 @@ def run_headloss(run: Run, logdir: Path, timeout: float, grace: float,
                 wait_for(all_exited, timeout=grace + 60, interval=0.02,
                          what="every worker's podagent to exit after the head died")
             except TimeoutError as exc:
-                run.exit_codes = exit_codes(workers)
+                run.exit_codes = harness.exit_codes(workers)
                 raise RunFailed(str(exc), last_lines(workers[0].output)) from None
-            run.exit_codes = exit_codes(workers)
+            run.exit_codes = harness.exit_codes(workers)
             run.extra["worker_exit_s"] = exited
             run.extra["leftover_pids"] = {w.pod.name: w.pod.pids() for w in workers}
             run.seconds = max(exited.values())
-            bad = {k: v for k, v in run.exit_codes.items() if v != EXIT_HEAD_LOST}
+            bad = {k: v for k, v in run.exit_codes.items() if v != harness.EXIT_HEAD_LOST}
             if bad:
                 who = next(iter(bad))
                 agent = next(a for a in workers if a.pod.name == who)
-                raise RunFailed(f"worker exit codes {bad} (expected {EXIT_HEAD_LOST}): "
+                raise RunFailed(f"worker exit codes {bad} (expected {harness.EXIT_HEAD_LOST}): "
                                 f"{reason_line(agent.output)}", last_lines(agent.output))
             run.ok = True
         finally:
-            close_agents(agents)
+            harness.close_agents(agents)
 
 
 # --- driver -------------------------------------------------------------------------------------
 
 
-def execute(run: Run, logroot: Path, body: Callable[[Run, Path], None], total: int,
-            sink: Path) -> Run:
-    logdir = logroot / f"{run.method}-n{run.n}-r{run.index}"
-    if "grace_s" in run.extra:
-        logdir = logdir.with_name(f"{logdir.name}-g{run.extra['grace_s']:g}")
-    logdir.mkdir(parents=True, exist_ok=True)
-    run.logs = str(logdir.relative_to(logroot.parent))
-    run.load_before = os.getloadavg()
-    run.foreign_raylets = foreign_raylets()
-    started = time.monotonic()
-    try:
-        body(run, logdir)
-    except RunFailed as exc:
-        run.ok, run.reason, run.tail = False, exc.reason, exc.tail
-    except Exception as exc:  # the harness itself failed: record it, go on with the next run
-        run.ok, run.reason = False, f"bench error: {type(exc).__name__}: {exc}"
-    run.wall_s = round(time.monotonic() - started, 1)
-    run.load_after = os.getloadavg()
+def observed(body: benchkit.Body[Run]) -> benchkit.Body[Run]:
+    """The body, with what else ran on the machine around it: other suites' raylets at its
+    start, the load average at its end."""
+
+    def run_body(run: Run, logdir: Path) -> None:
+        run.foreign_raylets = benchkit.foreign_raylets()
+        try:
+            body(run, logdir)
+        finally:
+            run.load_after = os.getloadavg()
+
+    return run_body
+
+
+def log_name(run: Run) -> str:
+    name = f"{run.method}-n{run.n}-r{run.index}"
+    return name + (f"-g{run.extra['grace_s']:g}" if "grace_s" in run.extra else "")
+
+
+def line(run: Run, total: int) -> str:
     label = run.method + (f" grace={run.extra['grace_s']:g}" if "grace_s" in run.extra else "")
-    figure = f"{run.seconds:.2f} s" if run.seconds is not None else "-"
-    status = "ok" if run.ok else f"FAILED: {run.reason}"
-    print(f"[{label:<20} N={run.n} run {run.index}/{total}] {figure:>9}  {status}  "
-          f"(wall {run.wall_s:.0f} s, load {run.load_before[0]:.1f}, "
-          f"other raylets {run.foreign_raylets})", flush=True)
-    if not run.ok and run.tail:
-        for line in run.tail:
-            print(f"    | {line}", flush=True)
-    with open(sink, "a") as f:
-        f.write(json.dumps(asdict(run)) + "\n")
-    return run
+    return benchkit.status_line(run, f"{label:<20} N={run.n} run {run.index}/{total}",
+                                note=f", other raylets {run.foreign_raylets}")
 
 
 # --- tables -------------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def median_of(runs: list[Run], method: str, n: int) -> float | None:
     values = [r.seconds for r in runs if r.method == method and r.n == n and r.ok]
-    return statistics.median(values) if values else None
+    return median(values)
 
 
 def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> str:
@@ -728,7 +520,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             mine = [r for r in bring if r.method == method and r.n == n]
             values = [r.seconds for r in mine if r.ok and r.seconds is not None]
             rows.append([method, what[method], str(n), f"{len(values)}/{len(mine)}",
-                         fmt(statistics.median(values) if values else None),
+                         fmt(median(values)),
                          fmt(min(values) if values else None),
                          fmt(max(values) if values else None)])
     out += ["#### Time to a running job (seconds; median, min, max over successful runs)", "",
@@ -755,7 +547,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             rows.append([str(n), str(len(lat)), fmt(statistics.median(lat), 3),
                          fmt(max(lat), 3), f"≤ {TARGET_JOIN_S:g} s (every join)",
                          verdict(max(lat) <= TARGET_JOIN_S),
-                         fmt(statistics.median(after) if after else None, 3),
+                         fmt(median(after), 3),
                          fmt(max(after) if after else None, 3),
                          verdict(max(after) <= TARGET_JOIN_S) if after else "n/a"])
     if rows:
@@ -776,10 +568,8 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
                        for s in steps]
             floor = [r for r in runs if r.method == "floor" and r.n == n and r.ok]
             rows.append([str(n), *(fmt(m) for m in medians),
-                         fmt(statistics.median([r.extra["head_up_s"] for r in floor])
-                             if floor else None),
-                         fmt(statistics.median([r.extra["nodes_alive_s"] for r in floor])
-                             if floor else None)])
+                         fmt(median([r.extra["head_up_s"] for r in floor])),
+                         fmt(median([r.extra["nodes_alive_s"] for r in floor]))])
     if rows:
         out += ["#### Where the time goes (medians, seconds)", "",
                 "podagent columns are its own step durations from events.jsonl; floor columns "
@@ -794,7 +584,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
         values = list(exits.values())
         rows.append([str(r.n), f"{r.extra['grace_s']:g}", str(r.index),
                      ", ".join(f"{k}={v}" for k, v in r.exit_codes.items()) or "-",
-                     fmt(statistics.median(values) if values else None),
+                     fmt(median(values)),
                      fmt(max(values) if values else None), f"≤ {TARGET_HEAD_LOSS_S:g} s",
                      verdict(r.ok and max(values) <= TARGET_HEAD_LOSS_S) if values else "FAIL"])
     if rows:
@@ -827,46 +617,21 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
 # --- main ---------------------------------------------------------------------------------------
 
 
-def parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, not {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError("expected numbers >= 1")
-    return values
-
-
-def parse_floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, not {text!r}") from None
-
-
-def parse_methods(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in (*METHODS, "headloss")]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; "
-                                         f"choose from {', '.join((*METHODS, 'headloss'))}")
-    return methods
-
-
 def rerender(directory: Path) -> int:
     saved = json.loads((directory / "results.json").read_text())
     runs = []
     for record in saved["runs"]:
-        record["reason"] = ANSI.sub("", record.get("reason", ""))
+        record["reason"] = benchkit.ANSI.sub("", record.get("reason", ""))
         for key in ("load_before", "load_after"):
             record[key] = tuple(record[key]) if record.get(key) else None
         run = Run(**record)
         logs = directory / run.logs
         if not run.ok and run.method == "symmetric" and logs.is_dir():
             # Reasons as the current reason_line picks them, from the saved outputs.
-            head = reason_line(read_text(logs / "head.out"))
-            workers = {p.stem: reason_line(read_text(p)) for p in sorted(logs.glob("w*.out"))
-                       if "Exception" in read_text(p) or "Error" in read_text(p)}
+            head = reason_line(harness.read_text(logs / "head.out"))
+            outputs = {p.stem: harness.read_text(p) for p in sorted(logs.glob("w*.out"))}
+            workers = {name: reason_line(text) for name, text in outputs.items()
+                       if "Exception" in text or "Error" in text}
             run.extra["worker_errors"] = workers
             run.reason = (run.reason.split(":", 1)[0] + ": " + head
                           + ("; workers: " + "; ".join(f"{k}: {v}" for k, v in workers.items())
@@ -878,31 +643,23 @@ def rerender(directory: Path) -> int:
     return 0
 
 
-def git_commit() -> str:
-    proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
-                            "podagent"], capture_output=True, text=True, check=False)
-    return (proc.stdout.strip() or "?") + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=parse_ints, default=[1, 2, 4],
+    parser.add_argument("--workers", type=benchkit.parse_ints, default=[1, 2, 4],
                         help="worker counts N (default 1,2,4)")
     parser.add_argument("--runs", type=int, default=3, help="runs per method and N (default 3)")
-    parser.add_argument("--methods", type=parse_methods,
+    parser.add_argument("--methods", type=benchkit.parse_methods((*METHODS, "headloss")),
                         default=[*METHODS, "headloss"],
                         help="podagent,floor,symmetric,headloss (default: all)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results",
+    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
                         help="results directory (default bench/results/, git-ignored)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: N=1, one run each, head loss with the default grace")
     parser.add_argument("--run-timeout", type=float, default=300.0,
                         help="bound on each run in seconds (default 300)")
-    parser.add_argument("--head-loss-workers", type=parse_ints, default=[1, 2],
+    parser.add_argument("--head-loss-workers", type=benchkit.parse_ints, default=[1, 2],
                         help="N for the head-loss runs (default 1,2)")
-    parser.add_argument("--head-loss-grace", type=parse_floats, default=[8.0, 5.0],
+    parser.add_argument("--head-loss-grace", type=benchkit.parse_floats, default=[8.0, 5.0],
                         help="PODAGENT_HEAD_GRACE values for the head-loss runs (default 8,5)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="print and rewrite DIR/results.md from DIR/results.json; run nothing")
@@ -912,68 +669,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.workers, args.runs = [1], 1
         args.head_loss_workers, args.head_loss_grace = [1], [8.0]
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        parser.error("needs root and iproute2's `ip` (pods are network namespaces)")
+    benchkit.require_root(parser)
 
-    import ray
     from ray.core.generated import gcs_pb2, gcs_service_pb2  # noqa: F401 - warm: no import in t
 
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    outdir = args.out.resolve() / stamp
-    logroot = outdir / "logs"
-    logroot.mkdir(parents=True, exist_ok=True)
-    sink = outdir / "runs.jsonl"
-    cleanup_stale(prefix=NET_PREFIX)  # what a crashed earlier bench left (never a live one)
-
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} CPU(s), {platform.machine()}, "
-                       f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
-                       f"Python {platform.python_version()}",
-            "ray": ray.__version__, "podagent": PODAGENT_VERSION, "commit": git_commit()}
-    print(f"bench: {meta['machine']}; Ray {meta['ray']}; results in {outdir}", flush=True)
-
-    bodies: dict[str, Callable[[Run, Path], None]] = {
+    outdir, meta = benchkit.begin(args.out)
+    bodies: dict[str, benchkit.Body[Run]] = {
         "podagent": lambda r, d: run_podagent(r, d, args.run_timeout),
         "floor": lambda r, d: run_floor(r, d, args.run_timeout),
         "symmetric": lambda r, d: run_symmetric(r, d, args.run_timeout),
     }
-    runs: list[Run] = []
-    try:
+
+    def plan() -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
         for n in args.workers:
             for i in range(1, args.runs + 1):
                 for method in (m for m in args.methods if m in METHODS):
-                    runs.append(execute(Run(method, n, i), logroot, bodies[method], args.runs,
-                                        sink))
+                    run = Run(method, n, i)
+                    yield run, log_name(run), observed(bodies[method])
         if "headloss" in args.methods:
             for n in args.head_loss_workers:
                 for g_index, grace in enumerate(args.head_loss_grace):
                     run = Run("headloss", n, 1, extra={"grace_s": grace})
-                    runs.append(execute(
-                        run, logroot,
+                    yield run, log_name(run), observed(
                         lambda r, d, g=grace, fp=(g_index == 0): run_headloss(
-                            r, d, args.run_timeout, g, fp),
-                        1, sink))
-    except KeyboardInterrupt:
-        print("bench: interrupted; writing what was measured so far", flush=True)
+                            r, d, args.run_timeout, g, fp))
 
+    runs = benchkit.execute_all(plan(), outdir,
+                                lambda r: line(r, 1 if r.method == "headloss" else args.runs))
     loads = [x for r in runs for x in (r.load_before, r.load_after) if x]
     meta.update(load_min=min((x[0] for x in loads), default=0.0),
                 load_max=max((x[0] for x in loads), default=0.0),
                 foreign_max=max((r.foreign_raylets for r in runs), default=0))
-    write_results(outdir, render(runs, args, meta), meta, args, runs)
+    benchkit.write_results(outdir, render(runs, args, meta), meta, args, runs)
     return 0 if runs and all(r.ok for r in runs) else 1
-
-
-def write_results(outdir: Path, report: str, meta: dict, args: argparse.Namespace,
-                  runs: list) -> None:
-    """The table on screen and in results.md; every run's figures in results.json."""
-    print("\n" + report, flush=True)
-    (outdir / "results.md").write_text(report + "\n")
-    (outdir / "results.json").write_text(json.dumps(
-        {"meta": meta, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                for k, v in vars(args).items()},
-         "runs": [asdict(r) for r in runs]}, indent=2) + "\n")
-    print(f"\nbench: wrote {outdir / 'results.md'} and {outdir / 'results.json'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Failover benchmark: how fast podagent reacts to a lost node, beside plain Ray in the same run.
 
 Two faults, each on a fresh pair of pods (network namespaces with a real DNS server, as in the
-end-to-end tests and bench/bringup.py):
+end-to-end tests and bench/bringup.py: tests/harness/):
 
 * head loss: the head pod is SIGKILLed; seconds until the worker leaves. podagent's worker
   (exit 7 after PODAGENT_HEAD_GRACE) beside a plain `ray start --address ... --block` worker,
@@ -22,53 +22,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The pods, agents, tables and helpers of the bring-up bench, beside this file.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import bringup
-from bringup import (
-    RAY,
-    RAY_PORT,
-    Cluster,
-    RunFailed,
-    close_agents,
-    cluster,
-    exit_codes,
-    fmt,
-    kill_everything,
-    kill_pod,
-    last_lines,
-    pod_env,
-    read_events,
-    read_text,
-    reason_line,
-    run_in_pod,
-    start_agents,
-    table,
-    verdict,
-)
-
-from podagent import __version__ as PODAGENT_VERSION
 from podagent.gcs import GcsClient, GcsUnavailable
+from tests.harness import benchkit
+from tests.harness import cluster as harness
+from tests.harness.benchkit import RunFailed, fmt, last_lines, median, reason_line, table, verdict
 from tests.harness.pods import Pod, run_cmd, wait_for
 
 METHODS = ("podagent-headloss", "ray-headloss", "podagent-workerloss", "ray-workerloss",
            "podagent-workercut", "ray-workercut")
 # A job that outlives every measurement; "step 1" is its own line (not in its command line).
 LONG_JOB = "python -c 'import time; print(\"step\", 1, flush=True); time.sleep(600)'"
-EXIT_HEAD_LOST = 7
 TARGET_HEAD_LOSS_S = 10.0
 TARGET_WORKER_LOSS_S = 15.0
 # Ray health-checks a node first 5 s after it registered (health_check_initial_delay_ms): every
@@ -101,7 +74,7 @@ def worker_fault(pod: Pod, fault: str) -> None:
     """kill: every process of the pod gets SIGKILL (its address still answers, with refusals);
     cut: its link goes down on the bridge (nothing answers at all, as for a vanished pod)."""
     if fault == "kill":
-        kill_pod(pod)
+        harness.kill_pod(pod)
     else:
         run_cmd(["ip", "link", "set", pod.host_veth, "down"])
 
@@ -115,9 +88,9 @@ def steady() -> None:
 # --- podagent ------------------------------------------------------------------------------------
 
 
-def podagent_pair(c: Cluster, logdir: Path, timeout: float,
+def podagent_pair(c: harness.Cluster, logdir: Path, timeout: float,
                   worker_env: dict[str, str] | None = None) -> list:
-    agents, t0 = start_agents(
+    agents, t0 = harness.start_agents(
         c, logdir,
         head_env={"EXPECTED_WORKERS": "1", "PODAGENT_JOB": LONG_JOB, "PODAGENT_REWARD": "none",
                   "PODAGENT_WORKER_TIMEOUT": str(int(timeout))},
@@ -133,7 +106,7 @@ def podagent_pair(c: Cluster, logdir: Path, timeout: float,
 
 def run_podagent_headloss(run: Run, logdir: Path, timeout: float, cap: float) -> None:
     assert run.grace is not None
-    with cluster(1) as c:
+    with harness.cluster(1) as c:
         agents = []
         try:
             agents = podagent_pair(c, logdir, timeout,
@@ -141,27 +114,27 @@ def run_podagent_headloss(run: Run, logdir: Path, timeout: float, cap: float) ->
             worker = agents[1]
             steady()
             killed = time.monotonic()
-            kill_pod(c.head)
+            harness.kill_pod(c.head)
             try:
                 wait_for(lambda: worker.proc.poll() is not None, timeout=run.grace + cap,
                          interval=0.02, what="the worker's podagent to exit")
             except TimeoutError as exc:
                 raise RunFailed(str(exc), last_lines(worker.output)) from None
             run.seconds = round(time.monotonic() - killed, 3)
-            run.exit_codes = exit_codes(agents[1:])
+            run.exit_codes = harness.exit_codes(agents[1:])
             run.extra["leftover_pids"] = worker.pod.pids()
-            if worker.proc.returncode != EXIT_HEAD_LOST:
+            if worker.proc.returncode != harness.EXIT_HEAD_LOST:
                 raise RunFailed(f"worker exit {worker.proc.returncode} (expected "
-                                f"{EXIT_HEAD_LOST}): {reason_line(worker.output)}",
+                                f"{harness.EXIT_HEAD_LOST}): {reason_line(worker.output)}",
                                 last_lines(worker.output))
             run.ok = True
         finally:
-            close_agents(agents)
+            harness.close_agents(agents)
 
 
 def run_podagent_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
                             fault: str) -> None:
-    with cluster(1) as c:
+    with harness.cluster(1) as c:
         agents = []
         try:
             agents = podagent_pair(c, logdir, timeout)
@@ -172,7 +145,7 @@ def run_podagent_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
             events_path = logdir / "head" / "bench" / "events.jsonl"
 
             def lost() -> float | None:
-                for event in read_events(events_path):
+                for event in harness.read_events(events_path):
                     if event.get("event") == "worker_lost":
                         return float(event["ts"])
                 if head.proc.poll() is not None:
@@ -191,34 +164,30 @@ def run_podagent_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
                 raise RunFailed("the head exited on a lost worker; the job should decide")
             run.ok = True
         finally:
-            close_agents(agents)
+            harness.close_agents(agents)
 
 
 # --- plain Ray -----------------------------------------------------------------------------------
 
 
-def plain_ray(c: Cluster, logdir: Path, timeout: float, block: bool
+def plain_ray(c: harness.Cluster, logdir: Path, timeout: float, block: bool
               ) -> tuple[subprocess.Popen[Any] | None, Any]:
     """`ray start --head` and a worker joined to it, Ray's defaults throughout."""
-    env = pod_env()
+    env = harness.pod_env()
     head, worker = c.head, c.workers[0]
-    rc = run_in_pod(head, [RAY, "start", "--head", "--node-ip-address", head.ip, "--port",
-                           str(RAY_PORT), "--num-gpus", "0", "--disable-usage-stats",
-                           "--temp-dir", c.tmp[head.name]],
-                    env, logdir / "head.out", timeout)
+    rc = harness.run_in_pod(head, c.ray_start(head), env, logdir / "head.out", timeout)
     if rc != 0:
-        text = read_text(logdir / "head.out")
+        text = harness.read_text(logdir / "head.out")
         raise RunFailed(f"`ray start --head` exit {rc}: {reason_line(text)}", last_lines(text))
-    argv = [RAY, "start", "--address", f"{head.ip}:{RAY_PORT}", "--node-ip-address", worker.ip,
-            "--num-gpus", "0", "--disable-usage-stats", "--temp-dir", c.tmp[worker.name]]
+    argv = c.ray_start(worker)
     proc = None
     out = open(logdir / "w1.out", "ab")  # closed by the caller
     if block:
         proc = worker.popen([*argv, "--block"], env=env, stdout=out, stderr=subprocess.STDOUT)
     else:
-        rc = run_in_pod(worker, argv, env, logdir / "w1.out", timeout)
+        rc = harness.run_in_pod(worker, argv, env, logdir / "w1.out", timeout)
         if rc != 0:
-            text = read_text(logdir / "w1.out")
+            text = harness.read_text(logdir / "w1.out")
             raise RunFailed(f"worker `ray start` exit {rc}: {reason_line(text)}",
                             last_lines(text))
     return proc, out
@@ -239,11 +208,11 @@ def await_two_alive(gcs: GcsClient, timeout: float) -> str:
 
 
 def run_ray_headloss(run: Run, logdir: Path, timeout: float, cap: float) -> None:
-    with cluster(1) as c:
+    with harness.cluster(1) as c:
         proc, out = None, None
         try:
             proc, out = plain_ray(c, logdir, timeout, block=True)
-            gcs = GcsClient(f"{c.head.ip}:{RAY_PORT}")
+            gcs = GcsClient(f"{c.head.ip}:{harness.RAY_PORT}")
             try:
                 await_two_alive(gcs, timeout)
             finally:
@@ -253,7 +222,7 @@ def run_ray_headloss(run: Run, logdir: Path, timeout: float, cap: float) -> None
             if proc.poll() is not None:
                 raise RunFailed(f"`ray start --block` exited {proc.returncode} before the fault")
             killed = time.monotonic()
-            kill_pod(c.head)
+            harness.kill_pod(c.head)
             try:
                 wait_for(lambda: proc.poll() is not None, timeout=cap, interval=0.05,
                          what="`ray start --block` to exit")
@@ -263,7 +232,7 @@ def run_ray_headloss(run: Run, logdir: Path, timeout: float, cap: float) -> None
             run.exit_codes = {"w1": proc.poll()}
             run.ok = True
         finally:
-            kill_everything(c)
+            harness.kill_everything(c)
             if proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10)
@@ -273,9 +242,9 @@ def run_ray_headloss(run: Run, logdir: Path, timeout: float, cap: float) -> None
 
 def run_ray_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
                        fault: str) -> None:
-    with cluster(1) as c:
+    with harness.cluster(1) as c:
         out = None
-        gcs = GcsClient(f"{c.head.ip}:{RAY_PORT}")
+        gcs = GcsClient(f"{c.head.ip}:{harness.RAY_PORT}")
         try:
             _, out = plain_ray(c, logdir, timeout, block=False)
             node_id = await_two_alive(gcs, timeout)
@@ -295,7 +264,7 @@ def run_ray_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
             run.ok = True
         finally:
             gcs.close()
-            kill_everything(c)
+            harness.kill_everything(c)
             if out is not None:
                 out.close()
 
@@ -303,31 +272,13 @@ def run_ray_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
 # --- driver and tables ---------------------------------------------------------------------------
 
 
-def execute(run: Run, logroot: Path, body: Callable[[Run, Path], None], total: int,
-            sink: Path) -> Run:
-    name = f"{run.method}-r{run.index}" + (f"-g{run.grace:g}" if run.grace is not None else "")
-    logdir = logroot / name
-    logdir.mkdir(parents=True, exist_ok=True)
-    run.logs = str(logdir.relative_to(logroot.parent))
-    run.load_before = os.getloadavg()
-    started = time.monotonic()
-    try:
-        body(run, logdir)
-    except RunFailed as exc:
-        run.ok, run.reason, run.tail = False, exc.reason, exc.tail
-    except Exception as exc:  # the harness itself failed: record it, go on with the next run
-        run.ok, run.reason = False, f"bench error: {type(exc).__name__}: {exc}"
-    run.wall_s = round(time.monotonic() - started, 1)
-    figure = "-" if run.seconds is None else (
-        f"≥{run.seconds:.0f} s" if run.capped else f"{run.seconds:.2f} s")
-    status = "ok" if run.ok else f"FAILED: {run.reason}"
-    print(f"[{run.label:<28} run {run.index}/{total}] {figure:>9}  {status}  "
-          f"(wall {run.wall_s:.0f} s, load {run.load_before[0]:.1f})", flush=True)
-    for line in run.tail if not run.ok else []:
-        print(f"    | {line}", flush=True)
-    with open(sink, "a") as f:
-        f.write(json.dumps(asdict(run)) + "\n")
-    return run
+def log_name(run: Run) -> str:
+    return f"{run.method}-r{run.index}" + (f"-g{run.grace:g}" if run.grace is not None else "")
+
+
+def line(run: Run, total: int) -> str:
+    figure = f"≥{run.seconds:.0f} s" if run.capped and run.seconds is not None else None
+    return benchkit.status_line(run, f"{run.label:<28} run {run.index}/{total}", figure)
 
 
 def summary(runs: list[Run], method: str, grace: float | None = None
@@ -339,10 +290,10 @@ def summary(runs: list[Run], method: str, grace: float | None = None
         return None, "-", False
     values = [r.seconds for r in mine]
     capped = any(r.capped for r in mine)
-    median = statistics.median(values)
+    mid = median(values)
     ge = "≥ " if capped else ""
-    text = f"{ge}{median:.1f} ({min(values):.1f}-{max(values):.1f}; {len(mine)} runs)"
-    return median, text, capped
+    text = f"{ge}{mid:.1f} ({min(values):.1f}-{max(values):.1f}; {len(mine)} runs)"
+    return mid, text, capped
 
 
 def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> str:
@@ -387,61 +338,25 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
     return "\n".join(out)
 
 
-def parse_floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 10,5, not {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError("expected numbers > 0")
-    return values
-
-
-def parse_methods(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; "
-                                         f"choose from {', '.join(METHODS)}")
-    return methods
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per method (default 3)")
-    parser.add_argument("--grace", type=parse_floats, default=[8.0, 5.0],
+    parser.add_argument("--grace", type=benchkit.parse_floats, default=[8.0, 5.0],
                         help="PODAGENT_HEAD_GRACE values for podagent's head loss (default 8,5)")
     parser.add_argument("--baseline-cap", type=float, default=120.0,
                         help="longest wait for plain Ray to react, in seconds (default 120)")
-    parser.add_argument("--methods", type=parse_methods, default=list(METHODS),
+    parser.add_argument("--methods", type=benchkit.parse_methods(METHODS), default=list(METHODS),
                         help=f"{','.join(METHODS)} (default: all)")
     parser.add_argument("--run-timeout", type=float, default=300.0,
                         help="bound on each cluster's bring-up in seconds (default 300)")
-    parser.add_argument("--out", type=Path, default=bringup.REPO / "bench" / "results",
+    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
                         help="results directory (default bench/results/, git-ignored)")
     args = parser.parse_args(argv)
-    if os.geteuid() != 0 or bringup.shutil.which("ip") is None:
-        parser.error("needs root and iproute2's `ip` (pods are network namespaces)")
+    benchkit.require_root(parser)
 
-    import psutil
-    import ray
-
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    outdir = args.out.resolve() / f"failover-{stamp}"
-    logroot = outdir / "logs"
-    logroot.mkdir(parents=True, exist_ok=True)
-    sink = outdir / "runs.jsonl"
-    bringup.cleanup_stale(prefix=bringup.NET_PREFIX)
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} CPU(s), {platform.machine()}, "
-                       f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
-                       f"Python {platform.python_version()}",
-            "ray": ray.__version__, "podagent": PODAGENT_VERSION,
-            "commit": bringup.git_commit()}
-    print(f"bench: {meta['machine']}; Ray {meta['ray']}; results in {outdir}", flush=True)
-
+    outdir, meta = benchkit.begin(args.out, "failover-")
     timeout, cap = args.run_timeout, args.baseline_cap
-    bodies: dict[str, Callable[[Run, Path], None]] = {
+    bodies: dict[str, benchkit.Body[Run]] = {
         "podagent-headloss": lambda r, d: run_podagent_headloss(r, d, timeout, cap),
         "ray-headloss": lambda r, d: run_ray_headloss(r, d, timeout, cap),
         "podagent-workerloss": lambda r, d: run_podagent_workerloss(r, d, timeout, cap, "kill"),
@@ -449,21 +364,20 @@ def main(argv: list[str] | None = None) -> int:
         "podagent-workercut": lambda r, d: run_podagent_workerloss(r, d, timeout, cap, "cut"),
         "ray-workercut": lambda r, d: run_ray_workerloss(r, d, timeout, cap, "cut"),
     }
-    runs: list[Run] = []
-    try:
+
+    def plan() -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
         # Interleaved (run 1 of every method, then run 2...): machine noise spreads evenly.
         for i in range(1, args.runs + 1):
             for method in args.methods:
                 graces = args.grace if method == "podagent-headloss" else [None]
                 for grace in graces:
-                    runs.append(execute(Run(method, i, grace=grace), logroot, bodies[method],
-                                        args.runs, sink))
-    except KeyboardInterrupt:
-        print("bench: interrupted; writing what was measured so far", flush=True)
+                    run = Run(method, i, grace=grace)
+                    yield run, log_name(run), bodies[method]
 
+    runs = benchkit.execute_all(plan(), outdir, lambda r: line(r, args.runs))
     loads = [r.load_before[0] for r in runs if r.load_before]
     meta.update(load_min=min(loads, default=0.0), load_max=max(loads, default=0.0))
-    bringup.write_results(outdir, render(runs, args, meta), meta, args, runs)
+    benchkit.write_results(outdir, render(runs, args, meta), meta, args, runs)
     return 0 if runs and all(r.ok for r in runs) else 1
 
 

@@ -21,11 +21,9 @@ stops it afterwards if it started it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import secrets
-import statistics
 import sys
 import tempfile
 import time
@@ -33,18 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bringup import read_events, reason_line, write_results  # noqa: E402
-
-from podagent import __version__ as PODAGENT_VERSION  # noqa: E402
-from tests.container import engine as engine_module  # noqa: E402
-from tests.container.engine import images  # noqa: E402
-from tests.container.pods import PodContainer, Session, pod_net, template_env  # noqa: E402
-from tests.harness.agents import Agent  # noqa: E402
-from tests.harness.pods import DnsServer, PodNetwork, cleanup_stale, wait_for  # noqa: E402
+from podagent import __version__ as PODAGENT_VERSION
+from tests.container import engine as engine_module
+from tests.container.engine import images
+from tests.container.pods import PodContainer, Session, pod_net, template_env
+from tests.harness import benchkit
+from tests.harness import cluster as harness
+from tests.harness.benchkit import median, reason_line, table
+from tests.harness.pods import cleanup_stale
 
 WORKERS = 2
 RUN_NAME = "bench"
@@ -74,7 +70,7 @@ class UpRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def pod_env() -> dict[str, str]:
+def bench_env() -> dict[str, str]:
     """The template's env with its secrets filled in, W&B off (the bench has no account)."""
     env = template_env(secrets.token_urlsafe(32), "")
     del env["WANDB_API_KEY"]  # the user deleted the line
@@ -87,11 +83,21 @@ def ready_ts(events: list[dict[str, Any]]) -> float | None:
                  if e.get("event") == "workers_joined" and e.get("result") == "ok"), None)
 
 
+def settle(run: UpRun, t0: float, codes: list[int], events: list[dict[str, Any]],
+           head_output: str) -> None:
+    """A bring-up that ended: ok when every pod exited 0 and the head saw the workers join."""
+    ready = ready_ts(events)
+    if codes != [0] * len(codes) or ready is None:
+        raise RuntimeError(f"exit codes {codes}: {reason_line(head_output)}")
+    run.ready_s = round(ready - t0, 3)
+    run.ok = True
+
+
 # --- bring-up in containers -----------------------------------------------------------------------
 
 
 def up_containers(run: UpRun, session: Session, image: str, timeout: float) -> None:
-    env = pod_env()
+    env = bench_env()
     with pod_net(session) as net:
         head = PodContainer(net, image, "head", {**env, "EXPECTED_WORKERS": str(WORKERS)})
         head.env["HEAD_POD_ID"] = head.pod_id
@@ -106,12 +112,8 @@ def up_containers(run: UpRun, session: Session, image: str, timeout: float) -> N
             run.exit_s = round(time.time() - t0, 3)
             mount = net.docker("volume", "inspect", "--format", "{{.Mountpoint}}",
                                head.volume).stdout.strip()
-            events = read_events(Path(mount) / "podagent" / "logs" / RUN_NAME / "events.jsonl")
-            ready = ready_ts(events)
-            if codes != [0] * len(pods) or ready is None:
-                raise RuntimeError(f"exit codes {codes}: {reason_line(head.logs)}")
-            run.ready_s = round(ready - t0, 3)
-            run.ok = True
+            events = Path(mount) / "podagent" / "logs" / RUN_NAME / "events.jsonl"
+            settle(run, t0, codes, harness.read_events(events), head.logs)
         finally:
             for pod in pods:
                 pod.remove()
@@ -122,72 +124,50 @@ def up_containers(run: UpRun, session: Session, image: str, timeout: float) -> N
 
 
 def up_namespaces(run: UpRun, timeout: float) -> None:
-    env = pod_env()
+    env = bench_env()
     for key in ("PODAGENT_LOG_DIR", "PODAGENT_CHECKPOINT_DIR"):
         del env[key]  # the Agent puts the logs in its own folder; no volume here
-    agents: list[Agent] = []
+    agents = []
     with tempfile.TemporaryDirectory(prefix="podagent-bench-") as folder, \
-            PodNetwork(prefix=NET_PREFIX) as net, \
-            DnsServer(address=net.host_ip, port=0) as dns:
+            harness.cluster(WORKERS, prefix=NET_PREFIX) as c:
         root = Path(folder)
-        pods = [net.add_pod("head"), *(net.add_pod(f"w{i}") for i in range(1, WORKERS + 1))]
-        for pod in pods:
-            dns.set_record(pod.dns_name, pod.ip)
-        head_id = pods[0].pod_id
-        agents = [Agent(pods[0], dns, root, {**env, "HEAD_POD_ID": head_id,
-                                             "EXPECTED_WORKERS": str(WORKERS),
-                                             "PODAGENT_RUN_NAME": RUN_NAME})]
-        agents += [Agent(p, dns, root, {**env, "HEAD_POD_ID": head_id,
-                                        "PODAGENT_RUN_NAME": RUN_NAME}) for p in pods[1:]]
         try:
-            t0 = time.time()
-            for a in agents:
-                a.start()
-            wait_for(lambda: all(a.proc.poll() is not None for a in agents), timeout=timeout,
-                     interval=0.1, what=f"all {len(agents)} podagents to exit")
+            agents, t0 = harness.start_agents(c, root, {**env, "EXPECTED_WORKERS": str(WORKERS)},
+                                              env)
+            harness.wait_agents_exit(agents, timeout)
             run.exit_s = round(time.time() - t0, 3)
-            codes = [a.proc.returncode for a in agents]
-            ready = ready_ts(read_events(root / "head" / RUN_NAME / "events.jsonl"))
-            if codes != [0] * len(agents) or ready is None:
-                raise RuntimeError(f"exit codes {codes}: {reason_line(agents[0].output)}")
-            run.ready_s = round(ready - t0, 3)
-            run.ok = True
+            settle(run, t0, [a.proc.returncode for a in agents],
+                   harness.read_events(root / "head" / RUN_NAME / "events.jsonl"), agents[0].output)
         finally:
-            for a in agents:
-                with contextlib.suppress(Exception):
-                    a.close()
+            harness.close_agents(agents)
 
 
 # --- report ---------------------------------------------------------------------------------------
 
 
-def median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 1) if values else None
-
-
 def report(builds: list[BuildRun], bases: dict[str, float], ups: list[UpRun]) -> str:
-    lines = ["## Image build (podagent's layers, --no-cache)", "",
-             "| base | base made in | build s (median) | base size | podagent adds |",
-             "|---|---|---|---|---|"]
+    rows = []
     for name in dict.fromkeys(b.base for b in builds):
         runs = [b for b in builds if b.base == name]
-        made = f"{bases[name]:.0f} s" if name in bases else "cached"
-        lines.append(f"| {name} | {made} | {median([r.seconds for r in runs])} "
-                     f"({len(runs)} run(s)) | {images.mib(runs[-1].base_bytes)} | "
-                     f"{images.mib(runs[-1].added_bytes)} |")
+        rows.append([name, f"{bases[name]:.0f} s" if name in bases else "cached",
+                     f"{median([r.seconds for r in runs], 1)} ({len(runs)} run(s))",
+                     images.mib(runs[-1].base_bytes), images.mib(runs[-1].added_bytes)])
+    lines = ["## Image build (podagent's layers, --no-cache)", "",
+             table(["base", "base made in", "build s (median)", "base size", "podagent adds"],
+                   rows)]
     if "rootfs" in bases:
         lines.append(f"\nDebian root filesystem (debootstrap + import): {bases['rootfs']:.0f} s")
-    lines += ["", f"## Start -> cluster ready, 1 head + {WORKERS} workers", "",
-              "| pods as | runs ok | ready s (median) | all exited s (median) | each run |",
-              "|---|---|---|---|---|"]
-    medians = {}
+    rows, medians = [], {}
     for method in ("containers", "namespaces"):
         runs = [u for u in ups if u.method == method]
         ok = [u for u in runs if u.ok]
-        medians[method] = median([u.ready_s for u in ok if u.ready_s is not None])
+        medians[method] = median([u.ready_s for u in ok if u.ready_s is not None], 1)
         each = ", ".join(f"{u.ready_s:.1f}" if u.ok and u.ready_s else "fail" for u in runs)
-        lines.append(f"| {method} | {len(ok)}/{len(runs)} | {medians[method]} | "
-                     f"{median([u.exit_s for u in ok if u.exit_s is not None])} | {each} |")
+        rows.append([method, f"{len(ok)}/{len(runs)}", str(medians[method]),
+                     str(median([u.exit_s for u in ok if u.exit_s is not None], 1)), each])
+    lines += ["", f"## Start -> cluster ready, 1 head + {WORKERS} workers", "",
+              table(["pods as", "runs ok", "ready s (median)", "all exited s (median)",
+                     "each run"], rows)]
     if medians["containers"] and medians["namespaces"]:
         lines.append(f"\nratio containers / namespaces (ready, medians): "
                      f"{medians['containers'] / medians['namespaces']:.2f}")
@@ -204,7 +184,7 @@ def main() -> int:
     parser.add_argument("--rebuild-bases", action="store_true",
                         help="remove the cached root filesystem and bases, and time making them")
     parser.add_argument("--run-timeout", type=float, default=300.0)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=benchkit.RESULTS)
     args = parser.parse_args()
     outdir = args.out / time.strftime("image-%Y%m%d-%H%M%S")
     outdir.mkdir(parents=True)
@@ -257,7 +237,7 @@ def main() -> int:
                 "cpus": len(os.sched_getaffinity(0)),
                 "machine": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     text = report(builds, made, ups)
-    write_results(outdir, text, meta, args, [*builds, *ups])
+    benchkit.write_results(outdir, text, meta, args, [*builds, *ups])
     return 0 if all(u.ok for u in ups) else 1
 
 

@@ -4,5 +4,9 @@ benchmarks (bench/). Plain modules (no pytest import); they need root and iprout
 - pods.py: pods as Linux network namespaces on a private bridge, and a real DNS server answering
   `<pod_id>.runpod.internal`;
 - agents.py: the real podagent entrypoint in a pod, configured by environment variables, its
-  output captured to a file.
+  output captured to a file;
+- cluster.py: a head and N workers on a fresh network, podagent or Ray started in them, every
+  process of a pod killed at the end;
+- benchkit.py: what a benchmark does around its scenario (options, the run loop, the results
+  folder, markdown tables).
 """

@@ -1,0 +1,234 @@
+"""What every benchmark under bench/ does around its own scenario: its options, its runs (each
+one recorded whatever happens in it, with a line on screen), its results folder and its
+markdown tables.
+
+A bench's run is its own dataclass; `execute` needs these fields of it: ok, seconds, reason,
+tail, wall_s, load_before, logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from podagent import __version__ as PODAGENT_VERSION
+from tests.harness.cluster import BENCH_PREFIX
+from tests.harness.pods import cleanup_stale
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"  # git-ignored
+
+R = TypeVar("R")
+Body = Callable[[R, Path], None]  # a run's scenario: fills the run in, logs in the folder given
+
+
+class RunFailed(Exception):
+    """The scenario failed: a reason in one line and the telling output's last lines."""
+
+    def __init__(self, reason: str, tail: list[str] | None = None):
+        super().__init__(reason)
+        self.reason, self.tail = reason, tail or []
+
+
+# --- a program's output -------------------------------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def last_lines(text: str, count: int = 12) -> list[str]:
+    return [ANSI.sub("", line) for line in text.splitlines() if line.strip()][-count:]
+
+
+def reason_line(text: str) -> str:
+    """The most telling line of a failed program's output."""
+    lines = [ANSI.sub("", line).strip() for line in text.splitlines() if line.strip()]
+    # A program's own verdict first (click's "Error: ...", an exception's last line), then any
+    # line that sounds like one; lines Ray forwards from other nodes' raylets come last.
+    ranked = (lambda line: line.startswith(("Error:", "ERROR:", "podagent: error")),
+              lambda line: re.match(r"^[A-Za-z_.]*(Error|Exception): ", line) is not None,
+              lambda line: any(k in line for k in ("Error", "ERROR", "Timed out", "timed out",
+                                                   "Failed", "failed", "Check failed")))
+    for rank in ranked:
+        for line in reversed(lines):
+            if rank(line) and not line.startswith("Traceback"):
+                return line[:300]
+    return lines[-1][:300] if lines else "<no output>"
+
+
+def foreign_raylets() -> int:
+    """Live raylets on this machine before a run starts: other suites' Ray (noise). Zombies
+    do not count: the floor's and symmetric-run's daemons are orphans that the machine's init
+    reaps a while after the bench killed them."""
+    count = 0
+    for proc in psutil.process_iter(["name", "status"]):
+        if proc.info["name"] == "raylet" and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            count += 1
+    return count
+
+
+# --- options ------------------------------------------------------------------------------------
+
+
+def _numbers(text: str, kind: Callable[[str], Any]) -> list[Any]:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, not {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("expected numbers > 0")
+    return values
+
+
+def parse_ints(text: str) -> list[int]:
+    """`1,2,4`: whole numbers >= 1."""
+    return _numbers(text, int)
+
+
+def parse_floats(text: str) -> list[float]:
+    """`8,5`: numbers > 0."""
+    return _numbers(text, float)
+
+
+def parse_methods(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An option's type: a comma-separated list of some of `choices`."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        methods = [m.strip() for m in text.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; "
+                                             f"choose from {', '.join(choices)}")
+        return methods
+
+    return parse
+
+
+def require_root(parser: argparse.ArgumentParser) -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        parser.error("needs root and iproute2's `ip` (pods are network namespaces)")
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def begin(out: Path, prefix: str = "") -> tuple[Path, dict[str, Any]]:
+    """A bench starts: its results folder out/<prefix><UTC time>/ (with logs/), what a crashed
+    earlier bench left removed (never a live one's), and the facts its report starts with."""
+    import ray
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    outdir = out.resolve() / f"{prefix}{stamp}"
+    (outdir / "logs").mkdir(parents=True, exist_ok=True)
+    cleanup_stale(prefix=BENCH_PREFIX)
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{os.cpu_count()} CPU(s), {platform.machine()}, "
+                       f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
+                       f"Python {platform.python_version()}",
+            "ray": ray.__version__, "podagent": PODAGENT_VERSION, "commit": git_commit()}
+    print(f"bench: {meta['machine']}; Ray {meta['ray']}; results in {outdir}", flush=True)
+    return outdir, meta
+
+
+def status_line(run: Any, tag: str, figure: str | None = None, note: str = "") -> str:
+    """A run's line on screen: `[tag] figure  ok|FAILED: reason  (wall, load<note>)`."""
+    if figure is None:
+        figure = f"{run.seconds:.2f} s" if run.seconds is not None else "-"
+    status = "ok" if run.ok else f"FAILED: {run.reason}"
+    return (f"[{tag}] {figure:>9}  {status}  "
+            f"(wall {run.wall_s:.0f} s, load {run.load_before[0]:.1f}{note})")
+
+
+def execute(run: R, outdir: Path, name: str, body: Body[R], line: Callable[[R], str]) -> R:
+    """One run, whatever happens in it: body(run, outdir/logs/<name>/); a RunFailed is a failed
+    run, any other exception the bench's own failure (recorded too: the next run goes on).
+    Then its line and, when it failed, the tail it kept; the run is appended to runs.jsonl."""
+    logdir = outdir / "logs" / name
+    logdir.mkdir(parents=True, exist_ok=True)
+    run.logs = str(logdir.relative_to(outdir))
+    run.load_before = os.getloadavg()
+    started = time.monotonic()
+    try:
+        body(run, logdir)
+    except RunFailed as exc:
+        run.ok, run.reason, run.tail = False, exc.reason, exc.tail
+    except Exception as exc:  # the harness itself failed: record it, go on with the next run
+        run.ok, run.reason = False, f"bench error: {type(exc).__name__}: {exc}"
+    run.wall_s = round(time.monotonic() - started, 1)
+    print(line(run), flush=True)
+    for tail in run.tail if not run.ok else []:
+        print(f"    | {tail}", flush=True)
+    with open(outdir / "runs.jsonl", "a") as f:
+        f.write(json.dumps(asdict(run)) + "\n")
+    return run
+
+
+def execute_all(plan: Iterable[tuple[R, str, Body[R]]], outdir: Path,
+                line: Callable[[R], str]) -> list[R]:
+    """execute() each (run, name, body) of the plan in turn; ^C keeps what was measured."""
+    runs: list[R] = []
+    try:
+        for run, name, body in plan:
+            runs.append(execute(run, outdir, name, body, line))
+    except KeyboardInterrupt:
+        print("bench: interrupted; writing what was measured so far", flush=True)
+    return runs
+
+
+def git_commit() -> str:
+    """This checkout's commit, `+dirty` when podagent/ has uncommitted changes."""
+    proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                            "podagent"], capture_output=True, text=True, check=False)
+    return (proc.stdout.strip() or "?") + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def write_results(outdir: Path, report: str, meta: dict, args: argparse.Namespace,
+                  runs: list) -> None:
+    """The table on screen and in results.md; every run's figures in results.json."""
+    print("\n" + report, flush=True)
+    (outdir / "results.md").write_text(report + "\n")
+    (outdir / "results.json").write_text(json.dumps(
+        {"meta": meta, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                for k, v in vars(args).items()},
+         "runs": [asdict(r) for r in runs]}, indent=2) + "\n")
+    print(f"\nbench: wrote {outdir / 'results.md'} and {outdir / 'results.json'}", flush=True)
+
+
+# --- tables -------------------------------------------------------------------------------------
+
+
+def median(values: list[float], digits: int | None = None) -> float | None:
+    """The median (rounded to `digits` when given); None for no values."""
+    if not values:
+        return None
+    value = statistics.median(values)
+    return value if digits is None else round(value, digits)
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
