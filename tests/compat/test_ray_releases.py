@@ -19,6 +19,7 @@ from podagent import config, gcs, ray_compat
 from podagent.cluster import ray_node
 from podagent.roles import Role
 from tests.compat.ray_releases import Release, all_facts
+from tests.unit.test_gcs_codec import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,18 +41,6 @@ def each(releases: list[Release], check: Callable[[Release], list[str]]) -> None
 
 
 # --- the GCS messages gcs.py encodes and decodes by hand ---------------------------------------
-
-
-class Recorder(gcs.GcsClient):
-    """A GcsClient whose RPCs return a canned reply and record what it sent."""
-
-    def __init__(self, reply: bytes):
-        super().__init__("127.0.0.1:1")
-        self.reply, self.calls = reply, []
-
-    def _call(self, method, request, timeout):
-        self.calls.append((method, request))
-        return self.reply
 
 
 def _exchange(reply: bytes, call: Callable[[gcs.GcsClient], object]) -> tuple[object, str, bytes]:
