@@ -22,7 +22,7 @@ from tenacity import (
     wait_fixed,
 )
 
-from podagent import runstate
+from podagent import ray_compat, runstate
 from podagent.cluster import ray_node
 from podagent.cluster.jobs import JobRunner
 from podagent.cluster.node import NodeSetup
@@ -34,6 +34,9 @@ from podagent.waiting import Signals
 
 RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray needs ~5-20 s
 RAY_START_ATTEMPTS = 3
+# Before Ray 2.52 the dashboard gets a fixed ~20 s to start, which a busy pod can miss more
+# than once in a row (seen on two cores under load): more attempts where that deadline is fixed.
+RAY_START_ATTEMPTS_FIXED_DEADLINE = 5
 OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
 PROBE_MAX_WAIT = 0.1  # readiness probes of local ports: a refused connection costs nothing
 WATCH_INTERVAL = 1.0
@@ -89,6 +92,9 @@ class HeadRay:
         start-up deadline of its own (before 2.52 its dashboard gets a fixed 20 s) and succeed
         on the next attempt, as a worker's join does."""
         attempts = {"n": 0}
+        ray = ray_compat.installed()
+        allowed = (RAY_START_ATTEMPTS if ray is None or ray.has("dashboard_startup_timeout")
+                   else RAY_START_ATTEMPTS_FIXED_DEADLINE)
 
         def attempt() -> None:
             attempts["n"] += 1
@@ -96,15 +102,15 @@ class HeadRay:
                 ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-head.log",
                                  RAY_START_TIMEOUT).start()
             except RayStartError as exc:
-                if attempts["n"] < RAY_START_ATTEMPTS:
+                if attempts["n"] < allowed:
                     last = str(exc).strip().splitlines()[-1] if str(exc).strip() else "?"
                     self.reporter.warn(f"starting Ray failed (attempt {attempts['n']} of "
-                                       f"{RAY_START_ATTEMPTS}): {last}; stopping what it "
+                                       f"{allowed}): {last}; stopping what it "
                                        f"started and trying again")
                     ray_node.RayNode.stop(self.s.stop_timeout)
                 raise
 
-        Retrying(stop=stop_after_attempt(RAY_START_ATTEMPTS), wait=wait_fixed(1.0),
+        Retrying(stop=stop_after_attempt(allowed), wait=wait_fixed(1.0),
                  retry=retry_if_exception_type(RayStartError), sleep=self.signals.sleep,
                  reraise=True)(attempt)
 

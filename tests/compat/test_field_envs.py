@@ -101,20 +101,25 @@ def test_core_alone_runs_a_head_plan_that_needs_no_extra(field_envs, tmp_path):
 
 # --- the reward server on OpenRLHF-M's math-verify ---------------------------------------------
 
+MATH_VERIFY_DECIDES = ("test_verify", "test_openrlhf_m", "test_openrlhf_m_server", "test_scorer")
+
 
 def test_reward_tests_pass_on_openrlhf_ms_math_verify(field_envs, tmp_path):
-    """The whole reward suite (parity corpus, fast/slow agreement, server) on math-verify 0.5.2,
-    in the environment podagent[reward] went into beside OpenRLHF-M's pin."""
+    """Every reward test that math-verify decides (the verdict rules, the parity corpus, fast/slow
+    agreement, the openrlhf-m server over the corpus) on math-verify 0.5.2, in the environment
+    podagent[reward] went into beside OpenRLHF-M's pin. The server's protocol, CLI and head
+    handling do not depend on math-verify's version and run in the main session only."""
     field = installed(field_envs, "openrlhf-m")
     env = field.env
     tools = env.run([str(env.bin / "python"), "-m", "pip", "install", "--quiet",
                      "--constraint", str(env.hold()), "pytest>=8", "hypothesis>=6.100"])
     assert tools.returncode == 0, tools.stdout[-3000:] + tools.stderr[-3000:]
     assert env.packages()["math-verify"] == "0.5.2"
-    result = env.run([str(env.bin / "python"), "-m", "pytest", "tests/unit/rewards", "-q",
+    modules = [f"tests/unit/rewards/{name}.py" for name in MATH_VERIFY_DECIDES]
+    result = env.run([str(env.bin / "python"), "-m", "pytest", *modules, "-q",
                       "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "rewards")],
                      cwd=ROOT, timeout=1800)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     passed = re.match(r"(\d+) passed(, \d+ warnings?)? in ", summary)
-    assert passed and int(passed[1]) > 400, summary
+    assert passed and int(passed[1]) > 390, summary

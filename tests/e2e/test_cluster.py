@@ -78,7 +78,7 @@ def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_pa
     """c) EXPECTED_WORKERS=3 with 2 workers: the head exits 5 and names the two that joined."""
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "3",
-                                       "PODAGENT_WORKER_TIMEOUT": "60"})
+                                       "PODAGENT_WORKER_TIMEOUT": "45"})
     for a in (head, *workers):
         a.start()
     assert head.wait_exit(FORM_TIMEOUT) == EXIT_WORKERS_TIMEOUT, head.output[-3000:]
