@@ -39,8 +39,9 @@ FEATURES = {
     "token_auth": Feature("token_auth", "2.52.0", "cluster tokens (RAY_AUTH_MODE=token)"),
     # RAY_DASHBOARD_STARTUP_TIMEOUT_S: how long `ray start --head` waits for its dashboard.
     # Older releases give it a fixed ~20 s, which a busy pod can miss: the head then retries
-    # `ray start` (head_ray.RAY_START_ATTEMPTS_FIXED_DEADLINE), and workers join only once the head's own node is
-    # up (discovery.HeadFinder.wait_for_gcs), so a retry never takes their Ray away.
+    # `ray start` (head_ray.RAY_START_ATTEMPTS_FIXED_DEADLINE), and workers join only once the
+    # head's own node is up (discovery.HeadFinder.wait_for_gcs), so a retry never takes their
+    # Ray away.
     "dashboard_startup_timeout": Feature(
         "dashboard_startup_timeout", "2.52.0",
         "a settable dashboard start-up timeout (RAY_DASHBOARD_STARTUP_TIMEOUT_S)"),

@@ -35,6 +35,23 @@ def field_envs(tmp_path_factory: pytest.TempPathFactory
     tests, with pip's output. Session-wide: the compat tests and an e2e test with a worker on
     another Ray share them."""
     root = tmp_path_factory.mktemp("field-envs")
-    wheel = build_wheel(root / "dist")
-    with concurrent.futures.ThreadPoolExecutor(len(FIELDS)) as pool:
-        yield {name: pool.submit(create, field, root, wheel) for name, field in FIELDS.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(FIELDS) + 1) as pool:
+        wheel = pool.submit(build_wheel, root / "dist")
+        yield {name: pool.submit(lambda field=field: create(field, root, wheel.result()))
+               for name, field in FIELDS.items()}
+
+
+NEEDS_FIELDS = pytest.StashKey[bool]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[NEEDS_FIELDS] = any("field_envs" in item.fixturenames for item in items)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _field_envs_from_the_start(request: pytest.FixtureRequest) -> None:
+    """Installing the field environments waits mostly on the network: when a selected test
+    needs them, they are built from the session's first test on (tests/compat runs last), so
+    that the wait overlaps the other tests instead of adding to them."""
+    if request.config.stash.get(NEEDS_FIELDS, False):
+        request.getfixturevalue("field_envs")
