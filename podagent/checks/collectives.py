@@ -1,6 +1,6 @@
 """The collective checks themselves: plain torch.distributed, no Ray.
 
-The cluster check runs them in Ray actors; `bench/gpu_two_pods.sh` runs the same bandwidth
+The cluster check runs them in Ray actors; `bench/gpu_two_pods.py` runs the same bandwidth
 measurement in plain processes as the reference, so the two figures differ only in how the
 processes were started.
 """

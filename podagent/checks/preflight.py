@@ -136,7 +136,7 @@ def look_for_gpus(offered: int) -> GpuSighting:
 
 
 def judge_gpus(sighting: GpuSighting, offered: int, offered_how: str) -> CheckResult:
-    """Compare what Ray will be offered (ray_node.detect_gpus) with the GPUs that can be seen."""
+    """Compare what Ray will be offered (pod.detect_gpus) with the GPUs that can be seen."""
     name = "gpus"
     seen = len(sighting.gpus)
     note = f" ({sighting.note})" if sighting.note else ""

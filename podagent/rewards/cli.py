@@ -73,7 +73,7 @@ def reward_server(**flags: str | None) -> None:
       (labels[i], else the --dataset answer for the prompt); format: 1 if the response gives
       exactly one boxed answer or one <answer> block.
 
-    Stops cleanly on SIGTERM or SIGINT (exit 0). The README has the full rules.
+    Stops cleanly on SIGTERM or SIGINT (exit 0). docs/reward-server.md has the full rules.
     """
     from podagent import extras
 

@@ -7,7 +7,7 @@
   set past the longest item time limit (`ALARM_SECONDS`), so the pool's kill is still what ends
   a slow item, as on 0.9. Which behaviour a release has is read from the release itself.
 * `verify(..., allow_set_relation_comp=...)` (`x \\le 2` against `(-\\infty, 2]`) does not exist in
-  0.5.x; the boxed profile asks for it where it exists (the README lists what differs).
+  0.5.x; the boxed profile asks for it where it exists (docs/reward-server.md lists what differs).
 
 Imported only where math-verify is installed (the verifier workers, the tests).
 """

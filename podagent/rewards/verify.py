@@ -509,7 +509,7 @@ class Verifier:
         self._mv = math_verify
         self._parse_kwargs = mvcompat.parse_no_timeout()
         # Set-relation comparison both ways: `x \le 2` answers `(-\infty, 2]` and vice versa
-        # (math-verify 0.5.x cannot: the README lists the verdicts that differ).
+        # (math-verify 0.5.x cannot: docs/reward-server.md lists the verdicts that differ).
         self._verify_kwargs = mvcompat.verify_no_timeout(set_relation=True)
         # With timeouts off, math-verify warns once per process that we must bound it: we do.
         logging.getLogger("math_verify").setLevel(logging.ERROR)
