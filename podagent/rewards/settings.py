@@ -92,7 +92,7 @@ SCORING = ("openrlhf-m", "boxed")
 FIELDS: tuple[Field, ...] = (
     Field("scoring", config.choice(*SCORING),
           "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item) or boxed "
-          "(the last \\boxed{} or <answer> block; see the README).", "openrlhf-m"),
+          "(the last \\boxed{} or <answer> block; see docs/reward-server.md).", "openrlhf-m"),
     Field("template", config.choice(*openrlhf_m.TEMPLATES),
           "openrlhf-m: the chat template whose assistant prefix starts the response "
           "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
