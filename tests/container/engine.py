@@ -28,6 +28,8 @@ from types import ModuleType
 import psutil
 import tenacity
 
+from tests.harness.pods import file_lock
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -194,7 +196,7 @@ def engine() -> Iterator[Engine]:
     docker = images.find_docker()
     users = os.open(STATE_DIR / "users.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        with _locked(STATE_DIR / "alloc.lock"):
+        with file_lock(STATE_DIR / "alloc.lock"):
             started = False
             version = _answers(docker)
             if version is None:
@@ -209,7 +211,7 @@ def engine() -> Iterator[Engine]:
             fcntl.flock(users, fcntl.LOCK_SH)
         yield Engine(docker, version, started, installed)
     finally:
-        with _locked(STATE_DIR / "alloc.lock"):
+        with file_lock(STATE_DIR / "alloc.lock"):
             os.close(users)  # drops this user's shared lock
             last = os.open(STATE_DIR / "users.lock", os.O_RDWR | os.O_CLOEXEC)
             try:
@@ -222,13 +224,3 @@ def engine() -> Iterator[Engine]:
                     _stop_dockerd(dockerd)
             finally:
                 os.close(last)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

@@ -580,7 +580,8 @@ class Pod:
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on a file (made if missing), held for the block."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -668,7 +669,7 @@ class PodNetwork:
         self.token = ""
         self.bridge = ""
         try:
-            with _flock(_LOCK_DIR / _ALLOC_LOCK):
+            with file_lock(_LOCK_DIR / _ALLOC_LOCK):
                 self._take_token_lock()
                 self.subnet = self._choose_subnet(subnet)
                 hosts = list(self.subnet.hosts())
@@ -791,7 +792,7 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, kill_timeout: float = 10.0) -> l
     removed: list[str] = []
     errors: list[str] = []
     lock_re = re.compile(rf"{re.escape(prefix)}([0-9a-f]{{6}})\.lock")
-    with _flock(_LOCK_DIR / _ALLOC_LOCK):
+    with file_lock(_LOCK_DIR / _ALLOC_LOCK):
         for entry in sorted(os.listdir(_LOCK_DIR)):
             m = lock_re.fullmatch(entry)
             if not m:
