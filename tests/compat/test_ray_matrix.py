@@ -51,4 +51,7 @@ def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
         timeout=MATRIX_TIMEOUT, env={**os.environ, RAY_MATRIX_ONLY: "1"})
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert re.fullmatch(rf"{len(expected)} passed(, \d+ warnings?)? in .*", summary), summary
+    # Tests of a matrix module that are not marked (run on the session's Ray only) show as
+    # deselected.
+    assert re.fullmatch(rf"{len(expected)} passed(, \d+ deselected)?(, \d+ warnings?)? in .*",
+                        summary), summary
