@@ -14,12 +14,12 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from podagent import pod, runstate
+from podagent import pod, process, runstate
 from podagent.cluster import exposure, job_spec, node, ray_node, reattach
 from podagent.cluster import ledger as ledger_mod
 from podagent.cluster.census import WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
-from podagent.cluster.jobs import JobRunner
+from podagent.cluster.jobs import TERMINAL, JobRunner
 from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
@@ -32,6 +32,9 @@ from podagent.waiting import Signals
 
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
 HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get this long each
+# ... and the workers this long to read the closing announcement (once a second) and leave
+# before this pod's Ray, which holds it, is stopped.
+HURRIED_DEPARTURES = 1.5
 
 
 class HeadState(str, enum.Enum):
@@ -298,8 +301,9 @@ class Head(Lifecycle[HeadState]):
             over = outcome in ledger_mod.FINISHED
             self.ray.announce_close(outcome, self.job_status,
                                     self.s.after_run if over else runstate.REJOIN)
-            if self.census and not self.hurried:  # stopped pods: the workers get SIGTERM too
-                self.census.await_departures(self.s.head_grace)
+            if self.census:
+                self.census.await_departures(self._budget(HURRIED_DEPARTURES) if self.hurried
+                                             else self.s.head_grace)
         if self.ray:
             self.ray.close()
         self._stop_ray(outcome, gcs_gone=ray_dead)
@@ -312,10 +316,18 @@ class Head(Lifecycle[HeadState]):
 
     def _stop_job(self, timeout: float) -> None:
         assert self.job
-        status = self.job.stop(timeout)
+        # Ray kills the job's shell and its children at once; a child that outlives its shell
+        # by a moment is re-parented to podagent (a subreaper), and Ray, which waits until
+        # every one of them is gone, counts it alive while it is an unreaped zombie: STOPPED
+        # would come only after Ray's 3 s SIGKILL deadline. So reap them while waiting.
+        own = [pid for pid in [self.reward.process.pid if self.reward else None] if pid]
+        status = self.job.stop(timeout, while_waiting=lambda: process.reap_zombies(own))
         if status is None:
             self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; the dashboard "
                                f"did not confirm it (Ray is stopped next either way)")
+        elif status not in TERMINAL:  # still going at the deadline: stopping Ray ends it
+            self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; still {status} "
+                               f"after {timeout:.1f} s (Ray is stopped next, which ends it)")
         else:
             self.reporter.say(f"job {self.job.submission_id} stopped (status {status})")
             self.job_status = status  # the workers' closing announcement carries it

@@ -200,8 +200,10 @@ class JobRunner:
             raise JobStopped(f"job {self.submission_id} was stopped {where}")
         raise JobFailed(f"job {self.submission_id} failed: {reason or status} {where}")
 
-    def stop(self, timeout: float) -> str | None:
-        """Ask Ray to stop the job and wait (bounded) until it is over.
+    def stop(self, timeout: float, while_waiting: Callable[[], None] | None = None
+             ) -> str | None:
+        """Ask Ray to stop the job and wait (bounded) until it is over; `while_waiting` is
+        called before each look at its status.
 
         Returns its last status, or None when the dashboard could not tell.
         """
@@ -211,6 +213,8 @@ class JobRunner:
             return max(0.2, min(HTTP_TIMEOUT, ends - time.monotonic()))
 
         def status_or_none() -> str | None:
+            if while_waiting is not None:
+                while_waiting()
             try:
                 reply = self._request("GET", "", timeout=left())
                 return str(reply.json()["status"]) if reply is not None else None
