@@ -416,7 +416,8 @@ def run_headloss(run: Run, logdir: Path, timeout: float, grace: float,
                 c, logdir,
                 head_env={"EXPECTED_WORKERS": str(n), "PODAGENT_JOB": LONG_JOB,
                           "PODAGENT_WORKER_TIMEOUT": str(int(timeout - 30))},
-                worker_env={"PODAGENT_HEAD_GRACE": f"{grace:g}",
+                # exit 7 on the lost head (the measure), not wait for it to come back
+                worker_env={"PODAGENT_HEAD_GRACE": f"{grace:g}", "PODAGENT_REJOIN": "0",
                             "PODAGENT_HEAD_TIMEOUT": str(int(timeout - 30))})
             head, workers = agents[0], agents[1:]
             try:

@@ -4,8 +4,9 @@ Two faults, each on a fresh pair of pods (network namespaces with a real DNS ser
 end-to-end tests and bench/bringup.py: tests/harness/):
 
 * head loss: the head pod is SIGKILLed; seconds until the worker leaves. podagent's worker
-  (exit 7 after PODAGENT_HEAD_GRACE) beside a plain `ray start --address ... --block` worker,
-  which Ray ends on its own schedule (about a minute); its wait is capped (--baseline-cap).
+  (PODAGENT_REJOIN=0: exit 7 after PODAGENT_HEAD_GRACE) beside a plain `ray start --address ...
+  --block` worker, which Ray ends on its own schedule (about a minute); its wait is capped
+  (--baseline-cap).
 * worker loss: the worker pod is SIGKILLed; seconds until the head knows. podagent's head
   (its `worker_lost` event) beside plain Ray's GCS with Ray's default health checks (the bench
   polls the node table until the node is dead).
@@ -110,7 +111,9 @@ def run_podagent_headloss(run: Run, logdir: Path, timeout: float, cap: float) ->
         agents = []
         try:
             agents = podagent_pair(c, logdir, timeout,
-                                   worker_env={"PODAGENT_HEAD_GRACE": f"{run.grace:g}"})
+                                   # exit 7 on a lost head, not wait for it to come back
+                                   worker_env={"PODAGENT_HEAD_GRACE": f"{run.grace:g}",
+                                               "PODAGENT_REJOIN": "0"})
             worker = agents[1]
             steady()
             killed = time.monotonic()

@@ -71,10 +71,12 @@ class UpRun:
 
 
 def bench_env() -> dict[str, str]:
-    """The template's env with its secrets filled in, W&B off (the bench has no account)."""
+    """The template's env with its secrets filled in, W&B off (the bench has no account); every
+    pod exits when the run is over (the measure), where on RunPod it would stay up."""
     env = template_env(secrets.token_urlsafe(32), "")
     del env["WANDB_API_KEY"]  # the user deleted the line
-    env.update(EXPECTED_WORKERS="", PODAGENT_JOB=JOB, PODAGENT_RUN_NAME=RUN_NAME)
+    env.update(EXPECTED_WORKERS="", PODAGENT_JOB=JOB, PODAGENT_RUN_NAME=RUN_NAME,
+               PODAGENT_AFTER_RUN="exit")
     return env
 
 

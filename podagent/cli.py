@@ -194,6 +194,8 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     _say_untested(reporter, ray)
+    for warning in settings.warnings:  # e.g. a PODAGENT_* variable with a typo in its name
+        reporter.warn(warning)
     reporter.event("role", role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__, ray=ray.version)
     from podagent.cluster import wandb_run
@@ -217,6 +219,7 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     code = EXIT_OK
     try:
         lifecycle.run()
+        code = _earlier_exit(lifecycle)
     except errors.PodagentError as exc:
         code = exit_code(exc)
         if not isinstance(exc, errors.Interrupted):
@@ -232,8 +235,34 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     finally:
         if bringup:
             bringup.finish(code)
-        reporter.close()
+    _after_run(lifecycle, settings, reporter, signals, code)
+    reporter.close()
     sys.exit(code)
+
+
+def _earlier_exit(lifecycle: Any) -> int:
+    """A head that found its run finished earlier exits as that run did."""
+    earlier = getattr(lifecycle, "finished_earlier", None)
+    return int(earlier.get("exit_code") or EXIT_OK) if earlier else EXIT_OK
+
+
+def _after_run(lifecycle: Any, settings: config.Settings, reporter: Reporter,
+               signals: Signals, code: int) -> None:
+    """A run that is over for good: stay, stop the pod or exit (PODAGENT_AFTER_RUN). A run
+    cut short (a signal, a lost Ray) is left to a restart, which resumes it."""
+    from podagent.cluster import after_run
+
+    ledger = getattr(lifecycle, "ledger", None)
+    if ledger is not None:  # the head
+        ledger.exit_code(code)
+        policy = settings.after_run if ledger.finished else None
+    else:
+        policy = getattr(lifecycle, "after_run", None)
+    if policy is None or signals.received:
+        return
+    summary = (f"run {settings.run_name} is over ({'exit ' + str(code)}); logs in "
+               f"{settings.run_dir}")
+    after_run.settle(policy, settings, reporter, signals, summary)
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

@@ -7,6 +7,8 @@ is generated from it (`python -m podagent.config`), so the three cannot drift ap
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import ipaddress
 import os
 import re
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlsplit
 
 from podagent.errors import ConfigError
 
@@ -124,6 +127,21 @@ def run_name(raw: str) -> str:
     return raw
 
 
+def http_url(raw: str) -> str:
+    rule = "must be an http:// or https:// URL such as https://rest.runpod.io/v1"
+    try:
+        parts = urlsplit(raw)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(rule) from None
+    # No credentials, query or fragment: the key goes in a header, never in a URL.
+    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.username
+            or parts.password or parts.query or parts.fragment or "#" in raw or "?" in raw
+            or any(c.isspace() or not c.isprintable() for c in raw)):
+        raise ValueError(rule)
+    return raw.rstrip("/")
+
+
 def choice(*allowed: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in allowed:
@@ -185,6 +203,8 @@ def short_path(raw: str) -> str:
 
 # --- the table ----------------------------------------------------------------------------------
 
+AFTER_RUN = ("stay", "exit", "stop-pod")
+
 
 @dataclass(frozen=True)
 class Field:
@@ -243,13 +263,28 @@ FIELDS: tuple[Field, ...] = (
     Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
           "Seconds a joined worker tolerates an unreachable head before it leaves.",
           default=8.0),
+    Field("rejoin", "PODAGENT_REJOIN", "--rejoin", zero_one,
+          "1: a worker whose head is gone goes back to finding it (a restarted head is joined "
+          "again) instead of exiting; 0: it exits.", default=True),
     Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
           "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
+    Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
+          "What podagent does when the run is over: stay (stay up idle until SIGTERM; RunPod "
+          "would otherwise restart the container and run again), exit (exit with the run's "
+          "outcome) or stop-pod (ask RunPod's API to stop this pod, which ends its GPU "
+          "billing; needs RUNPOD_API_KEY).",
+          default_doc="stay on RunPod (RUNPOD_POD_ID set), else exit"),
+    Field("runpod_api_url", "PODAGENT_RUNPOD_API_URL", "--runpod-api-url", http_url,
+          "Base URL of RunPod's REST API (for PODAGENT_AFTER_RUN=stop-pod).",
+          default="https://rest.runpod.io/v1"),
     Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
           "NCCL preset from env/ (auto picks by evidence).", default="auto"),
     Field("run_name", "PODAGENT_RUN_NAME", "--run-name", run_name,
-          "Name of this run: its log directory and the job's submission id.",
-          default_doc="podagent-YYYYmmdd-HHMMSS (UTC, at start)"),
+          "Name of this run: its log directory and the job's submission id. The default is "
+          "the same after a container restart, so a restarted pod finds its run again.",
+          default_doc="podagent-HEAD_POD_ID, else podagent-PRIMARY_ADDR-NUM_NODESn (Instant "
+                      "Cluster), else podagent-RUNPOD_POD_ID, else podagent-YYYYmmdd-HHMMSS "
+                      "(UTC, at start)"),
     Field("log_dir", "PODAGENT_LOG_DIR", "--log-dir", path,
           "Parent of the per-run log directories.",
           default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
@@ -332,7 +367,10 @@ class Settings:
     worker_timeout: float = 600.0
     head_timeout: float = 600.0
     head_grace: float = 8.0
+    rejoin: bool = True
     stop_timeout: float = 10.0
+    after_run: str = "exit"
+    runpod_api_url: str = "https://rest.runpod.io/v1"
     nccl_preset: str = "auto"
     run_name: str = "podagent"
     log_dir: str = "podagent-logs"
@@ -357,10 +395,16 @@ class Settings:
     listen: str = "private"
     # The cluster token read from the file RAY_AUTH_TOKEN_PATH names (read once, at build).
     token_from_file: str | None = field(default=None, repr=False)
-    # The process environment as it was at start (user variables win over presets).
-    environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # Where each setting came from: "flag", "env" or "default".
+    # The process environment as it was at start (user variables win over presets). Not in
+    # repr: it holds secrets (RUNPOD_API_KEY, the cluster token).
+    environ: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}),
+                                       repr=False)
+    # Where each setting came from: "flag", "env" or "default"; a derived default says from
+    # what (run_name: "derived from HEAD_POD_ID", ...). "default" alone for run_name means the
+    # timestamp: a name that never repeats.
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # One line each, for the CLI to show: PODAGENT_* variables podagent does not know.
+    warnings: tuple[str, ...] = ()
 
     @property
     def run_dir(self) -> Path:
@@ -386,6 +430,19 @@ class Settings:
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         token = self.auth_token
         return (("authorization", f"Bearer {token}"),) if token else ()
+
+    @property
+    def runpod_api_key(self) -> str | None:
+        """RUNPOD_API_KEY (for PODAGENT_AFTER_RUN=stop-pod). Never a flag, never shown."""
+        return self.environ.get(RUNPOD_API_KEY, "").strip() or None
+
+    @property
+    def run_name_shared(self) -> bool:
+        """Whether the run name is one name for the whole cluster: set explicitly, or derived
+        from what every pod shares (HEAD_POD_ID, PRIMARY_ADDR). Not when derived from this
+        pod's own RUNPOD_POD_ID or from the start time."""
+        return self.sources.get("run_name", "default") in (
+            "flag", "env", RUN_NAME_FROM_HEAD_POD_ID, RUN_NAME_FROM_PRIMARY_ADDR)
 
     @property
     def instant_cluster(self) -> bool:
@@ -466,8 +523,15 @@ def build(
             values["expected_workers"] = 1  # as the seed's script did
         elif values.get("num_nodes"):
             values["expected_workers"] = values["num_nodes"] - 1
-    started = time.gmtime(time.time() if now is None else now)
-    values.setdefault("run_name", time.strftime("podagent-%Y%m%d-%H%M%S", started))
+    if "run_name" not in values:
+        derived = derived_run_name(values)
+        if derived:
+            values["run_name"], sources["run_name"] = derived
+        else:
+            started = time.gmtime(time.time() if now is None else now)
+            values["run_name"] = time.strftime("podagent-%Y%m%d-%H%M%S", started)
+    # A RunPod pod whose process exits is restarted, and would run again: stay up instead.
+    values.setdefault("after_run", "stay" if values.get("pod_id") else "exit")
     values.setdefault("log_dir", _default_log_dir())
     if "checkpoint_dir" not in values and _default_checkpoint_dir():
         values["checkpoint_dir"] = _default_checkpoint_dir()
@@ -477,13 +541,110 @@ def build(
 
     settings = Settings(
         **values, environ=MappingProxyType(env), sources=MappingProxyType(sources),
-        token_from_file=_read_token_file(env),
+        token_from_file=_read_token_file(env), warnings=tuple(unknown_settings(env)),
     )
     _check_relations(settings)
     _check_token(settings)
+    _check_after_run(settings)
     return settings
 
 
+# --- the default run name: the same after a container restart --------------------------------
+
+RUN_NAME_FROM_HEAD_POD_ID = "derived from HEAD_POD_ID"
+RUN_NAME_FROM_PRIMARY_ADDR = "derived from PRIMARY_ADDR/NUM_NODES"
+RUN_NAME_FROM_POD_ID = "derived from RUNPOD_POD_ID"
+_RUN_NAME_MAX = 64
+_RUN_NAME_HASH = 8  # hex digits of the full derived part kept when it must be shortened
+
+
+def _run_name_from(part: str) -> str | None:
+    """podagent-PART, made to satisfy the run-name rule: characters outside [A-Za-z0-9._-]
+    become '-'; a name too long keeps PART's start and a short hash of all of it, so two long
+    ids that share a prefix still give two names (the same on every pod, every start)."""
+    clean = re.sub(r"[^A-Za-z0-9._-]", "-", part).strip("-._")
+    if not clean:
+        return None
+    name = f"podagent-{clean}"
+    if len(name) > _RUN_NAME_MAX:
+        digest = hashlib.sha256(part.encode()).hexdigest()[:_RUN_NAME_HASH]
+        keep = _RUN_NAME_MAX - len("podagent-") - 1 - _RUN_NAME_HASH
+        name = f"podagent-{clean[:keep].rstrip('-._')}-{digest}"
+    return run_name(name)
+
+
+def derived_run_name(values: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(run name, source) from what stays the same when a container restarts, first match:
+    HEAD_POD_ID (RunPod Global Networking: one value on every pod of the cluster), the Instant
+    Cluster's PRIMARY_ADDR (and NUM_NODES), RUNPOD_POD_ID (a single pod). None: no such
+    fact, so the caller falls back to the start time (a name that never repeats)."""
+    if values.get("head_pod_id"):
+        name = _run_name_from(values["head_pod_id"])
+        if name:
+            return name, RUN_NAME_FROM_HEAD_POD_ID
+    if values.get("primary_addr"):
+        part = re.sub(r"[.:]", "-", values["primary_addr"])
+        if values.get("num_nodes"):
+            part += f"-{values['num_nodes']}n"
+        name = _run_name_from(part)
+        if name:
+            return name, RUN_NAME_FROM_PRIMARY_ADDR
+    if values.get("pod_id"):
+        name = _run_name_from(values["pod_id"])
+        if name:
+            return name, RUN_NAME_FROM_POD_ID
+    return None
+
+
+# --- PODAGENT_* variables podagent does not know ------------------------------------------------
+
+PREFIX = "PODAGENT_"
+
+# PODAGENT_* variables that are podagent's own but not settings in FIELDS (nor the reward
+# server's PODAGENT_REWARD_* table), so never warned about; each with why it exists.
+OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
+    "PODAGENT_TOKEN": "the cluster token (a secret: the environment only, never a flag)",
+    "PODAGENT_NUM_NODES": "set by the head for the job: nodes in the cluster",
+    "PODAGENT_CHECK_BACKEND": "the built-in cluster check's collective backend (nccl, gloo)",
+    "PODAGENT_CHECK_START_TIMEOUT": "seconds the cluster check gives its ranks to start",
+    "PODAGENT_CHECK_RUN_TIMEOUT": "seconds the cluster check gives a collective to finish",
+    "PODAGENT_RAY_MATRIX_ONLY": "set by the test suite when it runs itself under another Ray",
+})
+
+
+def known_variables() -> frozenset[str]:
+    """Every variable podagent reads or sets: FIELDS, the reward server's table, the rest."""
+    from podagent.rewards.settings import FIELDS as REWARD_FIELDS  # late: it builds on this
+
+    return frozenset({f.env for f in FIELDS} | {f.env for f in REWARD_FIELDS}
+                     | set(OTHER_VARIABLES) | set(TOKEN_VARIABLES))
+
+
+def _shown_name(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_]+", name) else ascii(name)
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """One warning per PODAGENT_* variable podagent does not know, with the closest known
+    name when one is close (a typo). Names only: a value may be a secret. An empty value
+    means "not set" (as for every setting), so it is not warned about."""
+    known = known_variables()
+    # Compared without the prefix, so that the shared PODAGENT_ does not make every name
+    # look close; FIELDS first, so a setting wins over a name podagent sets for the job.
+    by_stem: dict[str, str] = {}
+    for name in [f.env for f in FIELDS] + sorted(known):
+        by_stem.setdefault(name.removeprefix(PREFIX), name)
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(PREFIX) or name in known or not str(environ[name]).strip():
+            continue
+        close = difflib.get_close_matches(name.removeprefix(PREFIX), list(by_stem), n=1)
+        hint = f"; did you mean {by_stem[close[0]]}?" if close else ""
+        warnings.append(f"{_shown_name(name)} is not a podagent setting{hint} (ignored)")
+    return warnings
+
+
+RUNPOD_API_KEY = "RUNPOD_API_KEY"  # RunPod's own name; a secret, read from the environment
 TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN")
 TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"  # Ray's own: a file that holds the token
 TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
@@ -548,6 +709,18 @@ def _check_relations(s: Settings) -> None:
     if s.reward == "cmd" and not s.reward_cmd:
         raise ConfigError(s.source_name("reward_cmd"), "",
                           "must be set when PODAGENT_REWARD=cmd")
+
+
+def _check_after_run(s: Settings) -> None:
+    if s.after_run != "stop-pod":
+        return
+    when = f"when {s.source_name('after_run')}=stop-pod"
+    if not s.runpod_api_key:
+        raise ConfigError(RUNPOD_API_KEY, "",
+                          f"must be set {when} (podagent stops this pod through RunPod's API)")
+    if not s.pod_id:
+        raise ConfigError(s.source_name("pod_id"), "",
+                          f"must be set {when} (the id of the pod to stop; RunPod sets it)")
 
 
 def settings_table() -> str:

@@ -97,3 +97,8 @@ class Interrupted(PodagentError):
 
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class RunPodApiError(PodagentError):
+    """RunPod's API did not do what podagent asked (e.g. stop this pod). The message names the
+    request's path, the status and RunPod's reason; never the API key."""

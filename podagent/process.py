@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -65,11 +65,12 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
-def reap_zombies() -> None:
-    """Collect exit statuses of adopted orphans (zombie children only)."""
+def reap_zombies(keep: Collection[int] = ()) -> None:
+    """Collect exit statuses of adopted orphans (zombie children only). `keep`: pids of our own
+    Popen children, whose status their Popen collects."""
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error, ChildProcessError):
-            if child.status() == psutil.STATUS_ZOMBIE:
+            if child.pid not in keep and child.status() == psutil.STATUS_ZOMBIE:
                 os.waitpid(child.pid, os.WNOHANG)
 
 
@@ -225,6 +226,10 @@ class ManagedProcess:
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
 
     def tail(self, lines: int = 30) -> str:
         return log_tail(self.log_path, lines)

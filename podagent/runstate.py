@@ -2,7 +2,9 @@
 key-value store (namespace `podagent` in the head's GCS): no extra port, no extra service.
 
 * `run_state`: the head's announcement that it is closing the run (JSON: state, outcome, the
-  job's status). Workers read it once a second and leave with exit 0 on it.
+  job's status, and what the workers do next: `after_run` = stay, exit or stop-pod when the
+  run is over, `rejoin` when only this start of it is and the head will be back). Workers read
+  it once a second.
 * `stop_request`: `podagent stop` asks the head to end the run in order (JSON: by, at).
 """
 
@@ -16,10 +18,13 @@ KV_RUN_STATE = "run_state"
 KV_STOP_REQUEST = "stop_request"
 
 
-def closing(outcome: str, job_status: str | None) -> bytes:
+REJOIN = "rejoin"
+
+
+def closing(outcome: str, job_status: str | None, after_run: str = "exit") -> bytes:
     """The head's announcement, as stored."""
-    return json.dumps({"state": "closing", "outcome": outcome,
-                       "job_status": job_status}).encode()
+    return json.dumps({"state": "closing", "outcome": outcome, "job_status": job_status,
+                       "after_run": after_run}).encode()
 
 
 def read_state(raw: bytes | None) -> dict[str, Any]:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from podagent import pod
+from podagent import pod, process, runstate
 from podagent.cluster import exposure, job_spec, node, ray_node, reattach
+from podagent.cluster import ledger as ledger_mod
 from podagent.cluster.census import WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
-from podagent.cluster.jobs import JobRunner
+from podagent.cluster.jobs import TERMINAL, JobRunner
+from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
 from podagent.config import Settings
@@ -28,18 +31,25 @@ from podagent.roles import Role, RoleDecision
 from podagent.waiting import Signals
 
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
+HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get this long each
+# ... and the workers this long to read the closing announcement (once a second) and leave
+# before this pod's Ray, which holds it, is stopped.
+HURRIED_DEPARTURES = 1.5
 
 
 class HeadState(str, enum.Enum):
-    """PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
+    """RECALLING -> PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
     -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE.
 
+    RECALLING reads the run's ledger: a run that finished earlier goes straight to DONE (a
+    restarted container never runs it again); one interrupted mid-job is submitted again.
     The reward server loads while the workers join. Re-attaching (CLEANING finds this pod's Ray
     still running this run's job) skips STARTING_RAY: the reward server is kept if it answers,
     the workers are counted, not awaited, and SUBMITTING finds the job and follows it.
     Any state may raise (an error or a signal) or end on a stop request; teardown then runs
     from `finally`.
     """
+    RECALLING = "recalling"
     PREPARING = "preparing"
     CLEANING = "cleaning"
     STARTING_RAY = "starting_ray"
@@ -52,7 +62,7 @@ class HeadState(str, enum.Enum):
 
 
 class Head(Lifecycle[HeadState]):
-    FIRST, LAST, SUCCESS = HeadState.PREPARING, HeadState.DONE, "succeeded"
+    FIRST, LAST, SUCCESS = HeadState.RECALLING, HeadState.DONE, "succeeded"
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
@@ -66,10 +76,13 @@ class Head(Lifecycle[HeadState]):
         self.job: JobRunner | None = None
         self.reward: RewardServer | None = None
         self.job_status: str | None = None
+        self.ledger = Ledger.load(settings.run_dir, settings.run_name)
+        self.finished_earlier: dict[str, Any] | None = None  # the ledger's, when it finished
         self._next_watch = 0.0
 
     def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
         return {
+            HeadState.RECALLING: self._recall,
             HeadState.PREPARING: self._prepare,
             HeadState.CLEANING: self._clean,
             HeadState.STARTING_RAY: self._start_ray,
@@ -82,9 +95,31 @@ class Head(Lifecycle[HeadState]):
 
     # --- states --------------------------------------------------------------------------------
 
+    def _recall(self) -> HeadState:
+        finished = self.ledger.finished
+        if finished:
+            self.finished_earlier = finished
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(finished["at"]))
+            job = f", job {finished['job_status']}" if finished.get("job_status") else ""
+            self.reporter.say(f"run {self.s.run_name} finished earlier ({finished['outcome']}"
+                              f"{job}, {at} UTC): not running it again; logs in "
+                              f"{self.s.run_dir} (a new PODAGENT_RUN_NAME starts a new run)")
+            self.reporter.event("finished_earlier", **finished)
+            return HeadState.DONE
+        self.ledger.started(self.reporter.pod)
+        interrupted = self.ledger.interrupted()
+        if interrupted:
+            self.reporter.say(f"run {self.s.run_name} was interrupted (job {interrupted['id']}: "
+                              f"{interrupted.get('status') or 'running when its head stopped'}"
+                              f"); it runs again, resuming from a checkpoint if there is one")
+            self.reporter.event("run_interrupted_earlier", submission=interrupted["id"],
+                                status=interrupted.get("status"))
+        return HeadState.PREPARING
+
     def _prepare(self) -> HeadState:
         self.setup = node.prepare(self.s, Role.HEAD, self.reporter)
-        self.ray = HeadRay(self.s, self.setup, self.reporter, self.signals)
+        self.ray = HeadRay(self.s, self.setup, self.reporter, self.signals,
+                           self.ledger.current_submission_id())
         self.census = WorkerCensus(self.ray.nodes, self.reporter)
         return HeadState.CLEANING
 
@@ -92,8 +127,8 @@ class Head(Lifecycle[HeadState]):
         assert self.setup and self.ray
         listen = pod.listen_address(self.s, self.setup.node_ip)
         exposure.warn(self.s, listen, self.reporter)
-        live = reattach.live_run(self.s, self.ray.address, self.ray.dashboard_url,
-                                 self.reporter, self.signals)
+        live = reattach.live_run(self.s, self.ray.submission_id, self.ray.address,
+                                 self.ray.dashboard_url, self.reporter, self.signals)
         if live is not None:
             self.ray.adopt(live)
             self.stop_watch.gcs, self.adopted_ray = live, True
@@ -112,6 +147,7 @@ class Head(Lifecycle[HeadState]):
 
     def _start_ray(self) -> HeadState:
         assert self.ray
+        self.ray.submission_id = self.ledger.next_submission_id()
         self.ray.start()
         self.stop_watch.gcs = self.ray.gcs
         return HeadState.STARTING_REWARD
@@ -186,6 +222,10 @@ class Head(Lifecycle[HeadState]):
             env = job_spec.env(self.s, self.setup.node_ip, len(self.census.workers) + 1,
                                self._total_gpus(), self.reward.url if self.reward else None,
                                bool(self.setup.plan.env_overrides.get("RAY_DEBUG")))
+            if not self.adopted_ray:  # recorded first: a head that dies now resubmits
+                interrupted = self.ledger.interrupted()
+                self.ledger.submitted(runner.submission_id,
+                                      interrupted["id"] if interrupted else None)
             new = runner.submit(entrypoint, env, self.s.working_dir,
                                 {"podagent_run": self.s.run_name}, self.signals)
             self.job = runner  # from here on, teardown stops it
@@ -193,8 +233,8 @@ class Head(Lifecycle[HeadState]):
                 self._set_aside_job_log()
             what = "submitted" if new else "already running: following it"
             label = "the built-in cluster check" if not self.s.job else " ".join(entrypoint)
-            step.done(f"job {self.s.run_name} {what} ({label})", submission_id=self.s.run_name,
-                      new=new)
+            step.done(f"job {runner.submission_id} {what} ({label})",
+                      submission_id=runner.submission_id, new=new)
         return HeadState.RUNNING
 
     def _set_aside_job_log(self) -> None:
@@ -208,6 +248,7 @@ class Head(Lifecycle[HeadState]):
         assert self.job
         with self.reporter.step("job_finished") as step:
             self.job_status = self.job.follow(self.signals, on_tick=self._watch_cluster)
+            self.ledger.job_ended(self.job.submission_id, self.job_status)
             step.done(f"job {self.job_status}", status=self.job_status)
         self.job.outcome(self.job_status)
         return HeadState.DONE
@@ -238,6 +279,9 @@ class Head(Lifecycle[HeadState]):
     # --- teardown ------------------------------------------------------------------------------
 
     def _teardown(self, outcome: str) -> None:
+        if self.finished_earlier:
+            return  # nothing was started
+        self.ledger.ended(outcome, self.job_status)  # first: a pod being stopped has seconds
         # With this pod's Ray dead there is no job to stop and nobody to tell: just clean up.
         ray_dead = outcome == RayDied.__name__
         if self.ray:
@@ -248,13 +292,18 @@ class Head(Lifecycle[HeadState]):
                                    "through the Jobs API nor telling the workers; stopping "
                                    "Ray")
         if self.job and self.job_status is None and not ray_dead:
-            self._stop_job()
+            self._stop_job(self._budget(HURRIED_STEP if self.hurried else self.s.stop_timeout))
+        if self.job:
+            self.ledger.job_ended(self.job.submission_id, self.job_status or "LOST")
         if self.reward:
-            self.reward.stop()
+            self.reward.stop(self._budget(HURRIED_STEP) if self.hurried else None)
         if self.ray and self.ray.gcs and not ray_dead:
-            self.ray.announce_close(outcome, self.job_status)
+            over = outcome in ledger_mod.FINISHED
+            self.ray.announce_close(outcome, self.job_status,
+                                    self.s.after_run if over else runstate.REJOIN)
             if self.census:
-                self.census.await_departures(self.s.head_grace)
+                self.census.await_departures(self._budget(HURRIED_DEPARTURES) if self.hurried
+                                             else self.s.head_grace)
         if self.ray:
             self.ray.close()
         self._stop_ray(outcome, gcs_gone=ray_dead)
@@ -265,13 +314,21 @@ class Head(Lifecycle[HeadState]):
         self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s{reward}; "
                           f"logs in {self.s.run_dir}")
 
-    def _stop_job(self) -> None:
+    def _stop_job(self, timeout: float) -> None:
         assert self.job
-        status = self.job.stop(self.s.stop_timeout)
+        # Ray kills the job's shell and its children at once; a child that outlives its shell
+        # by a moment is re-parented to podagent (a subreaper), and Ray, which waits until
+        # every one of them is gone, counts it alive while it is an unreaped zombie: STOPPED
+        # would come only after Ray's 3 s SIGKILL deadline. So reap them while waiting.
+        own = [pid for pid in [self.reward.process.pid if self.reward else None] if pid]
+        status = self.job.stop(timeout, while_waiting=lambda: process.reap_zombies(own))
         if status is None:
-            self.reporter.warn(f"asked Ray to stop job {self.s.run_name}; the dashboard "
+            self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; the dashboard "
                                f"did not confirm it (Ray is stopped next either way)")
+        elif status not in TERMINAL:  # still going at the deadline: stopping Ray ends it
+            self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; still {status} "
+                               f"after {timeout:.1f} s (Ray is stopped next, which ends it)")
         else:
-            self.reporter.say(f"job {self.s.run_name} stopped (status {status})")
+            self.reporter.say(f"job {self.job.submission_id} stopped (status {status})")
             self.job_status = status  # the workers' closing announcement carries it
         self.reporter.event("job_stopped", status=status)

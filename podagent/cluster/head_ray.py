@@ -41,6 +41,7 @@ OWN_RAY_GRACE = 5.0  # a GCS busy for a moment is not dead
 PROBE_MAX_WAIT = 0.1  # readiness probes of local ports: a refused connection costs nothing
 WATCH_INTERVAL = 1.0
 TEARDOWN_PROBE_TIMEOUT = 1.0  # a pod being stopped has seconds, not minutes
+ANNOUNCE_TIMEOUT = 1.0
 
 
 class NotReady(Exception):
@@ -49,8 +50,9 @@ class NotReady(Exception):
 
 class HeadRay:
     def __init__(self, settings: Settings, setup: NodeSetup, reporter: Reporter,
-                 signals: Signals):
+                 signals: Signals, submission_id: str = ""):
         self.s, self.setup, self.reporter, self.signals = settings, setup, reporter, signals
+        self.submission_id = submission_id or settings.run_name  # the job's id in Ray
         self.gcs: GcsClient | None = None
         self.adopted = False  # an earlier podagent of this run started it (see reattach)
         self._jobs_api: concurrent.futures.Future[JobRunner] | None = None
@@ -124,7 +126,7 @@ class HeadRay:
         self._probe_until(self._dashboard_answers, "the dashboard's /api/version",
                           self._sleep_unless_closing)
         try:
-            return JobRunner(self.dashboard_url, self.s.run_name, self.reporter,
+            return JobRunner(self.dashboard_url, self.submission_id, self.reporter,
                              self.s.run_dir / "job.log", headers=self.s.auth_headers())
         except Exception as exc:  # Ray's client raises plain exceptions of several kinds
             raise RayStartError(f"the Jobs API at {self.dashboard_url} refused a client: "
@@ -233,12 +235,13 @@ class HeadRay:
         """The run ends: the background Jobs API probe gives up."""
         self._closing.set()
 
-    def announce_close(self, outcome: str, job_status: str | None) -> None:
-        """Tell the workers this is an orderly end, so they leave with exit 0."""
+    def announce_close(self, outcome: str, job_status: str | None, after_run: str) -> None:
+        """Tell the workers this is an orderly end and what they do next."""
         assert self.gcs
         with contextlib.suppress(GcsUnavailable):
             self.gcs.kv_put(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
-                            runstate.closing(outcome, job_status))
+                            runstate.closing(outcome, job_status, after_run),
+                            timeout=ANNOUNCE_TIMEOUT)
 
     def close(self) -> None:
         if self.gcs:

@@ -8,6 +8,7 @@ import json
 import logging
 import shlex
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,12 @@ class JobRunner:
 
     # --- bounded Jobs API calls ----------------------------------------------------------------
 
-    def _request(self, method: str, path: str) -> requests.Response | None:
+    def _request(self, method: str, path: str, timeout: float = HTTP_TIMEOUT
+                 ) -> requests.Response | None:
         """None for 404 (no such job); raises JobApiUnreachable when the API does not answer."""
         try:
             reply = requests.request(method, f"{self.url}/api/jobs/{self.submission_id}{path}",
-                                     headers=self.headers, timeout=HTTP_TIMEOUT)
+                                     headers=self.headers, timeout=timeout)
         except requests.RequestException as exc:
             raise JobApiUnreachable(f"{method} {path or '/'}: {exc}") from None
         if reply.status_code == 404:
@@ -198,19 +200,29 @@ class JobRunner:
             raise JobStopped(f"job {self.submission_id} was stopped {where}")
         raise JobFailed(f"job {self.submission_id} failed: {reason or status} {where}")
 
-    def stop(self, timeout: float) -> str | None:
-        """Ask Ray to stop the job and wait (bounded) until it is over.
+    def stop(self, timeout: float, while_waiting: Callable[[], None] | None = None
+             ) -> str | None:
+        """Ask Ray to stop the job and wait (bounded) until it is over; `while_waiting` is
+        called before each look at its status.
 
         Returns its last status, or None when the dashboard could not tell.
         """
+        ends = time.monotonic() + timeout
+
+        def left() -> float:  # every request within the caller's deadline
+            return max(0.2, min(HTTP_TIMEOUT, ends - time.monotonic()))
+
         def status_or_none() -> str | None:
+            if while_waiting is not None:
+                while_waiting()
             try:
-                return self.status()
-            except JobApiUnreachable:
+                reply = self._request("GET", "", timeout=left())
+                return str(reply.json()["status"]) if reply is not None else None
+            except (JobApiUnreachable, ValueError, KeyError, TypeError):
                 return None
 
         with contextlib.suppress(JobApiUnreachable):
-            self._request("POST", "/stop")
+            self._request("POST", "/stop", timeout=left())
         return Retrying(
             stop=stop_after_delay(timeout), wait=wait_fixed(0.2),
             retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),

@@ -10,12 +10,15 @@ from typing import ClassVar, Generic, TypeVar
 
 from podagent.cluster import ray_node
 from podagent.config import Settings
-from podagent.errors import PodagentError
+from podagent.errors import Interrupted, PodagentError
 from podagent.report import Reporter
 from podagent.roles import RoleDecision
 from podagent.waiting import Signals
 
 State = TypeVar("State", bound=enum.Enum)
+# A signal ends the run: RunPod sends SIGKILL about 5 s after SIGTERM on spot pods, so the
+# whole teardown fits in this (each step gets what is left; the ledger and events come first).
+TERM_BUDGET = 4.0
 
 
 class EndRequested(Exception):
@@ -43,6 +46,7 @@ class Lifecycle(Generic[State]):
         # True once this podagent took over a Ray an earlier podagent of the run started: its
         # daemons are no longer our descendants, so stopping them means finding them.
         self.adopted_ray = False
+        self._ends_by: float | None = None  # set when a signal ends the run
 
     def handlers(self) -> dict[State, Callable[[], State]]:
         raise NotImplementedError
@@ -58,6 +62,11 @@ class Lifecycle(Generic[State]):
             outcome = self.SUCCESS
         except EndRequested as exc:
             outcome = exc.outcome
+        except Interrupted as exc:
+            outcome = type(exc).__name__
+            self._ends_by = time.monotonic() + TERM_BUDGET
+            self.reporter.event("terminating", signal=exc.signum, budget_s=TERM_BUDGET)
+            raise
         except PodagentError as exc:
             outcome = type(exc).__name__
             raise
@@ -67,9 +76,20 @@ class Lifecycle(Generic[State]):
     def _teardown(self, outcome: str) -> None:
         raise NotImplementedError
 
+    @property
+    def hurried(self) -> bool:
+        """A signal ends the run: the pod has seconds before SIGKILL."""
+        return self._ends_by is not None
+
+    def _budget(self, want: float) -> float:
+        """`want` seconds, or what is left of TERM_BUDGET when a signal ends the run."""
+        if self._ends_by is None:
+            return want
+        return max(0.2, min(want, self._ends_by - time.monotonic()))
+
     def _stop_ray(self, outcome: str, gcs_gone: bool) -> None:
         """Stop every process podagent started; a node without its GCS gets a short deadline."""
-        timeout = self.s.stop_timeout
+        timeout = self._budget(self.s.stop_timeout)
         if gcs_gone:
             timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
         termed, killed = ray_node.RayNode.stop(timeout, adopted_from=self.s.ray_temp_dir,

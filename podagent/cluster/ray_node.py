@@ -9,7 +9,8 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,7 @@ def check_port_free(address: str, port: int) -> None:
 # Without its GCS a raylet cannot shut down gracefully and ignores SIGTERM until it gives up
 # (measured: still there after 10 s), so a node whose GCS is gone gets a short deadline.
 DEAD_GCS_STOP_TIMEOUT = 1.0
+WATCH_EVERY = 1.0  # how often a running `ray start` is watched
 DASHBOARD_AGENT_PORT = 52365  # Ray's default --dashboard-agent-listen-port
 # Raylets first, then everything but the GCS, then the GCS (see RayNode.stop).
 RAY_STOP_ORDER = (lambda p: p.name() == "raylet", lambda p: p.name() != "gcs_server")
@@ -116,24 +118,42 @@ class RayNode:
     def __init__(self, ray_plan: RayPlan, log_path: Path, start_timeout: float):
         self.plan, self.log_path, self.start_timeout = ray_plan, log_path, start_timeout
 
-    def start(self) -> None:
+    def start(self, watch: Callable[[float], None] | None = None) -> None:
+        """Run `ray start` to its end. `watch(seconds so far)` is called every WATCH_EVERY
+        while it runs; whatever it raises stops the attempt at once (the caller then stops
+        what Ray had started) and is raised again."""
         env = {**os.environ, **self.plan.env_overrides}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
         with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen(list(self.plan.argv), env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT)
             try:
-                result = subprocess.run(
-                    list(self.plan.argv), env=env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, timeout=self.start_timeout,
-                )
-            except subprocess.TimeoutExpired:
-                raise RayStartError(
-                    f"`ray start` did not finish in {self.start_timeout:g} s; "
-                    f"last output:\n{self.tail()}"
-                ) from None
-        if result.returncode:
+                code = self._await(proc, started, watch)
+            finally:
+                if proc.poll() is None:  # given up on (timeout, or the watch said so)
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+                    proc.wait()
+        if code is None:
             raise RayStartError(
-                f"`ray start` exited {result.returncode}; last output:\n{self.tail()}"
-            )
+                f"`ray start` did not finish in {self.start_timeout:g} s; "
+                f"last output:\n{self.tail()}")
+        if code:
+            raise RayStartError(f"`ray start` exited {code}; last output:\n{self.tail()}")
+
+    def _await(self, proc: subprocess.Popen[bytes], started: float,
+               watch: Callable[[float], None] | None) -> int | None:
+        """The exit code, or None when the start timeout ran out."""
+        while True:
+            elapsed = time.monotonic() - started
+            if elapsed >= self.start_timeout:
+                return None
+            try:
+                return proc.wait(timeout=min(WATCH_EVERY, self.start_timeout - elapsed))
+            except subprocess.TimeoutExpired:
+                if watch is not None:
+                    watch(time.monotonic() - started)
 
     def tail(self, lines: int = 15) -> str:
         return process.log_tail(self.log_path, lines)

@@ -20,8 +20,8 @@ class _NoAnswer(Exception):
     pass
 
 
-def live_run(settings: Settings, address: str, dashboard_url: str, reporter: Reporter,
-             signals: Signals) -> GcsClient | None:
+def live_run(settings: Settings, submission_id: str, address: str, dashboard_url: str,
+             reporter: Reporter, signals: Signals) -> GcsClient | None:
     """A client of this pod's Ray when it still runs this run's job; None to clean it up."""
     if settings.sources.get("run_name", "default") == "default":
         return None  # a generated name never matches an earlier podagent's job
@@ -31,21 +31,22 @@ def live_run(settings: Settings, address: str, dashboard_url: str, reporter: Rep
     except GcsUnavailable:  # no Ray here, or one of another cluster (another token)
         gcs.close()
         return None
-    status = job_status(settings, dashboard_url, signals)
+    status = job_status(settings, submission_id, dashboard_url, signals)
     if status not in LIVE_JOB:
         gcs.close()
         reporter.say(f"a Ray from an earlier run answers at {address} without a "
-                     f"running job {settings.run_name} ({status}): cleaning it up")
+                     f"running job {submission_id} ({status}): cleaning it up")
         return None
     reporter.say(f"re-attaching: this pod's Ray at {address} still runs job "
-                 f"{settings.run_name} ({status}); following it, not submitting again")
+                 f"{submission_id} ({status}); following it, not submitting again")
     reporter.event("reattached", address=address, job_status=status)
     return gcs
 
 
-def job_status(settings: Settings, dashboard_url: str, signals: Signals) -> str:
+def job_status(settings: Settings, submission_id: str, dashboard_url: str,
+               signals: Signals) -> str:
     """This run's job status in the Jobs API on this pod ('no such job', 'no answer: ...')."""
-    url = f"{dashboard_url}/api/jobs/{settings.run_name}"
+    url = f"{dashboard_url}/api/jobs/{submission_id}"
     last = {"answer": "no answer"}
 
     def attempt() -> str:

@@ -28,9 +28,10 @@ class TorchrunPlan:
 def rendezvous_id(settings: Settings, head_ip: str) -> str:
     """The same on every pod of the cluster and different between clusters.
 
-    The run name only when set explicitly: its default holds each pod's own start time.
+    The run name only when every pod has the same one (explicit, or derived from HEAD_POD_ID or
+    PRIMARY_ADDR): a name from each pod's own RUNPOD_POD_ID or start time differs per pod.
     """
-    if settings.sources.get("run_name", "default") != "default":
+    if settings.run_name_shared:
         raw = settings.run_name
     else:
         raw = f"podagent-{settings.head_pod_id or settings.primary_addr or head_ip}"

@@ -21,12 +21,21 @@ from podagent.waiting import Signals
 
 WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period
 JOIN_ATTEMPT_TIMEOUT = 120.0
+JOIN_HEAD_GRACE = 3.0  # a head silent this long while `ray start` runs has gone away
+JOIN_PROGRESS_EVERY = 10.0
+
+
+class _HeadWentAway(Exception):
+    """The head stopped answering: while this pod was joining, or once joined (past grace)."""
 
 
 class WorkerState(str, enum.Enum):
     """FINDING_HEAD -> PREPARING -> CLEANING -> JOINING -> WATCHING -> LEFT.
 
-    Any state may raise (an error or a signal); teardown then runs from `finally`.
+    A head that goes away (while this pod joins, or once joined past the grace) or that closes
+    only this start of its run sends the worker back to FINDING_HEAD with its Ray stopped
+    (PODAGENT_REJOIN=0: it exits instead). Any state may raise (an error or a signal);
+    teardown then runs from `finally`.
     """
     FINDING_HEAD = "finding_head"
     PREPARING = "preparing"
@@ -46,6 +55,9 @@ class Worker(Lifecycle[WorkerState]):
         self.head: HeadLocation | None = None
         self.gcs: GcsClient | None = None
         self.setup: node.NodeSetup | None = None
+        self.after_run: str | None = None  # what the head's closing announcement asked for
+        self._silent_since: float | None = None
+        self._join_progress = 0.0
 
     def handlers(self) -> dict[WorkerState, Callable[[], WorkerState]]:
         return {
@@ -57,6 +69,10 @@ class Worker(Lifecycle[WorkerState]):
         }
 
     def _find_head(self) -> WorkerState:
+        if self.gcs is not None:  # finding it again: a fresh deadline, the DNS name anew
+            self.gcs.close()
+            self.gcs = None
+            self.finder = HeadFinder(self.s, self.reporter, self.signals)
         with self.reporter.step("head_found") as step:
             self.head = self.finder.locate()
             self.reporter.say(f"head is {self.head.ip} (from {self.head.how}); "
@@ -100,7 +116,7 @@ class Worker(Lifecycle[WorkerState]):
             attempts["n"] += 1
             try:
                 ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-worker.log",
-                                 min(JOIN_ATTEMPT_TIMEOUT, remaining)).start()
+                                 min(JOIN_ATTEMPT_TIMEOUT, remaining)).start(self._watch_join)
             except RayStartError as exc:
                 last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else "?"
                 attempts["last"] = last_line
@@ -109,12 +125,15 @@ class Worker(Lifecycle[WorkerState]):
                 ray_node.RayNode.stop(self.s.stop_timeout)
                 raise
 
+        self._silent_since, self._join_progress = None, 0.0
         with self.reporter.step("joined") as step:
             try:
                 Retrying(stop=stop_after_delay(remaining),
                          wait=wait_exponential(multiplier=0.5, max=5.0),
                          retry=retry_if_exception_type(RayStartError),
                          sleep=self.signals.sleep, reraise=True)(attempt)
+            except _HeadWentAway as gone:
+                return self._rejoin(f"{gone} while this pod was joining: stopped the attempt")
             except RayStartError:
                 raise HeadUnreachable(
                     f"could not join the head's Ray at {self.head.ip}:{self.s.ray_port} in "
@@ -124,6 +143,35 @@ class Worker(Lifecycle[WorkerState]):
                       f"{self.setup.node_ip} ({self.setup.gpus} GPUs)",
                       node_ip=self.setup.node_ip, gpus=self.setup.gpus, attempts=attempts["n"])
         return WorkerState.WATCHING
+
+    def _watch_join(self, elapsed: float) -> None:
+        """Called every second while `ray start --address` runs: a signal, a head that went
+        away, or a long join is acted on now, not after the attempt's two minutes."""
+        assert self.gcs and self.head
+        self.signals.check()
+        if elapsed - self._join_progress >= JOIN_PROGRESS_EVERY:
+            self._join_progress = elapsed
+            self.reporter.say(f"still joining the head at {self.head.ip}:{self.s.ray_port} "
+                              f"({elapsed:.0f} s)")
+        try:
+            self.gcs.check_alive(timeout=1.0)
+            self._silent_since = None
+        except GcsUnavailable as exc:
+            now = time.monotonic()
+            self._silent_since = self._silent_since or now
+            if now - self._silent_since >= JOIN_HEAD_GRACE:
+                raise _HeadWentAway(f"the head {self.head.ip} stopped answering ({exc})"
+                                    ) from None
+
+    def _rejoin(self, why: str) -> WorkerState:
+        """Stop this pod's Ray and find the head again, or (PODAGENT_REJOIN=0) leave."""
+        if not self.s.rejoin:
+            raise HeadLost(f"{why} (PODAGENT_REJOIN=0: not waiting for it)")
+        ray_node.RayNode.stop(min(self.s.stop_timeout, ray_node.DEAD_GCS_STOP_TIMEOUT))
+        self.reporter.warn(f"{why}; this pod's Ray is stopped and podagent waits for the head "
+                           f"again (up to {self.s.head_timeout:g} s)")
+        self.reporter.event("rejoining", reason=why)
+        return WorkerState.FINDING_HEAD
 
     def _watch(self) -> WorkerState:
         """Stay in the foreground; leave when the head closes the run or is gone too long."""
@@ -145,9 +193,9 @@ class Worker(Lifecycle[WorkerState]):
                 last_error = str(exc)
                 gone = time.monotonic() - last_ok
                 if gone > self.s.head_grace:
-                    raise HeadLost(
+                    return self._rejoin(
                         f"the head {self.head.ip}:{self.s.ray_port} has been unreachable for "
-                        f"{gone:.1f} s (grace {self.s.head_grace:g} s): {last_error}") from None
+                        f"{gone:.1f} s (grace {self.s.head_grace:g} s): {last_error}")
                 continue
             if last_error:
                 self.reporter.say(f"head reachable again after "
@@ -155,12 +203,21 @@ class Worker(Lifecycle[WorkerState]):
                 last_error = ""
             last_ok = time.monotonic()
             if state:
-                closing = runstate.read_state(state)
-                self.reporter.say(f"the head is closing the run ({closing.get('outcome')}, "
-                                  f"job {closing.get('job_status')}); leaving")
-                return WorkerState.LEFT
+                return self._on_closing(runstate.read_state(state))
             if raylet is None or not ray_node.RayNode.running(raylet):
                 raise RayDied("this pod's raylet exited; see Ray's logs in its temp dir")
+
+    def _on_closing(self, closing: dict) -> WorkerState:
+        what = f"{closing.get('outcome')}, job {closing.get('job_status')}"
+        policy = closing.get("after_run") or "exit"
+        if policy == runstate.REJOIN:
+            if self.s.rejoin:
+                return self._rejoin(f"the head closed this start of the run ({what}) and "
+                                    f"will be back")
+            policy = "exit"
+        self.reporter.say(f"the head is closing the run ({what}); leaving")
+        self.after_run = policy
+        return WorkerState.LEFT
 
     def _teardown(self, outcome: str) -> None:
         if self.gcs:

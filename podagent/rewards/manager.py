@@ -163,14 +163,14 @@ class RewardServer:
             f"{self.label} {self._exit_text(code)} {when}; last lines of "
             f"{self.process.log_path}:\n{self.process.tail(TAIL_LINES)}")
 
-    def _stop_process(self) -> None:
+    def _stop_process(self, timeout: float) -> None:
         if self.adopted is not None:
             tree = [self.adopted]
             with contextlib.suppress(psutil.Error):
                 tree += self.adopted.children(recursive=True)
-            stop_processes(tree, self.s.stop_timeout)
+            stop_processes(tree, timeout)
             self.adopted = None
-        self.process.stop(self.s.stop_timeout)
+        self.process.stop(timeout)
 
     def probe(self, timeout: float = PROBE_TIMEOUT) -> None:
         """One real protocol request: 200, JSON, one numeric reward per query."""
@@ -259,14 +259,18 @@ class RewardServer:
         self.reporter.error(f"{self.label} {why}: restarting it in {backoff:g} s "
                             f"(restart {self.restarts} of {self.s.reward_restarts})")
         self.reporter.event("reward_restart", why=why, restart=self.restarts)
-        self._stop_process()
+        self._stop_process(self.s.stop_timeout)
         if self._stop.wait(backoff):
             return False
         self.process.start()
         return True
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """TERM -> deadline (PODAGENT_STOP_TIMEOUT, or `timeout` when the pod is being
+        stopped and has seconds) -> KILL."""
+        deadline = self.s.stop_timeout if timeout is None else timeout
         self._stop.set()
-        if self._supervisor:
-            self._supervisor.join(timeout=self.s.stop_timeout + PROBE_TIMEOUT)
-        self._stop_process()
+        if self._supervisor:  # a daemon thread: not waited for past the deadline
+            self._supervisor.join(timeout=deadline if timeout is not None
+                                  else deadline + PROBE_TIMEOUT)
+        self._stop_process(deadline)

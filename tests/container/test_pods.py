@@ -59,17 +59,20 @@ def has_tokens(base: str) -> bool:
 
 
 def form(net: PodNet, pods: list[PodContainer], image: str, given: Secrets, workers: int = 2,
-         head_env: dict[str, str] | None = None) -> tuple[PodContainer, list[PodContainer]]:
+         head_env: dict[str, str] | None = None, worker_env: dict[str, str] | None = None
+         ) -> tuple[PodContainer, list[PodContainer]]:
     """A head and N workers (not started) from the template: HEAD_POD_ID filled in on every
-    pod, EXPECTED_WORKERS on the head; W&B offline (no internet here)."""
+    pod, EXPECTED_WORKERS on the head; W&B offline (no internet here); every pod exits when
+    the run is over (on RunPod podagent would stay up: PODAGENT_AFTER_RUN=stay)."""
     env = template_env(given.get("PODAGENT_TOKEN", ""), given["WANDB_API_KEY"])
     if "PODAGENT_TOKEN" not in given:
         del env["PODAGENT_TOKEN"]  # the user deleted the line (Ray < 2.52)
-    env.update(given, WANDB_MODE="offline")
+    env.update(given, WANDB_MODE="offline", PODAGENT_AFTER_RUN="exit")
     head = PodContainer(net, image, "head", {**env, "EXPECTED_WORKERS": str(workers),
                                              **(head_env or {})})
     head.env["HEAD_POD_ID"] = head.pod_id
-    ws = [PodContainer(net, image, f"w{i}", {**env, "HEAD_POD_ID": head.pod_id})
+    ws = [PodContainer(net, image, f"w{i}", {**env, "HEAD_POD_ID": head.pod_id,
+                                              **(worker_env or {})})
           for i in range(1, workers + 1)]
     pods += [head, *ws]
     return head, ws
@@ -168,11 +171,13 @@ def test_docker_stop_on_the_head_mid_job_exits_143_and_the_volume_keeps_the_run(
                                                                                built):
     """b) `docker stop` on the head while the job runs: tini passes SIGTERM to podagent, which
     stops the job, tells the workers and stops Ray within the stop timeout: exit 143, never
-    Docker's SIGKILL (137); the workers leave with 0 and no container keeps running.
+    Docker's SIGKILL (137); the workers (PODAGENT_REJOIN=0: they do not wait for the head to
+    come back) leave with 0 and no container keeps running.
     e) after `docker rm` of every pod the volumes keep the logs, events and the checkpoint."""
     head, workers = form(net, pods, built["ray2.60"].image.tag, Secrets(token=True),
                          head_env={"PODAGENT_JOB": CHECKPOINTING_JOB,
-                                   "PODAGENT_RUN_NAME": "midjob"})
+                                   "PODAGENT_RUN_NAME": "midjob"},
+                         worker_env={"PODAGENT_REJOIN": "0"})
     for pod in (head, *workers):
         pod.start()
     head.wait_logs("\ntraining\n", FORM_TIMEOUT)
@@ -218,9 +223,11 @@ def test_docker_stop_on_the_head_mid_job_exits_143_and_the_volume_keeps_the_run(
 
 def test_docker_kill_on_the_head_workers_leave_with_7_within_grace(net, pods, built):
     """c) `docker kill` on the head (SIGKILL to tini: every process of the pod dies, its address
-    is gone): each worker exits 7 within PODAGENT_HEAD_GRACE + 5 s, by Docker's clock."""
+    is gone): each worker (PODAGENT_REJOIN=0) exits 7 within PODAGENT_HEAD_GRACE + 5 s, by
+    Docker's clock."""
     head, workers = form(net, pods, built["ray2.60"].image.tag, Secrets(token=True),
-                         head_env={"PODAGENT_JOB": CHECKPOINTING_JOB})
+                         head_env={"PODAGENT_JOB": CHECKPOINTING_JOB},
+                         worker_env={"PODAGENT_REJOIN": "0"})
     for pod in (head, *workers):
         pod.start()
     head.wait_logs("\ntraining\n", FORM_TIMEOUT)

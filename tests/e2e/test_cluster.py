@@ -75,10 +75,12 @@ def _check_passed_on(out: str, pods: list[Agent]) -> None:
 
 
 def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_path, agents):
-    """c) EXPECTED_WORKERS=3 with 2 workers: the head exits 5 and names the two that joined."""
+    """c) EXPECTED_WORKERS=3 with 2 workers: the head exits 5 and names the two that joined.
+    The workers do not wait for the head to come back (PODAGENT_REJOIN=0)."""
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "3",
-                                       "PODAGENT_WORKER_TIMEOUT": "45"})
+                                       "PODAGENT_WORKER_TIMEOUT": "45"},
+                             worker_env={"PODAGENT_REJOIN": "0"})
     for a in (head, *workers):
         a.start()
     assert head.wait_exit(FORM_TIMEOUT) == EXIT_WORKERS_TIMEOUT, head.output[-3000:]
@@ -140,14 +142,15 @@ def _no_secret_in_output_or_logs(root: Path, *agents: Agent) -> None:
 
 
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
-    """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s;
-    every pod's checkpoint dir and logs survive."""
+    """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s
+    (PODAGENT_REJOIN=0: they do not wait for the head to come back); every pod's checkpoint dir
+    and logs survive."""
     grace = config.FIELD_BY_ATTR["head_grace"].default  # the default: not set here
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
                                        "WANDB_MODE": "offline",
                                        **SECRETS},
-                             worker_env=SECRETS)
+                             worker_env={**SECRETS, "PODAGENT_REJOIN": "0"})
     checkpoints = {}
     for a in (head, *workers):
         # A checkpoint the job wrote before the fault (on a real pod: the network volume).

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -163,8 +162,9 @@ def _run_dirs(c: Container) -> list[Path]:
 
 
 def test_entrypoint_brings_a_one_pod_cluster_up_and_runs_the_job(container):
+    # Exit after the run: on a RunPod pod podagent would stay up (PODAGENT_AFTER_RUN=stay).
     c = container(EXPECTED_WORKERS="0", PODAGENT_REWARD="none",
-                  PODAGENT_JOB="python -c 'print(6 * 7)'").start()
+                  PODAGENT_JOB="python -c 'print(6 * 7)'", PODAGENT_AFTER_RUN="exit").start()
     code = c.wait_exit(BRING_UP_TIMEOUT)
     out = c.output
     assert code == 0, out[-3000:]
@@ -172,10 +172,11 @@ def test_entrypoint_brings_a_one_pod_cluster_up_and_runs_the_job(container):
     assert "NCCL preset runpod-global: PODAGENT_NCCL_PRESET asks for it" in out  # the template's
     assert "job SUCCEEDED" in out
 
-    # The logs land under the image's log dir (on the volume), one dir for the run.
+    # The logs land under the image's log dir (on the volume), one dir for the run, named
+    # after HEAD_POD_ID (the same name when the container starts again).
     assert c.log_dir == c.workspace / "podagent" / "logs"
     (run_dir,) = _run_dirs(c)
-    assert re.fullmatch(r"podagent-\d{8}-\d{6}", run_dir.name), run_dir.name
+    assert run_dir.name == f"podagent-{c.pod.pod_id}", run_dir.name
     assert "42" in (run_dir / "job.log").read_text().split()
     assert "job SUCCEEDED" in (run_dir / f"podagent-head-{c.pod.pod_id}.log").read_text()
     assert (run_dir / "events.jsonl").stat().st_size > 0

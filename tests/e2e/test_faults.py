@@ -100,10 +100,12 @@ def listening(pod: Pod) -> dict[int, set[str]]:
 def test_sigterm_to_the_head_mid_job_closes_every_pod(make_pod, dns_server, tmp_path, agents):
     """h) SIGTERM to the head's podagent while the job runs on 2 workers' cluster: the job is
     STOPPED, the reward server and Ray are stopped, the head exits 143, the workers got the
-    closing announcement and exit 0, no process is left in any pod, and the logs stay.
+    closing announcement and exit 0 (PODAGENT_REJOIN=0: they do not wait for the head to come
+    back), no process is left in any pod, and the logs stay.
     Also: the dashboard and the reward server listen on the head's cluster address only."""
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
-                                 head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB})
+                                 head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB},
+                                 worker_env={"PODAGENT_REJOIN": "0"})
     for a in (head, *workers):
         a.start()
     head.wait_output("\nstep 1\n", timeout=FORM_TIMEOUT)

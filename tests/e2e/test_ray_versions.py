@@ -1,7 +1,8 @@
 """Two pods on this image's own Ray, whatever its version (ray_matrix: every tested Ray).
 
 A head and one worker form the cluster; the job reports the Ray its driver and a task on each
-node run; then the head pod dies and the worker leaves with the documented code in time.
+node run; then the head pod dies and the worker (PODAGENT_REJOIN=0) leaves with the documented
+code in time.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def test_head_and_worker_run_the_images_ray_and_the_worker_leaves_a_lost_head(
     script.write_text(JOB)
     head, (worker,) = form_cluster(
         make_pod, dns_server, tmp_path, agents, workers=1,
-        head_env={"PODAGENT_REWARD": "none", "PODAGENT_JOB": f"{sys.executable} {script}"})
+        head_env={"PODAGENT_REWARD": "none", "PODAGENT_JOB": f"{sys.executable} {script}"},
+        worker_env={"PODAGENT_REJOIN": "0"})
     head.start()
     worker.start()
     head.wait_output("training", timeout=FORM_TIMEOUT)

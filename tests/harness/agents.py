@@ -12,6 +12,7 @@ import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 from tests.harness.pods import DnsServer, Pod, wait_for
 
@@ -31,7 +32,8 @@ class Agent:
 
     def __init__(self, pod: Pod, dns: DnsServer, log_root: Path, env: Mapping[str, str],
                  argv: tuple[str, ...] = ()):
-        self.pod = pod
+        self.pod, self.dns = pod, dns
+        self.start_no = 1  # the how-manieth podagent of this pod (see restarted)
         self.out_path = log_root / f"{pod.name}.out"
         # Short and unique: Ray puts unix sockets under its temp dir (108-byte limit).
         self.ray_tmp = f"/tmp/pae-{uuid.uuid4().hex[:6]}-{pod.name[:8]}"
@@ -42,11 +44,27 @@ class Agent:
             "PODAGENT_RAY_TEMP_DIR": self.ray_tmp,
             "PODAGENT_LOG_DIR": str(log_root / pod.name),
             "PODAGENT_RUN_NAME": "e2e",
+            # RUNPOD_POD_ID is set, so podagent's default would be to stay up after the run
+            # (as on RunPod, where an exit restarts the container): tests expect exits.
+            "PODAGENT_AFTER_RUN": "exit",
             "PYTHONUNBUFFERED": "1",
             **env,
         }
         self.argv = (sys.executable, "-m", "podagent", *argv)
         self.proc: subprocess.Popen | None = None
+        self._out: BinaryIO | None = None
+
+    def restarted(self, env: Mapping[str, str] | None = None) -> Agent:
+        """podagent started again in the same pod, as RunPod restarts a container: the same
+        environment (plus `env`), log dir and Ray temp dir; its output goes to a file of its
+        own (<pod>.out.2, .3, ...). Not started."""
+        again = Agent(self.pod, self.dns, self.out_path.parent, {})
+        again.env = {**self.env, **(env or {})}
+        again.ray_tmp = self.ray_tmp
+        again.argv = self.argv
+        again.start_no = self.start_no + 1
+        again.out_path = self.out_path.with_name(f"{self.pod.name}.out.{again.start_no}")
+        return again
 
     def start(self) -> Agent:
         self._out = open(self.out_path, "wb")
@@ -88,7 +106,8 @@ class Agent:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
-        self._out.close()
+        if self._out is not None:
+            self._out.close()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 

@@ -144,6 +144,16 @@ INVALID = [
     ("PODAGENT_WORKING_DIR", "{missing}", "existing directory"),
     ("PODAGENT_RAY_TEMP_DIR", "t" * 61, "at most 60 bytes"),
     ("PODAGENT_LOG_DIR", "logs\x00dir", "path"),
+    ("PODAGENT_AFTER_RUN", "halt", "one of stay, exit, stop-pod"),
+    ("PODAGENT_AFTER_RUN", "Stay", "one of stay, exit, stop-pod"),
+    ("PODAGENT_REJOIN", "yes", "0 or 1"),
+    ("PODAGENT_RUNPOD_API_URL", "ftp://rest.runpod.io/v1", "http:// or https:// URL"),
+    ("PODAGENT_RUNPOD_API_URL", "rest.runpod.io/v1", "http:// or https:// URL"),
+    ("PODAGENT_RUNPOD_API_URL", "https://", "http:// or https:// URL"),
+    ("PODAGENT_RUNPOD_API_URL", "https://host:99999/v1", "http:// or https:// URL"),
+    ("PODAGENT_RUNPOD_API_URL", "https://u:p@host/v1", "http:// or https:// URL"),
+    ("PODAGENT_RUNPOD_API_URL", "https://host/v1?x=1", "http:// or https:// URL"),
+    ("PODAGENT_RUNPOD_API_URL", "https://host/a b", "http:// or https:// URL"),
 ]
 
 
@@ -493,3 +503,245 @@ def test_token_file_goes_to_ray_as_the_token(tmp_path):
 def test_listen_defaults_to_private():
     assert build().listen == "private"
     assert build({"PODAGENT_LISTEN": "all"}).listen == "all"
+
+
+# --- the default run name: the same after a container restart ---------------------------------
+
+@pytest.mark.parametrize(("env", "name", "source"), [
+    ({"HEAD_POD_ID": "abc123"}, "podagent-abc123", "derived from HEAD_POD_ID"),
+    ({"HEAD_POD_ID": "AbC123", "PRIMARY_ADDR": "10.65.0.2", "NUM_NODES": "2",
+      "RUNPOD_POD_ID": "p1"}, "podagent-abc123", "derived from HEAD_POD_ID"),
+    ({"PRIMARY_ADDR": "10.65.0.2", "NUM_NODES": "4", "RUNPOD_POD_ID": "p1"},
+     "podagent-10-65-0-2-4n", "derived from PRIMARY_ADDR/NUM_NODES"),
+    ({"PRIMARY_ADDR": "10.65.0.2"}, "podagent-10-65-0-2", "derived from PRIMARY_ADDR/NUM_NODES"),
+    ({"PRIMARY_ADDR": "fd00::1", "NUM_NODES": "2"}, "podagent-fd00--1-2n",
+     "derived from PRIMARY_ADDR/NUM_NODES"),
+    ({"PRIMARY_ADDR": "Head-Node.example"}, "podagent-head-node-example",
+     "derived from PRIMARY_ADDR/NUM_NODES"),
+    ({"RUNPOD_POD_ID": "Pod1xyz", "NUM_NODES": "3"}, "podagent-pod1xyz",
+     "derived from RUNPOD_POD_ID"),
+])
+def test_run_name_is_derived_from_what_survives_a_restart(env, name, source):
+    first = config.build({}, env, None, now=0)
+    again = config.build({}, env, None, now=86400 * 400)  # a restart, much later
+    assert first.run_name == again.run_name == name
+    assert first.sources["run_name"] == source
+    assert config.run_name(name) == name
+
+
+@pytest.mark.parametrize("env", [{}, {"NUM_NODES": "4"}, {"NODE_RANK": "0"},
+                                 {"PODAGENT_HEAD_ADDR": "10.0.0.1"}])
+def test_run_name_without_such_a_fact_is_the_start_time(env):
+    s = config.build({}, env, None, now=86400 * 365 + 3661)
+    assert s.run_name == "podagent-19710101-010101"
+    assert s.sources["run_name"] == "default"
+    assert not s.run_name_shared
+
+
+@pytest.mark.parametrize(("env", "flags", "source"), [
+    ({"PODAGENT_RUN_NAME": "mine", "HEAD_POD_ID": "abc"}, {}, "env"),
+    ({"HEAD_POD_ID": "abc", "RUNPOD_POD_ID": "p1"}, {"run_name": "mine"}, "flag"),
+])
+def test_an_explicit_run_name_wins_over_derivation(env, flags, source):
+    s = build(env, flags)
+    assert (s.run_name, s.sources["run_name"]) == ("mine", source)
+    assert s.run_name_shared
+
+
+def test_flags_for_the_facts_derive_the_name_too():
+    assert build(flags={"head_pod_id": "fromflag"}).run_name == "podagent-fromflag"
+
+
+def test_a_long_head_pod_id_is_shortened_to_a_valid_distinct_name():
+    one = build({"HEAD_POD_ID": "a" * 63})
+    two = build({"HEAD_POD_ID": "a" * 62 + "b"})
+    for s in (one, two):
+        assert len(s.run_name) == 64
+        assert re.fullmatch(r"podagent-a{46}-[0-9a-f]{8}", s.run_name), s.run_name
+        assert config.run_name(s.run_name) == s.run_name
+        assert s.sources["run_name"] == "derived from HEAD_POD_ID"
+    assert one.run_name != two.run_name
+    assert build({"HEAD_POD_ID": "a" * 55}).run_name == "podagent-" + "a" * 55  # 64: as is
+
+
+def test_a_long_primary_addr_is_shortened_to_a_valid_name():
+    addr = ".".join(["label" + "x" * 40] * 5)
+    s = build({"PRIMARY_ADDR": addr, "NUM_NODES": "16"})
+    assert len(s.run_name) <= 64 and config.run_name(s.run_name) == s.run_name
+    assert s.run_name.startswith("podagent-label")
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"head_pod_id": "odd id/with:chars_é"}, ("podagent-odd-id-with-chars",
+                                               "derived from HEAD_POD_ID")),
+    ({"head_pod_id": "x.y_z"}, ("podagent-x.y_z", "derived from HEAD_POD_ID")),
+    ({"head_pod_id": "///", "pod_id": "p1"}, ("podagent-p1", "derived from RUNPOD_POD_ID")),
+    ({"head_pod_id": "--..", "primary_addr": "::"}, None),
+    ({}, None),
+])
+def test_derived_part_is_sanitized(values, expected):
+    got = config.derived_run_name(values)
+    if expected is None:
+        assert got is None
+        return
+    assert got == expected
+    assert config.run_name(got[0]) == got[0]
+
+
+def test_derived_run_name_always_satisfies_the_rule():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.text(max_size=120), st.text(max_size=80), st.integers(1, 10**6) | st.none())
+    def check(head, addr, nodes):
+        got = config.derived_run_name({"head_pod_id": head, "primary_addr": addr,
+                                       "num_nodes": nodes})
+        if got is not None:
+            assert config.run_name(got[0]) == got[0]
+            assert len(got[0]) <= 64
+
+    check()
+
+
+def test_run_name_shared_means_one_name_for_the_whole_cluster():
+    assert build({"HEAD_POD_ID": "abc"}).run_name_shared
+    assert build({"PRIMARY_ADDR": "10.0.0.1"}).run_name_shared
+    assert not build({"RUNPOD_POD_ID": "p1"}).run_name_shared  # each pod has its own id
+
+
+# --- after the run: stay, exit, stop-pod ------------------------------------------------------
+
+KEY = "rpa_" + "S3cret" * 6
+
+
+@pytest.mark.parametrize(("env", "expected", "source"), [
+    ({}, "exit", "default"),
+    ({"RUNPOD_POD_ID": "p1"}, "stay", "default"),
+    ({"RUNPOD_POD_ID": "p1", "PODAGENT_AFTER_RUN": "exit"}, "exit", "env"),
+    ({"PODAGENT_AFTER_RUN": "stay"}, "stay", "env"),
+    ({"RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": KEY, "PODAGENT_AFTER_RUN": "stop-pod"},
+     "stop-pod", "env"),
+])
+def test_after_run(env, expected, source):
+    s = build(env)
+    assert (s.after_run, s.sources["after_run"]) == (expected, source)
+
+
+def test_stop_pod_needs_the_api_key():
+    with pytest.raises(ConfigError) as info:
+        build({"RUNPOD_POD_ID": "p1", "PODAGENT_AFTER_RUN": "stop-pod"})
+    assert str(info.value) == ("RUNPOD_API_KEY='' must be set when PODAGENT_AFTER_RUN=stop-pod "
+                               "(podagent stops this pod through RunPod's API)")
+
+
+def test_stop_pod_by_flag_names_the_flag():
+    with pytest.raises(ConfigError) as info:
+        build({"RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": "  "}, {"after_run": "stop-pod"})
+    assert str(info.value).startswith("RUNPOD_API_KEY='' must be set when --after-run=stop-pod")
+
+
+def test_stop_pod_needs_the_pod_id():
+    with pytest.raises(ConfigError) as info:
+        build({"RUNPOD_API_KEY": KEY, "PODAGENT_AFTER_RUN": "stop-pod"})
+    message = str(info.value)
+    assert message == ("RUNPOD_POD_ID='' must be set when PODAGENT_AFTER_RUN=stop-pod (the id "
+                       "of the pod to stop; RunPod sets it)")
+    assert KEY not in message
+
+
+def test_the_api_key_is_read_from_the_environment_and_never_shown():
+    s = build({"RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": f" {KEY}\n",
+               "PODAGENT_AFTER_RUN": "stop-pod", "PODAGENT_TOKEN": "t" * 32})
+    assert s.runpod_api_key == KEY
+    assert KEY not in repr(s) and "t" * 32 not in repr(s)
+    assert build().runpod_api_key is None
+    assert "runpod_api_key" not in config.FIELD_BY_ATTR  # never a flag
+
+
+def test_rejoin_and_api_url():
+    s = build()
+    assert s.rejoin is True and s.sources["rejoin"] == "default"
+    assert s.runpod_api_url == "https://rest.runpod.io/v1"
+    assert build({"PODAGENT_REJOIN": "0"}).rejoin is False
+    assert build(flags={"rejoin": "0"}).rejoin is False
+    assert build({"PODAGENT_RUNPOD_API_URL": "http://10.0.0.9:8080/v1/"}).runpod_api_url == (
+        "http://10.0.0.9:8080/v1")
+    assert build({"PODAGENT_RUNPOD_API_URL": "http://[fd00::9]:80"}).runpod_api_url == (
+        "http://[fd00::9]:80")
+
+
+# --- PODAGENT_* variables podagent does not know ----------------------------------------------
+
+def test_a_typo_gets_the_closest_name():
+    assert config.unknown_settings({"PODAGENT_WORKER_TIMOUT": "30"}) == [
+        "PODAGENT_WORKER_TIMOUT is not a podagent setting; did you mean "
+        "PODAGENT_WORKER_TIMEOUT? (ignored)"]
+
+
+@pytest.mark.parametrize(("name", "suggestion"), [
+    ("PODAGENT_EXPECTED_WORKERS", "EXPECTED_WORKERS"),  # RunPod's name has no prefix
+    ("PODAGENT_HEAD_POD", "HEAD_POD_ID"),
+    ("PODAGENT_REWARD_WORKER", "PODAGENT_REWARD_WORKERS"),  # the reward server's table
+    ("PODAGENT_AFTERRUN", "PODAGENT_AFTER_RUN"),
+    ("PODAGENT_NUM_NODE", "NUM_NODES"),  # the setting, not the name podagent sets for the job
+])
+def test_suggestions(name, suggestion):
+    [line] = config.unknown_settings({name: "1"})
+    assert line == f"{name} is not a podagent setting; did you mean {suggestion}? (ignored)"
+
+
+def test_no_close_name_means_no_suggestion():
+    assert config.unknown_settings({"PODAGENT_BANANAS": "1"}) == [
+        "PODAGENT_BANANAS is not a podagent setting (ignored)"]
+
+
+def test_a_warning_never_shows_the_value():
+    secret = "hunter2-" + "z" * 30
+    lines = config.unknown_settings({"PODAGENT_TOKN": secret, "PODAGENT_API_KEY": secret})
+    assert len(lines) == 2
+    assert not any(secret in line for line in lines)
+    assert "PODAGENT_TOKN is not a podagent setting; did you mean PODAGENT_TOKEN?" in lines[1]
+
+
+def test_known_names_other_variables_and_empty_values_are_not_warned_about():
+    env = {f.env: "x" for f in config.FIELDS}
+    env.update({name: "x" for name in config.OTHER_VARIABLES})
+    env.update({"PODAGENT_REWARD_WORKERS": "3", "PODAGENT_REWARD_HOST": "0.0.0.0",
+                "PODAGENT_TOKEN": "t" * 32, "PODAGENT_NUM_NODES": "2", "PODAGENT_NUM_GPUS": "8",
+                "PODAGENT_HEAD_ADDR": "10.0.0.1", "PODAGENT_RAY_MATRIX_ONLY": "1",
+                "RAY_WORKER_TIMOUT": "1", "podagent_lower": "1", "PODAGENTX": "1",
+                "PODAGENT_PLACEHOLDER": "", "PODAGENT_BLANK": "  "})
+    assert config.unknown_settings(env) == []
+
+
+def test_an_odd_name_is_shown_escaped():
+    [line] = config.unknown_settings({"PODAGENT_X\nY": "1"})
+    assert "\n" not in line and line.startswith("'PODAGENT_X\\nY' is not a podagent setting")
+
+
+def test_build_carries_the_warnings_and_ignores_the_typo():
+    s = build({"PODAGENT_WORKER_TIMOUT": "30", "PODAGENT_HEAD_TIMEOUT": "40"})
+    assert s.warnings == ("PODAGENT_WORKER_TIMOUT is not a podagent setting; did you mean "
+                          "PODAGENT_WORKER_TIMEOUT? (ignored)",)
+    assert s.worker_timeout == 600.0 and s.head_timeout == 40.0
+    assert build().warnings == ()
+
+
+def test_every_podagent_variable_the_code_uses_is_known():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "Dockerfile", root / "tests" / "conftest.py"]
+    for folder in ("podagent", "entrypoints", "docker", "bench", "tests/harness",
+                   "tests/compat"):
+        files += [p for p in (root / folder).rglob("*") if p.is_file()
+                  and p.suffix in (".py", ".sh", ".json", ".Dockerfile", ".env", "")]
+    used = set()
+    for path in files:
+        if path.exists():
+            used |= set(re.findall(r"\bPODAGENT_[A-Z0-9_]*[A-Z0-9]\b",
+                                   path.read_text(errors="replace")))
+    used -= {"PODAGENT_VERSION"}  # a Python name (podagent.__version__), not a variable
+    assert used, "the scan found nothing: the layout changed"
+    assert used <= config.known_variables(), sorted(used - config.known_variables())

@@ -223,4 +223,5 @@ def test_own_ray_silent_at_teardown_only_when_started_and_not_answering():
     ray.gcs = ScriptedGcs([True], [])  # type: ignore[assignment]
     assert ray.silent() is False
     assert json.loads(runstate.closing("Interrupted", "STOPPED")) == {
-        "state": "closing", "outcome": "Interrupted", "job_status": "STOPPED"}
+        "state": "closing", "outcome": "Interrupted", "job_status": "STOPPED",
+        "after_run": "exit"}

@@ -1,0 +1,144 @@
+"""The run's ledger (what a restarted head reads) and the after-run policy."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import threading
+
+from podagent import config
+from podagent.cluster import after_run
+from podagent.cluster.ledger import LEDGER, Ledger
+from podagent.report import Reporter
+from podagent.waiting import Signals
+from tests.fakes.runpod_api import FakeRunPodApi
+
+
+def test_a_new_run_has_nothing_to_resume_and_names_its_first_job_after_the_run(tmp_path):
+    ledger = Ledger.load(tmp_path, "r1")
+    assert ledger.finished is None and ledger.interrupted() is None
+    assert ledger.next_submission_id() == "r1" == ledger.current_submission_id()
+    assert not (tmp_path / LEDGER).exists()  # nothing written until something happened
+
+
+def test_an_interrupted_run_is_resumed_under_a_new_id_and_finishes_for_good(tmp_path):
+    first = Ledger.load(tmp_path, "r1")
+    first.started("head-pod")
+    first.submitted("r1", None)
+    first.ended("Interrupted", None)  # SIGTERM: not the end of the run
+    first.job_ended("r1", "STOPPED")
+
+    again = Ledger.load(tmp_path, "r1")  # the restarted head
+    assert again.finished is None
+    assert again.interrupted()["id"] == "r1"
+    assert again.next_submission_id() == "r1-2"
+    again.started("head-pod")
+    again.submitted("r1-2", resumed_from="r1")
+    again.job_ended("r1-2", "SUCCEEDED")
+    again.ended("succeeded", "SUCCEEDED")
+    again.exit_code(0)
+
+    third = Ledger.load(tmp_path, "r1")
+    assert third.finished["outcome"] == "succeeded" and third.finished["exit_code"] == 0
+    assert [(s["id"], s["status"], s["resumed_from"]) for s in third.submissions] == [
+        ("r1", "STOPPED", None), ("r1-2", "SUCCEEDED", "r1")]
+    assert [s["outcome"] for s in third.data["starts"]] == ["Interrupted", "succeeded"]
+
+
+def test_a_head_killed_mid_job_leaves_an_open_submission(tmp_path):
+    ledger = Ledger.load(tmp_path, "r1")
+    ledger.started("head-pod")
+    ledger.submitted("r1", None)  # then SIGKILL: no end recorded
+    again = Ledger.load(tmp_path, "r1")
+    assert again.open_submission()["id"] == "r1" and again.interrupted()["id"] == "r1"
+
+
+def test_a_failed_job_ends_the_run_but_workers_that_never_came_do_not(tmp_path):
+    ledger = Ledger.load(tmp_path, "r1")
+    ledger.started("p")
+    ledger.ended("WorkersTimeout", None)
+    assert Ledger.load(tmp_path, "r1").finished is None
+    ledger.submitted("r1", None)
+    ledger.job_ended("r1", "FAILED")
+    ledger.ended("JobFailed", "FAILED")
+    ledger.exit_code(3)
+    ledger.exit_code(0)  # the first code stays
+    assert Ledger.load(tmp_path, "r1").finished["exit_code"] == 3
+
+
+def test_an_unreadable_ledger_is_kept_aside_not_lost(tmp_path):
+    (tmp_path / LEDGER).write_text("{not json")
+    ledger = Ledger.load(tmp_path, "r1")
+    assert ledger.submissions == []
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(f"{LEDGER}.unreadable-")]
+    assert len(kept) == 1 and kept[0].read_text() == "{not json"
+
+
+def test_each_write_is_whole(tmp_path):
+    ledger = Ledger.load(tmp_path, "r1")
+    ledger.started("p")
+    assert json.loads((tmp_path / LEDGER).read_text())["run"] == "r1"
+    assert [p.name for p in tmp_path.iterdir()] == [LEDGER]  # no temporary file left
+
+
+# --- after the run -------------------------------------------------------------------------------
+
+def _reporter() -> tuple[Reporter, io.StringIO, list[dict]]:
+    out, events = io.StringIO(), []
+    reporter = Reporter("head", "pod", None, stream=out)
+    reporter.add_listener(events.append)
+    return reporter, out, events
+
+
+def _settings(**env: str) -> config.Settings:
+    return config.build({}, {"RUNPOD_POD_ID": "pod-1", **env})
+
+
+def _sigterm_soon(signals: Signals, after: float = 0.3) -> threading.Timer:
+    timer = threading.Timer(after, signals._handle, (signal.SIGTERM, None))
+    timer.start()
+    return timer
+
+
+def test_exit_returns_at_once():
+    reporter, out, _ = _reporter()
+    after_run.settle("exit", _settings(), reporter, Signals(), "run r1 is over")
+    assert out.getvalue() == ""
+
+
+def test_stay_stays_until_sigterm_and_says_why():
+    reporter, out, events = _reporter()
+    signals = Signals()
+    _sigterm_soon(signals)
+    after_run.settle("stay", _settings(), reporter, signals, "run r1 is over (exit 0)")
+    assert "staying up (PODAGENT_AFTER_RUN=stay) so that RunPod does not start the run " \
+           "again: run r1 is over (exit 0)" in out.getvalue()
+    assert "stopped by SIGTERM: leaving" in out.getvalue()
+    assert [e["event"] for e in events] == ["staying"]
+
+
+def test_stop_pod_asks_runpod_once_with_the_key_in_a_header_only():
+    key = "rpa_" + "K" * 40
+    with FakeRunPodApi("127.0.0.1", 0, expected_key=key) as api:
+        reporter, out, events = _reporter()
+        signals = Signals()
+        _sigterm_soon(signals)
+        settings = _settings(PODAGENT_AFTER_RUN="stop-pod", RUNPOD_API_KEY=key,
+                             PODAGENT_RUNPOD_API_URL=api.url)
+        after_run.settle("stop-pod", settings, reporter, signals, "run r1 is over")
+    assert [(c.method, c.pod_id, c.authorized) for c in api.calls] == [("POST", "pod-1", True)]
+    assert "asked RunPod's API to stop pod pod-1" in out.getvalue()
+    assert key not in out.getvalue() and key not in json.dumps(events)
+
+
+def test_stop_pod_refused_stays_instead_of_exiting():
+    with FakeRunPodApi("127.0.0.1", 0, expected_key="right-key-" + "x" * 30) as api:
+        reporter, out, _ = _reporter()
+        signals = Signals()
+        _sigterm_soon(signals)
+        settings = _settings(PODAGENT_AFTER_RUN="stop-pod", RUNPOD_API_KEY="wrong-" + "y" * 30,
+                             PODAGENT_RUNPOD_API_URL=api.url)
+        after_run.settle("stop-pod", settings, reporter, signals, "run r1 is over")
+    assert "could not stop pod pod-1 through RunPod's API" in out.getvalue()
+    assert "staying up" in out.getvalue() and "wrong-" not in out.getvalue()
