@@ -400,7 +400,8 @@ def ddp_lines(report: Report) -> list[str]:
     return [f"ddp step: {steps[0]['params']} parameters on {len(steps)} ranks, each its own "
             f"batch: averaged gradients equal on every rank, "
             f"{max(s['max_diff'] for s in steps):.1e} from the mean of the ranks' own; weights "
-            f"equal after the step ({max(s['seconds'] for s in steps):.2f} s)"]
+            f"equal after the step ({max(s['seconds'] for s in steps):.2f} s, after "
+            f"{max(s['import_s'] for s in steps):.2f} s importing torch._dynamo for DDP)"]
 
 
 def _slowest_bus(points: list[dict[str, Any]]) -> float | None:
@@ -421,7 +422,8 @@ def summary(report: Report, seconds: float | None = None) -> dict[str, Any]:
         "transport": sorted({t for r in report.results.values() for t in r["transport"]}),
         "ddp_step": {"ok": all(s["ok"] for s in steps),
                      "max_diff": max(s["max_diff"] for s in steps),
-                     "seconds": max(s["seconds"] for s in steps)} if steps else None,
+                     "seconds": max(s["seconds"] for s in steps),
+                     "import_s": max(s["import_s"] for s in steps)} if steps else None,
         "seconds": seconds,
     }
 
