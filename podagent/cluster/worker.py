@@ -114,6 +114,7 @@ class Worker(Lifecycle[WorkerState]):
 
         def attempt() -> None:
             attempts["n"] += 1
+            self._join_progress = 0.0  # each attempt's elapsed time starts again at 0
             try:
                 ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-worker.log",
                                  min(JOIN_ATTEMPT_TIMEOUT, remaining)).start(self._watch_join)
@@ -125,7 +126,7 @@ class Worker(Lifecycle[WorkerState]):
                 ray_node.RayNode.stop(self.s.stop_timeout)
                 raise
 
-        self._silent_since, self._join_progress = None, 0.0
+        self._silent_since = None
         with self.reporter.step("joined") as step:
             try:
                 Retrying(stop=stop_after_delay(remaining),
