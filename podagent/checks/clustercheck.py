@@ -4,8 +4,9 @@ Ray places one rank on every GPU (one per node with gloo when a node has no GPU)
 own pod's NCCL environment (inherited from the pod's Ray node, never overridden by the job).
 They form one torch.distributed group and check, naming the rank and node of any failure:
 all_reduce, gather to rank 0, all_gather, a large payload with algbw/busbw, many sequential
-gathers, the reward endpoint from every node, DistributedSampler shards and steps per epoch,
-and which transport NCCL itself reports having used.
+gathers, one DDP training step (equal averaged gradients on every rank), the reward endpoint
+from every node, DistributedSampler shards and steps per epoch, and which transport NCCL itself
+reports having used.
 
 Prints a per-node table, then `ALL CHECKS PASSED` (exit 0) or `CHECK FAILED: ...` (exit 1),
 then one `podagent-check-json: {...}` line for machines.
@@ -175,6 +176,8 @@ class CheckRank:
                 sweep = [collectives.measure_all_reduce(size, world, backend)
                          for size in collectives.payload_sizes(max_bytes)]
                 record("payload", None, sweep=[b.as_dict() for b in sweep])
+                error, figures = collectives.ddp_step(rank, world, backend)
+                record("ddp_step", error, **figures)
             dist.barrier()
             dist.destroy_process_group()
         except Exception as exc:  # a collective that failed or timed out: this rank says so
@@ -323,6 +326,7 @@ def node_rows(report: Report) -> list[dict[str, Any]]:
             "all_gather": ok("all_gather"), "sequential_gathers": ok("sequential_gathers"),
             "gather_ms": max(seq) if seq else None,
             "busbw": _slowest_bus(payload),
+            "ddp_step": ok("ddp_step"),
             "reward": ok("reward"), "sampler": ok("sampler_steps"),
             "steps": next((res["checks"]["sampler_steps"]["steps"] for res in results
                            if res and "sampler_steps" in res["checks"]), None),
@@ -333,7 +337,7 @@ def node_rows(report: Report) -> list[dict[str, Any]]:
 def render(report: Report, reward: bool) -> list[str]:
     rows = node_rows(report)
     header = ["node", "ranks", "device", "transport", "all_reduce", "gather", "all_gather",
-              "200 gathers", "busbw GB/s", "reward", "sampler"]
+              "200 gathers", "busbw GB/s", "ddp step", "reward", "sampler"]
     table = [header]
     for row in rows:
         table.append([
@@ -343,6 +347,7 @@ def render(report: Report, reward: bool) -> list[str]:
             f"{_mark(row['sequential_gathers'])} {row['gather_ms']:.2f} ms/op"
             if row["gather_ms"] is not None else _mark(row["sequential_gathers"]),
             f"{row['busbw']:.3f}" if row["busbw"] is not None else "-",
+            _mark(row["ddp_step"]),
             _mark(row["reward"]) if reward else "-", _mark(row["sampler"]),
         ])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
@@ -383,14 +388,31 @@ def bandwidth_lines(report: Report) -> list[str]:
     return lines
 
 
+def ddp_steps(report: Report) -> list[dict[str, Any]]:
+    return [r["checks"]["ddp_step"] for r in report.results.values()
+            if "ddp_step" in r["checks"]]
+
+
+def ddp_lines(report: Report) -> list[str]:
+    steps = ddp_steps(report)
+    if not steps or not all(s["ok"] for s in steps):
+        return []  # a failed step is named among the failures
+    return [f"ddp step: {steps[0]['params']} parameters on {len(steps)} ranks, each its own "
+            f"batch: averaged gradients equal on every rank, "
+            f"{max(s['max_diff'] for s in steps):.1e} from the mean of the ranks' own; weights "
+            f"equal after the step ({max(s['seconds'] for s in steps):.2f} s, after "
+            f"{max(s['import_s'] for s in steps):.2f} s importing torch._dynamo for DDP)"]
+
+
 def _slowest_bus(points: list[dict[str, Any]]) -> float | None:
     """The lowest bus bandwidth of the points; None when none has one (a single rank)."""
     return min((p["busbw"] for p in points if p["busbw"] is not None), default=None)
 
 
-def summary(report: Report) -> dict[str, Any]:
+def summary(report: Report, seconds: float | None = None) -> dict[str, Any]:
     sweeps = [r["checks"]["payload"]["sweep"][-1] for r in report.results.values()
               if "payload" in r["checks"]]
+    steps = ddp_steps(report)
     return {
         "passed": not report.failures, "backend": report.backend, "world": len(report.ranks),
         "nodes": node_rows(report), "failures": report.failures,
@@ -398,6 +420,11 @@ def summary(report: Report) -> dict[str, Any]:
         "algbw": min((s["algbw"] for s in sweeps), default=None),
         "payload_bytes": sweeps[0]["size_bytes"] if sweeps else None,
         "transport": sorted({t for r in report.results.values() for t in r["transport"]}),
+        "ddp_step": {"ok": all(s["ok"] for s in steps),
+                     "max_diff": max(s["max_diff"] for s in steps),
+                     "seconds": max(s["seconds"] for s in steps),
+                     "import_s": max(s["import_s"] for s in steps)} if steps else None,
+        "seconds": seconds,
     }
 
 
@@ -411,7 +438,8 @@ def main(argv: Iterable[str] = ()) -> int:
     nodes = len({r.node_ip for r in report.ranks})
     print(f"check: {len(report.ranks)} ranks on {nodes} nodes, backend {report.backend}",
           flush=True)
-    for line in render(report, reward) + bandwidth_lines(report) + data_lines(report):
+    for line in (render(report, reward) + bandwidth_lines(report) + ddp_lines(report)
+                 + data_lines(report)):
         print(f"check: {line}", flush=True)
     transport = sorted({t for r in report.results.values() for t in r["transport"]})
     if transport:
@@ -421,9 +449,10 @@ def main(argv: Iterable[str] = ()) -> int:
         report.fail("nodes", None, f"the check reached {nodes} nodes, the cluster has {expected}")
     for failure in report.failures:
         print(f"check: CHECK FAILED: {failure}", flush=True)
+    seconds = round(time.monotonic() - started, 1)
     if not report.failures:
-        print(f"check: ALL CHECKS PASSED ({time.monotonic() - started:.1f} s)", flush=True)
-    print(JSON_PREFIX + json.dumps(summary(report), default=str), flush=True)
+        print(f"check: ALL CHECKS PASSED ({seconds:.1f} s)", flush=True)
+    print(JSON_PREFIX + json.dumps(summary(report, seconds), default=str), flush=True)
     return 0 if not report.failures else 1
 
 

@@ -1,6 +1,6 @@
 """The collective checks themselves: plain torch.distributed, no Ray.
 
-The cluster check runs them in Ray actors; `bench/gpu_two_pods.py` runs the same bandwidth
+The cluster check runs them in Ray actors; `bench/gpu_pods.py` runs the same bandwidth
 measurement in plain processes as the reference, so the two figures differ only in how the
 processes were started.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -165,3 +166,86 @@ def sampler_shard(dataset_size: int, world: int, rank: int, batch: int,
 def expected_steps(dataset_size: int, world: int, batch: int) -> int:
     """Steps per epoch per rank: ceil(M / world) samples each (the sampler pads), in batches."""
     return math.ceil(math.ceil(dataset_size / world) / batch)
+
+
+# The DDP step's model: small enough to take milliseconds, two layers so that the gradients of
+# one depend on the other's weights (a wrong reduction of either shows).
+DDP_SHAPE = (32, 64, 1)
+DDP_BATCH = 16
+
+
+def ddp_step(rank: int, world: int, backend: str, seed: int = 0) -> tuple[str | None, dict]:
+    """One DistributedDataParallel training step of a small model, each rank on its own data.
+
+    Every rank's averaged gradients must equal every other rank's exactly (one all_reduce
+    result, copied to all) and the mean of the ranks' own gradients, computed here without DDP,
+    within float rounding; the weights after the optimizer's step must be equal everywhere.
+    Returns (error or None, figures).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    # DDP's constructor imports torch._dynamo, once per process: seconds on a small CPU that
+    # every trainer pays too. Timed apart from the step.
+    started = time.perf_counter()
+    import torch._dynamo
+
+    imported = time.perf_counter() - started
+    started = time.perf_counter()
+    device = device_for(backend)
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    inputs, hidden, outputs = DDP_SHAPE
+    model = torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, outputs)).to(device)
+    data = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own batch
+    x = torch.randn(DDP_BATCH, inputs, generator=data).to(device)
+    y = torch.randn(DDP_BATCH, outputs, generator=data).to(device)
+
+    def flat(values: Any) -> Any:
+        return torch.cat([v.detach().reshape(-1) for v in values])
+
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    own = flat(p.grad for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if backend == "nccl"
+                                  else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    averaged = flat(p.grad for p in model.parameters())
+    optimizer.step()
+    weights = flat(model.parameters())
+
+    def everyone(tensor: Any) -> list[Any]:
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor)
+        return [part.cpu() for part in parts]
+
+    error, off_mean = ddp_verdict(rank, everyone(own), everyone(averaged), everyone(weights))
+    return error, {"params": own.numel(), "max_diff": off_mean,
+                   "seconds": round(time.perf_counter() - started, 3),
+                   "import_s": round(imported, 3)}
+
+
+def ddp_verdict(rank: int, own: Sequence[Any], averaged: Sequence[Any],
+                weights: Sequence[Any]) -> tuple[str | None, float]:
+    """Rank `rank`'s verdict on a DDP step from every rank's flattened own gradients, averaged
+    gradients and weights after the step: (error or None, largest |averaged - mean of own|)."""
+    import torch
+
+    mine = averaged[rank]
+    off_mean = float((mine - torch.stack(list(own)).mean(0)).abs().max())
+    unequal = [r for r, other in enumerate(averaged) if not torch.equal(other, mine)]
+    if unequal:
+        worst = max(float((averaged[r] - mine).abs().max()) for r in unequal)
+        return (f"averaged gradients differ from those of rank(s) {unequal} "
+                f"(by up to {worst:.3g})", off_mean)
+    # Summed in another order than DDP's buckets, so equal only up to rounding.
+    scale = max(float(torch.stack(list(own)).abs().max()), 1e-12)
+    if off_mean > 1e-5 * scale:
+        return (f"averaged gradients are not the mean of the ranks' own: off by up to "
+                f"{off_mean:.3g} (largest gradient {scale:.3g})", off_mean)
+    unequal = [r for r, other in enumerate(weights) if not torch.equal(other, weights[rank])]
+    if unequal:
+        return f"weights after the step differ from those of rank(s) {unequal}", off_mean
+    return None, off_mean

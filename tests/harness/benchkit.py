@@ -125,15 +125,17 @@ def require_root(parser: argparse.ArgumentParser) -> None:
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def begin(out: Path, prefix: str = "") -> tuple[Path, dict[str, Any]]:
+def begin(out: Path, prefix: str = "", clean: bool = True) -> tuple[Path, dict[str, Any]]:
     """A bench starts: its results folder out/<prefix><UTC time>/ (with logs/), what a crashed
-    earlier bench left removed (never a live one's), and the facts its report starts with."""
+    earlier bench left removed (never a live one's; not with clean=False, for a bench whose pods
+    are not the harness's), and the facts its report starts with."""
     import ray
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     outdir = out.resolve() / f"{prefix}{stamp}"
     (outdir / "logs").mkdir(parents=True, exist_ok=True)
-    cleanup_stale(prefix=BENCH_PREFIX)
+    if clean:
+        cleanup_stale(prefix=BENCH_PREFIX)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPU(s), {platform.machine()}, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "

@@ -87,3 +87,71 @@ def test_two_ranks_report_the_slower_ones_bus_bandwidth():
         for r in (0, 1)})
     assert clustercheck.summary(report)["busbw"] == 1.5
     assert clustercheck.bandwidth_lines(report)[0].endswith("busbw 1.500 GB/s")
+
+
+def _ddp_rank(rank: int, world: int, store: str, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results.put(collectives.ddp_step(rank, world, "gloo"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ddp_step_across_two_gloo_ranks_averages_their_gradients(tmp_path):
+    import multiprocessing
+
+    # Rank 1 in a child (spawned: no fork of a process that holds torch), rank 0 here.
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_ddp_rank, args=(1, 2, str(tmp_path / "store"), results))
+    child.start()
+    try:
+        _ddp_rank(0, 2, str(tmp_path / "store"), results)
+        got = [results.get(timeout=120) for _ in range(2)]
+    finally:
+        child.join(timeout=30)
+    for error, figures in got:
+        assert error is None
+        assert figures["params"] == 32 * 64 + 64 + 64 + 1 and 0 <= figures["max_diff"] < 1e-5
+
+
+def _flat(*values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_ddp_verdict_names_the_ranks_that_differ_and_a_wrong_mean():
+    own = [_flat(1.0, 2.0), _flat(3.0, 4.0)]
+    mean = _flat(2.0, 3.0)
+    weights = [_flat(0.5, 0.5)] * 2
+    assert collectives.ddp_verdict(0, own, [mean, mean], weights) == (None, 0.0)
+    error, _ = collectives.ddp_verdict(0, own, [mean, _flat(2.0, 3.5)], weights)
+    assert error == "averaged gradients differ from those of rank(s) [1] (by up to 0.5)"
+    # Equal on every rank, but not the mean: a reduction that summed without dividing.
+    error, off = collectives.ddp_verdict(1, own, [mean * 2] * 2, weights)
+    assert off == 3.0 and error.startswith("averaged gradients are not the mean")
+    error, _ = collectives.ddp_verdict(0, own, [mean, mean], [weights[0], _flat(0.5, 0.4)])
+    assert error == "weights after the step differ from those of rank(s) [1]"
+
+
+def test_the_ddp_step_has_a_column_and_a_line():
+    step = {"ok": True, "error": None, "params": 2177, "max_diff": 2e-9, "seconds": 0.04,
+            "import_s": 1.5}
+    ranks = [clustercheck.Rank(r, f"id-{r}", f"10.0.0.{r + 1}", gpu=False) for r in (0, 1)]
+    report = clustercheck.Report("gloo", ranks, results={r: {
+        "transport": [], "checks": {"ddp_step": step}} for r in (0, 1)})
+    header, row = clustercheck.render(report, reward=False)[:2]
+    column = header.index("ddp step")
+    assert row[column] == "✓"
+    assert clustercheck.ddp_lines(report) == [
+        "ddp step: 2177 parameters on 2 ranks, each its own batch: averaged gradients equal on "
+        "every rank, 2.0e-09 from the mean of the ranks' own; weights equal after the step "
+        "(0.04 s, after 1.50 s importing torch._dynamo for DDP)"]
+    assert clustercheck.summary(report, 1.5)["ddp_step"] == {
+        "ok": True, "max_diff": 2e-9, "seconds": 0.04, "import_s": 1.5}
