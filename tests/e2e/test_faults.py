@@ -123,7 +123,7 @@ def test_sigterm_to_the_head_mid_job_closes_every_pod(make_pod, dns_server, tmp_
         w.output[-2000:] for w in workers)
 
     out = head.output
-    assert "[head] job e2e stopped (status STOPPED)" in out, out[-3000:]
+    assert "[head] job e2e-1 stopped (status STOPPED)" in out, out[-3000:]
     assert "Ray stopped (" in out
     assert "ERROR" not in out  # a signal is no error
     for w in workers:
