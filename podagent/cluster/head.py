@@ -230,9 +230,9 @@ class Head(Lifecycle[HeadState]):
     def _submit(self) -> HeadState:
         assert self.ray and self.setup and self.census
         existing = self.follow_running_job
-        if not existing:
-            self.ray.submission_id = self.ledger.next_submission_id()
         runner = self.ray.jobs_api()
+        if not existing:
+            runner = runner.for_submission(self.ledger.next_submission_id())
         with self.reporter.step("job_submitted") as step:
             # Re-attached: the job runs already (no resume flag to work out, nothing to send).
             entrypoint = job_spec.entrypoint(self.s, self.reporter, resume=not existing)

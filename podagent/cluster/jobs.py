@@ -65,6 +65,11 @@ class JobRunner:
         self._tail: threading.Thread | None = None
         self._write_lock = threading.Lock()
 
+    def for_submission(self, submission_id: str) -> JobRunner:
+        """A runner for another job of the same dashboard (each attempt has its own id, log
+        position and stream)."""
+        return JobRunner(self.url, submission_id, self.reporter, self.job_log, self.headers)
+
     # --- bounded Jobs API calls ----------------------------------------------------------------
 
     def _request(self, method: str, path: str, timeout: float = HTTP_TIMEOUT,
