@@ -129,6 +129,9 @@ def test_lost_workers_replaced_or_restarted_and_the_training_finishes(make_pod, 
     _wait_step(checkpoints, attempt=2, step=2 * EVERY + 3 + 10, head=head)
     joined = [e for e in _events(head, "worker_joined") if e.get("replaces")]
     assert [(e["ip"], e["replaces"]) for e in joined] == [(replacement_pod.ip, w1.pod.ip)]
+    # The replacement checked its NCCL preset against its own interfaces, as every worker does.
+    preset = "NCCL preset runpod-global: RUNPOD_POD_ID/HEAD_POD_ID are set"
+    assert preset in replacement.output and preset in w1.output
     submitted = [e for e in _events(head, "job_submitted") if e.get("result") == "ok"]
     assert [e["submission_id"] for e in submitted] == ["e2e-1", "e2e-2"]
     assert joined[0]["ts"] < submitted[1]["ts"], "resubmitted before the replacement joined"
