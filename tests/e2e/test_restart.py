@@ -244,7 +244,7 @@ def test_head_lost_while_a_worker_joins_then_mid_job_the_worker_rejoins_and_the_
     assert worker.wait_exit(60) == 0, worker.output[-3000:]
 
     out = third.output
-    assert "run e2e was interrupted (job e2e: running when its head stopped)" in out, out[-3000:]
+    assert "run e2e was interrupted (job e2e-1: running when its head stopped)" in out, out[-3000:]
     assert (f"resuming: {checkpoints} holds a checkpoint (step-1), so the job gets "
             f"--load_checkpoint") in out
     assert out.count(" submitted (") == 1 and "job e2e-2 submitted" in out, out[-3000:]
