@@ -282,8 +282,8 @@ class Head(Lifecycle[HeadState]):
             if self.job_status != "SUCCEEDED" and not lost and self.s.on_node_loss != "fail":
                 lost = self._losses_behind_failure()
             self.ledger.job_ended(self.job.submission_id, self.job_status or "LOST")
-            step.done(f"job {self.job_status}", status=self.job_status,
-                      nodes_lost=[w.ip for w in lost])
+            step.done(f"job {self.job_status or 'asked to stop (not yet confirmed)'}",
+                      status=self.job_status, nodes_lost=[w.ip for w in lost])
         if self.job_status == "SUCCEEDED":
             return HeadState.DONE
         if lost and self.s.on_node_loss != "fail":
