@@ -48,6 +48,8 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.JobSubmitFailed, 14, "head: Ray's Jobs API refused the job or did not accept it "
                                  "in time"),
     (errors.StopTimeout, 15, "`podagent stop`: the cluster was still up when --timeout ran out"),
+    (errors.RestartsExhausted, 16, "head: the run was restarted PODAGENT_RESTARTS times after "
+                                   "lost nodes and lost another (logs and checkpoints are kept)"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 

@@ -204,6 +204,7 @@ def short_path(raw: str) -> str:
 # --- the table ----------------------------------------------------------------------------------
 
 AFTER_RUN = ("stay", "exit", "stop-pod")
+ON_NODE_LOSS = ("restart", "wait", "fail")
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,21 @@ FIELDS: tuple[Field, ...] = (
     Field("rejoin", "PODAGENT_REJOIN", "--rejoin", zero_one,
           "1: a worker whose head is gone goes back to finding it (a restarted head is joined "
           "again) instead of exiting; 0: it exits.", default=True),
+    Field("on_node_loss", "PODAGENT_ON_NODE_LOSS", "--on-node-loss", choice(*ON_NODE_LOSS),
+          "What the head does when a node of the running job is lost: restart (stop the job at "
+          "once, wait until the cluster is whole again, a replacement pod counting, and submit "
+          "it again resuming from the newest checkpoint), wait (leave the job to decide; if it "
+          "fails, restart it as above) or fail (leave the job to decide, never restart).",
+          default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
+    Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
+          "How many times a run may be restarted after a lost node (or a failed job with "
+          "PODAGENT_RETRY_FAILED_JOB=1); then the run ends with exit code 16.", default=3),
+    Field("retry_failed_job", "PODAGENT_RETRY_FAILED_JOB", "--retry-failed-job", zero_one,
+          "1: a job that fails with no node lost is restarted too (within PODAGENT_RESTARTS).",
+          default=False),
+    Field("restart_backoff", "PODAGENT_RESTART_BACKOFF", "--restart-backoff", seconds,
+          "Seconds before the first restart's submission, doubled for each later one (at most "
+          "300 s); the wait for the cluster runs meanwhile.", default=5.0),
     Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
           "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
     Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
@@ -370,6 +386,10 @@ class Settings:
     rejoin: bool = True
     stop_timeout: float = 10.0
     after_run: str = "exit"
+    on_node_loss: str = "restart"
+    restarts: int = 3
+    retry_failed_job: bool = False
+    restart_backoff: float = 5.0
     runpod_api_url: str = "https://rest.runpod.io/v1"
     nccl_preset: str = "auto"
     run_name: str = "podagent"
@@ -532,6 +552,8 @@ def build(
             values["run_name"] = time.strftime("podagent-%Y%m%d-%H%M%S", started)
     # A RunPod pod whose process exits is restarted, and would run again: stay up instead.
     values.setdefault("after_run", "stay" if values.get("pod_id") else "exit")
+    restarts = values.get("restarts", FIELD_BY_ATTR["restarts"].default)
+    values.setdefault("on_node_loss", "restart" if restarts else "fail")
     values.setdefault("log_dir", _default_log_dir())
     if "checkpoint_dir" not in values and _default_checkpoint_dir():
         values["checkpoint_dir"] = _default_checkpoint_dir()
@@ -605,6 +627,8 @@ PREFIX = "PODAGENT_"
 OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_TOKEN": "the cluster token (a secret: the environment only, never a flag)",
     "PODAGENT_NUM_NODES": "set by the head for the job: nodes in the cluster",
+    "PODAGENT_SUBMISSION_ID": "set by the head for the job: its Ray submission id (<run>-N)",
+    "PODAGENT_ATTEMPT": "set by the head for the job: N, 1 at first, one more per restart",
     "PODAGENT_CHECK_BACKEND": "the built-in cluster check's collective backend (nccl, gloo)",
     "PODAGENT_CHECK_START_TIMEOUT": "seconds the cluster check gives its ranks to start",
     "PODAGENT_CHECK_RUN_TIMEOUT": "seconds the cluster check gives a collective to finish",

@@ -65,6 +65,10 @@ class JobFailed(PodagentError):
     pass
 
 
+class RestartsExhausted(PodagentError):
+    """Nodes were lost (or the job failed) more often than PODAGENT_RESTARTS allows."""
+
+
 class JobStopped(PodagentError):
     pass
 

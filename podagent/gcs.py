@@ -110,6 +110,7 @@ class NodeInfo:
     cpus: float
     is_head: bool
     start_time_ms: int
+    node_manager_port: int = 0  # the raylet's port: a probe of the pod behind the node
 
 
 class GcsClient:
@@ -193,6 +194,7 @@ class GcsClient:
                 gpus=float(n.resources_total.get("GPU", 0.0)),
                 cpus=float(n.resources_total.get("CPU", 0.0)),
                 is_head=bool(n.is_head_node), start_time_ms=int(n.start_time_ms),
+                node_manager_port=int(n.node_manager_port),
             )
             for n in reply.node_info_list
         ]

@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,10 +43,13 @@ def field_envs(tmp_path_factory: pytest.TempPathFactory
 
 
 NEEDS_FIELDS = pytest.StashKey[bool]()
+NEEDS_IMAGES = pytest.StashKey[bool]()
+CONTAINER_TESTS = Path(__file__).parent / "container"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[NEEDS_FIELDS] = any("field_envs" in item.fixturenames for item in items)
+    config.stash[NEEDS_IMAGES] = any(CONTAINER_TESTS in item.path.parents for item in items)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,3 +59,27 @@ def _field_envs_from_the_start(request: pytest.FixtureRequest) -> None:
     that the wait overlaps the other tests instead of adding to them."""
     if request.config.stash.get(NEEDS_FIELDS, False):
         request.getfixturevalue("field_envs")
+
+
+@pytest.fixture(scope="session")
+def container_images() -> Iterator[concurrent.futures.Future[tuple[Any, list[Any]]]]:
+    """The container suite's images (docker/images.py: the root filesystem, the bases,
+    podagent's image on each), made on a thread of their own: on a fresh machine that is
+    debootstrap, apt and pip for minutes, mostly waiting on the network and the disk."""
+    def make() -> tuple[Any, list[Any]]:
+        from tests.container import engine
+
+        with engine.engine() as running:  # the suite's own fixture starts it again later
+            return engine.images.ensure_all(docker=running.docker)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        yield pool.submit(make)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _container_images_from_the_start(request: pytest.FixtureRequest) -> None:
+    """As the field environments: when container tests are selected, their images are made
+    from the session's first test on (tests/container runs late), not when they begin."""
+    if request.config.stash.get(NEEDS_IMAGES, False):
+        request.getfixturevalue("container_images")
+

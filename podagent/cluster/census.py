@@ -7,6 +7,7 @@ and workers that leave again), once on re-attach, while the job runs (losses) an
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,13 @@ class WorkerCensus:
         self.reporter = reporter
         self.workers: dict[str, NodeInfo] = {}  # node id -> the worker as it joined
         self.lost: set[str] = set()  # node ids lost while the job ran
+        # Workers lost by the job being restarted, oldest first: a pod that joins while the
+        # census waits for the cluster to be whole again takes the place of the first one.
+        self.missing: list[NodeInfo] = []
+        self.replaced: list[tuple[str, str]] = []  # (lost ip, ip of the pod in its place)
+        self.lost_at: dict[str, float] = {}  # node id -> when its loss was noticed
+        self.departed: set[str] = set()  # node ids never counted again (Ray may list them a
+        # few seconds more after a restart began)
 
     def alive(self) -> list[NodeInfo]:
         return [n for n in self._nodes() if n.alive and not n.is_head]
@@ -37,7 +45,7 @@ class WorkerCensus:
     def poll_joins(self, expected: int) -> int:
         """While waiting for the workers: record who joined and who left again; returns how
         many are in."""
-        alive = {w.node_id: w for w in self.alive()}
+        alive = {w.node_id: w for w in self.alive() if w.node_id not in self.departed}
         for node_id in [n for n in self.workers if n not in alive]:
             gone = self.workers.pop(node_id)
             self.reporter.warn(f"worker {gone.ip} left again before the job started")
@@ -45,11 +53,25 @@ class WorkerCensus:
         for worker in alive.values():
             if worker.node_id not in self.workers:
                 self.workers[worker.node_id] = worker
+                instead = self._in_place_of(worker)
                 self.reporter.say(f"worker joined: {worker.ip} ({worker.gpus:g} GPUs) "
-                                  f"[{len(self.workers)}/{expected}]")
+                                  f"[{len(self.workers)}/{expected}]{instead}")
                 self.reporter.event("worker_joined", ip=worker.ip, gpus=worker.gpus,
-                                    node_id=worker.node_id, registered_ms=worker.start_time_ms)
+                                    node_id=worker.node_id, registered_ms=worker.start_time_ms,
+                                    replaces=self.replaced[-1][0] if instead else None)
         return len(self.workers)
+
+    def _in_place_of(self, worker: NodeInfo) -> str:
+        """A join while lost workers are missing replaces one: the same address first (the
+        lost pod restarted), else the one lost first (a new pod). Returns the line's tail."""
+        if not self.missing:
+            return ""
+        lost = next((m for m in self.missing if m.ip == worker.ip), self.missing[0])
+        self.missing.remove(lost)
+        self.replaced.append((lost.ip, worker.ip))
+        if lost.ip == worker.ip:
+            return f" (the lost pod {lost.ip} is back)"
+        return f" (in place of the lost {lost.ip})"
 
     def accept_shortfall(self, expected: int, minimum: int | None, timeout: float) -> None:
         """Fewer joined than expected within the timeout: raises WorkersTimeout unless
@@ -74,20 +96,61 @@ class WorkerCensus:
         self.reporter.event("workers_counted", workers=len(self.workers), expected=expected,
                             ips=self.ips())
 
-    def note_losses(self, alive: set[str]) -> None:
-        """While the job runs: a worker no longer alive is reported once."""
-        for node_id, worker in self.workers.items():
-            if node_id not in alive and node_id not in self.lost:
-                self.lost.add(node_id)
-                # Ray marks a node dead after its health checks fail (ray_node.HEALTH_CHECK_ENV:
-                # seconds, not a minute); the job decides whether it can go on without it.
-                now = time.time()
-                at = time.strftime("%H:%M:%S", time.gmtime(now))
-                self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran "
-                                   f"(Ray marked its node dead; noticed {at} UTC); the job "
-                                   f"decides whether it goes on")
-                self.reporter.event("worker_lost", ip=worker.ip, node_id=node_id,
-                                    at=round(now, 3))
+    def begin_recovery(self) -> list[NodeInfo]:
+        """The job is being restarted: the lost workers leave the census (a replacement will
+        take their place) and the losses are forgotten. Returns the workers that left."""
+        gone = [w for node_id, w in self.workers.items() if node_id in self.lost]
+        alive = {w.node_id for w in self.alive()}
+        gone += [w for node_id, w in self.workers.items()
+                 if node_id not in alive and node_id not in self.lost]
+        for worker in gone:
+            del self.workers[worker.node_id]
+            self.departed.add(worker.node_id)
+        self.missing += gone
+        self.lost.clear()
+        self.lost_at.clear()
+        return gone
+
+    def departed_still_listed(self) -> list[str]:
+        """Addresses of departed workers that Ray's node table still lists as alive (its
+        health checks take seconds): a job submitted now would place ranks on them."""
+        return [w.ip for w in self.alive() if w.node_id in self.departed]
+
+    def unreachable(self, timeout: float = 1.0) -> list[NodeInfo]:
+        """Workers whose raylet refuses or ignores a connection now. A killed pod breaks the
+        job's collectives at once, seconds before Ray's health checks mark its node dead: this
+        tells a job that failed because a pod went away from one that failed by itself."""
+        found = []
+        for worker in self.workers.values():
+            if worker.node_id in self.lost or not worker.node_manager_port:
+                continue
+            try:
+                socket.create_connection((worker.ip, worker.node_manager_port), timeout).close()
+            except OSError:
+                found.append(worker)
+        return found
+
+    def mark_lost(self, workers: list[NodeInfo], how: str, then: str) -> None:
+        for worker in workers:
+            if worker.node_id in self.lost:
+                continue
+            self.lost.add(worker.node_id)
+            now = self.lost_at[worker.node_id] = time.time()
+            at = time.strftime("%H:%M:%S", time.gmtime(now))
+            self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran ({how}; "
+                               f"noticed {at} UTC); {then}")
+            self.reporter.event("worker_lost", ip=worker.ip, node_id=worker.node_id,
+                                at=round(now, 3), how=how)
+
+    def note_losses(self, alive: set[str], then: str) -> list[NodeInfo]:
+        """While the job runs: a worker no longer alive is reported once (`then` says what
+        follows); returns the workers newly lost."""
+        newly = [w for node_id, w in self.workers.items()
+                 if node_id not in alive and node_id not in self.lost]
+        # Ray marks a node dead after its health checks fail (ray_node.HEALTH_CHECK_ENV:
+        # seconds, not a minute).
+        self.mark_lost(newly, "Ray marked its node dead", then)
+        return newly
 
     def await_departures(self, grace: float) -> None:
         """At the end, after the closing announcement: workers leave on it; give them a moment

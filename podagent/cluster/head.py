@@ -24,7 +24,8 @@ from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
 from podagent.config import Settings
-from podagent.errors import RayDied
+from podagent.errors import RayDied, RestartsExhausted
+from podagent.gcs import NodeInfo
 from podagent.report import Progress, Reporter
 from podagent.rewards.manager import RewardServer
 from podagent.roles import Role, RoleDecision
@@ -35,11 +36,16 @@ HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get t
 # ... and the workers this long to read the closing announcement (once a second) and leave
 # before this pod's Ray, which holds it, is stopped.
 HURRIED_DEPARTURES = 1.5
+RESTART_BACKOFF_MAX = 300.0
+# Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
+# twice that means Ray's own checks are configured otherwise.
+DEPARTED_TIMEOUT = 15.0
 
 
 class HeadState(str, enum.Enum):
     """RECALLING -> PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
-    -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE.
+    -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE, and RUNNING -> RECOVERING -> SUBMITTING
+    when a node of the job is lost (PODAGENT_ON_NODE_LOSS).
 
     RECALLING reads the run's ledger: a run that finished earlier goes straight to DONE (a
     restarted container never runs it again); one interrupted mid-job is submitted again.
@@ -58,7 +64,12 @@ class HeadState(str, enum.Enum):
     WAITING_REWARD = "waiting_reward"
     SUBMITTING = "submitting"
     RUNNING = "running"
+    RECOVERING = "recovering"
     DONE = "done"
+
+
+class _NodeLost(Exception):
+    """While the job runs (PODAGENT_ON_NODE_LOSS=restart): a worker was lost."""
 
 
 class Head(Lifecycle[HeadState]):
@@ -79,6 +90,8 @@ class Head(Lifecycle[HeadState]):
         self.ledger = Ledger.load(settings.run_dir, settings.run_name)
         self.finished_earlier: dict[str, Any] | None = None  # the ledger's, when it finished
         self._next_watch = 0.0
+        self.follow_running_job = False  # re-attached: the job runs already, follow it
+        self.restart: dict[str, Any] | None = None  # the restart under way: why, since when
 
     def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
         return {
@@ -91,6 +104,7 @@ class Head(Lifecycle[HeadState]):
             HeadState.WAITING_REWARD: self._wait_reward,
             HeadState.SUBMITTING: self._submit,
             HeadState.RUNNING: self._follow,
+            HeadState.RECOVERING: self._recover,
         }
 
     # --- states --------------------------------------------------------------------------------
@@ -132,6 +146,7 @@ class Head(Lifecycle[HeadState]):
         if live is not None:
             self.ray.adopt(live)
             self.stop_watch.gcs, self.adopted_ray = live, True
+            self.follow_running_job = True
             return HeadState.STARTING_REWARD
         node.clean_stale_ray(self.s, self.reporter)
         # Ray's dashboard agent (its default port): without it the Jobs API accepts no job.
@@ -147,7 +162,6 @@ class Head(Lifecycle[HeadState]):
 
     def _start_ray(self) -> HeadState:
         assert self.ray
-        self.ray.submission_id = self.ledger.next_submission_id()
         self.ray.start()
         self.stop_watch.gcs = self.ray.gcs
         return HeadState.STARTING_REWARD
@@ -215,16 +229,23 @@ class Head(Lifecycle[HeadState]):
 
     def _submit(self) -> HeadState:
         assert self.ray and self.setup and self.census
+        existing = self.follow_running_job
         runner = self.ray.jobs_api()
+        if not existing:
+            runner = runner.for_submission(self.ledger.next_submission_id())
         with self.reporter.step("job_submitted") as step:
             # Re-attached: the job runs already (no resume flag to work out, nothing to send).
-            entrypoint = job_spec.entrypoint(self.s, self.reporter, resume=not self.adopted_ray)
+            entrypoint = job_spec.entrypoint(self.s, self.reporter, resume=not existing)
             env = job_spec.env(self.s, self.setup.node_ip, len(self.census.workers) + 1,
                                self._total_gpus(), self.reward.url if self.reward else None,
-                               bool(self.setup.plan.env_overrides.get("RAY_DEBUG")))
-            if not self.adopted_ray:  # recorded first: a head that dies now resubmits
-                interrupted = self.ledger.interrupted()
-                self.ledger.submitted(runner.submission_id,
+                               bool(self.setup.plan.env_overrides.get("RAY_DEBUG")),
+                               runner.submission_id,
+                               len(self.ledger.submissions) + (0 if existing else 1))
+            if not existing:
+                # Never two jobs of one run: an earlier attempt still alive is stopped first.
+                runner.stop_earlier_attempts(self.s.run_name, self.s.stop_timeout)
+                interrupted = self.ledger.interrupted()  # recorded first: a head that dies
+                self.ledger.submitted(runner.submission_id,  # now submits again
                                       interrupted["id"] if interrupted else None)
             new = runner.submit(entrypoint, env, self.s.working_dir,
                                 {"podagent_run": self.s.run_name}, self.signals)
@@ -235,6 +256,9 @@ class Head(Lifecycle[HeadState]):
             label = "the built-in cluster check" if not self.s.job else " ".join(entrypoint)
             step.done(f"job {runner.submission_id} {what} ({label})",
                       submission_id=runner.submission_id, new=new)
+        self.follow_running_job = False
+        if self.restart and new:
+            self._restarted(runner.submission_id)
         return HeadState.RUNNING
 
     def _set_aside_job_log(self) -> None:
@@ -245,13 +269,113 @@ class Head(Lifecycle[HeadState]):
             job_log.replace(self.s.run_dir / "job-before-reattach.log")
 
     def _follow(self) -> HeadState:
-        assert self.job
+        assert self.job and self.census
+        lost: list[NodeInfo] = []
         with self.reporter.step("job_finished") as step:
-            self.job_status = self.job.follow(self.signals, on_tick=self._watch_cluster)
-            self.ledger.job_ended(self.job.submission_id, self.job_status)
-            step.done(f"job {self.job_status}", status=self.job_status)
-        self.job.outcome(self.job_status)
+            try:
+                self.job_status = self.job.follow(self.signals, on_tick=self._watch_cluster)
+            except _NodeLost:
+                # No waiting for NCCL's timeout: the job is stopped now and submitted again.
+                self._stop_job(self.s.stop_timeout)
+                self.job.finish_log()
+            lost = [w for w in self.census.workers.values() if w.node_id in self.census.lost]
+            if self.job_status != "SUCCEEDED" and not lost and self.s.on_node_loss != "fail":
+                lost = self._losses_behind_failure()
+            self.ledger.job_ended(self.job.submission_id, self.job_status or "LOST")
+            step.done(f"job {self.job_status or 'asked to stop (not yet confirmed)'}",
+                      status=self.job_status, nodes_lost=[w.ip for w in lost])
+        if self.job_status == "SUCCEEDED":
+            return HeadState.DONE
+        if lost and self.s.on_node_loss != "fail":
+            return self._begin_restart(f"lost {', '.join(w.ip for w in lost)}", lost)
+        if not lost and self.s.retry_failed_job and self.job_status == "FAILED":
+            return self._begin_restart(f"job {self.job.submission_id} failed", [])
+        self.job.outcome(self.job_status or "FAILED")
         return HeadState.DONE
+
+    def _losses_behind_failure(self) -> list[NodeInfo]:
+        """The job failed with no loss seen yet: a killed pod breaks the collectives before
+        Ray's health checks notice, so ask the workers' raylets directly."""
+        assert self.census
+        gone = self.census.unreachable()
+        self.census.mark_lost(gone, "its raylet does not answer", "the job failed meanwhile")
+        return gone
+
+    # --- restarts (PODAGENT_ON_NODE_LOSS) -----------------------------------------------------
+
+    def _begin_restart(self, why: str, lost: list[NodeInfo]) -> HeadState:
+        """Counts the restart against PODAGENT_RESTARTS (across container restarts: the ledger
+        keeps them), says it loudly and records it."""
+        assert self.census and self.job
+        done = len(self.ledger.restarts)
+        if done >= self.s.restarts:
+            raise RestartsExhausted(
+                f"{why}; the run was already restarted {done} time(s) "
+                f"(PODAGENT_RESTARTS={self.s.restarts}): giving up; logs in {self.s.run_dir}"
+                + (f", checkpoints kept in {self.s.checkpoint_dir}" if self.s.checkpoint_dir
+                   else ""))
+        number, now = done + 1, time.time()
+        noticed = min([*self.census.lost_at.values(), now])
+        self.census.begin_recovery()
+        expected = self.s.expected_workers
+        self.reporter.warn(f"RESTART {number}/{self.s.restarts}: {why}; job "
+                           f"{self.job.submission_id} stopped; waiting for {expected} worker(s) "
+                           f"(a replacement pod counts), then the job is submitted again, "
+                           f"resuming from the newest checkpoint")
+        self.restart = {"n": number, "noticed": noticed, "stopped": now,
+                        "earliest": time.monotonic() + min(
+                            RESTART_BACKOFF_MAX, self.s.restart_backoff * 2 ** (number - 1))}
+        self.ledger.restarting({"n": number, "reason": why, "lost": [w.ip for w in lost],
+                                "job": self.job.submission_id, "job_status": self.job_status})
+        self.reporter.event("restart", n=number, of=self.s.restarts, reason=why,
+                            lost=[w.ip for w in lost], job=self.job.submission_id)
+        self.job, self.job_status = None, None
+        return HeadState.RECOVERING
+
+    def _recover(self) -> HeadState:
+        """Wait until the cluster is whole again (a replacement pod counts), then the backoff."""
+        assert self.census and self.restart
+        expected = self.s.expected_workers
+        with self.reporter.step("cluster_whole") as step:
+            joined = self._await_joins(expected, lambda: step.elapsed)
+            if joined < expected:
+                self.census.accept_shortfall(expected, self.s.min_workers,
+                                             self.s.worker_timeout)
+            step.done(self._census_line(), nodes=joined + 1, gpus=self._total_gpus(),
+                      replaced=[list(pair) for pair in self.census.replaced])
+        self._await_departed_gone()
+        wait = self.restart["earliest"] - time.monotonic()
+        if wait > 0:
+            self.reporter.say(f"restart {self.restart['n']}: backing off {wait:.1f} s "
+                              f"(PODAGENT_RESTART_BACKOFF)")
+            self.signals.sleep(wait)
+        return HeadState.SUBMITTING
+
+    def _await_departed_gone(self) -> None:
+        """Ray lists a lost node as alive until its health checks fail (a few seconds): the
+        job is submitted once it no longer does, so that it places nothing there."""
+        assert self.census
+        listed = Retrying(stop=stop_after_delay(DEPARTED_TIMEOUT), wait=wait_fixed(NODE_POLL),
+                          retry=retry_if_result(bool), sleep=self.signals.sleep,
+                          retry_error_callback=lambda state: state.outcome.result()
+                          )(self.census.departed_still_listed)
+        if listed:
+            self.reporter.warn(f"Ray still lists the lost {', '.join(listed)} as alive after "
+                               f"{DEPARTED_TIMEOUT:g} s; submitting anyway")
+
+    def _restarted(self, submission_id: str) -> None:
+        assert self.restart
+        now = time.time()
+        figures = {"time_lost_s": round(now - self.restart["noticed"], 3),
+                   "waited_s": round(now - self.restart["stopped"], 3),
+                   "replaced": [list(pair) for pair in self.census.replaced]
+                   if self.census else []}
+        self.ledger.resubmitted(submission_id, **figures)
+        self.reporter.say(f"restart {self.restart['n']}: job {submission_id} runs "
+                          f"{figures['time_lost_s']:.1f} s after the loss was noticed")
+        self.reporter.event("restarted", n=self.restart["n"], submission_id=submission_id,
+                            **figures)
+        self.restart = None
 
     def _watch_cluster(self) -> None:
         """While the job runs: is this pod's Ray still alive, and did a worker node leave?"""
@@ -264,7 +388,11 @@ class Head(Lifecycle[HeadState]):
         self._next_watch = now + WATCH_INTERVAL
         alive = self.ray.watch(now)
         if alive is not None:
-            self.census.note_losses(alive)
+            then = {"restart": "stopping the job to restart it",
+                    "wait": "the job decides whether it goes on (restarted if it fails)",
+                    "fail": "the job decides whether it goes on"}[self.s.on_node_loss]
+            if self.census.note_losses(alive, then) and self.s.on_node_loss == "restart":
+                raise _NodeLost()
 
     def _total_gpus(self) -> int:
         assert self.setup and self.census

@@ -29,7 +29,7 @@ def entrypoint(settings: Settings, reporter: Reporter, resume: bool = True) -> t
 
 
 def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str | None,
-        ray_debug: bool) -> dict[str, str]:
+        ray_debug: bool, submission_id: str, attempt: int) -> dict[str, str]:
     # No NCCL variables here: Ray would impose the head's on every node, while each pod's Ray
     # node already carries its own pod's (its interface may be named differently).
     variables = {
@@ -37,6 +37,9 @@ def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str
         "PODAGENT_NUM_GPUS": str(gpus),
         "PODAGENT_HEAD_ADDR": head_ip,
         "PODAGENT_RUN_NAME": settings.run_name,
+        "PODAGENT_SUBMISSION_ID": submission_id,
+        # 1 for the first job of the run, then one more for each submission after a restart.
+        "PODAGENT_ATTEMPT": str(attempt),
     }
     if reward_url:
         variables["REMOTE_RM_URL"] = reward_url

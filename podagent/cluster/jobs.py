@@ -65,13 +65,20 @@ class JobRunner:
         self._tail: threading.Thread | None = None
         self._write_lock = threading.Lock()
 
+    def for_submission(self, submission_id: str) -> JobRunner:
+        """A runner for another job of the same dashboard (each attempt has its own id, log
+        position and stream)."""
+        return JobRunner(self.url, submission_id, self.reporter, self.job_log, self.headers)
+
     # --- bounded Jobs API calls ----------------------------------------------------------------
 
-    def _request(self, method: str, path: str, timeout: float = HTTP_TIMEOUT
-                 ) -> requests.Response | None:
-        """None for 404 (no such job); raises JobApiUnreachable when the API does not answer."""
+    def _request(self, method: str, path: str, timeout: float = HTTP_TIMEOUT,
+                 job: str | None = None) -> requests.Response | None:
+        """None for 404 (no such job); raises JobApiUnreachable when the API does not answer.
+        `job`: another submission id than this runner's."""
         try:
-            reply = requests.request(method, f"{self.url}/api/jobs/{self.submission_id}{path}",
+            reply = requests.request(method,
+                                     f"{self.url}/api/jobs/{job or self.submission_id}{path}",
                                      headers=self.headers, timeout=timeout)
         except requests.RequestException as exc:
             raise JobApiUnreachable(f"{method} {path or '/'}: {exc}") from None
@@ -172,10 +179,11 @@ class JobRunner:
                     break
             on_tick()
             signals.sleep(poll)
-        self._finish_log()
+        self.finish_log()
         return status
 
-    def _finish_log(self) -> None:
+    def finish_log(self) -> None:
+        """The job is over: the rest of its log (the stream may have missed the end)."""
         if self._tail:
             self._tail.join(timeout=5)  # the stream ends by itself once the job is over
         with contextlib.suppress(JobApiUnreachable, ValueError, KeyError):
@@ -185,6 +193,32 @@ class JobRunner:
                 self._write(full[self._streamed:])
         if self._log_file:
             self._log_file.close()
+
+    def stop_earlier_attempts(self, run_name: str, timeout: float) -> None:
+        """Before a submission: every other job of this run (metadata podagent_run) must be
+        over; one still alive is stopped, and if it does not end in time nothing is submitted.
+        """
+        try:
+            reply = requests.get(f"{self.url}/api/jobs/", headers=self.headers,
+                                 timeout=HTTP_TIMEOUT)
+            reply.raise_for_status()
+            jobs = reply.json()
+        except (requests.RequestException, ValueError) as exc:
+            raise JobSubmitFailed(f"could not list the run's earlier jobs to make sure none is "
+                                  f"alive ({exc}); not submitting a second one") from None
+        alive = [j["submission_id"] for j in jobs
+                 if (j.get("metadata") or {}).get("podagent_run") == run_name
+                 and j.get("submission_id") not in (None, self.submission_id)
+                 and j.get("status") not in TERMINAL]
+        for earlier in alive:
+            self.reporter.warn(f"an earlier attempt of the run, job {earlier}, is still alive: "
+                               f"stopping it before submitting {self.submission_id}")
+            final = self.stop(timeout, job=earlier)
+            if final not in TERMINAL:
+                raise JobSubmitFailed(f"job {earlier}, an earlier attempt of the run, is still "
+                                      f"{final or 'unknown'} {timeout:g} s after being asked "
+                                      f"to stop; not submitting a second job")
+        self.reporter.event("earlier_attempts", checked=len(jobs), stopped=alive)
 
     def outcome(self, status: str) -> None:
         """Raise for a job that did not succeed, with the first line of Ray's reason."""
@@ -200,10 +234,10 @@ class JobRunner:
             raise JobStopped(f"job {self.submission_id} was stopped {where}")
         raise JobFailed(f"job {self.submission_id} failed: {reason or status} {where}")
 
-    def stop(self, timeout: float, while_waiting: Callable[[], None] | None = None
-             ) -> str | None:
-        """Ask Ray to stop the job and wait (bounded) until it is over; `while_waiting` is
-        called before each look at its status.
+    def stop(self, timeout: float, while_waiting: Callable[[], None] | None = None,
+             job: str | None = None) -> str | None:
+        """Ask Ray to stop the job (or another, `job`) and wait (bounded) until it is over;
+        `while_waiting` is called before each look at its status.
 
         Returns its last status, or None when the dashboard could not tell.
         """
@@ -216,13 +250,13 @@ class JobRunner:
             if while_waiting is not None:
                 while_waiting()
             try:
-                reply = self._request("GET", "", timeout=left())
+                reply = self._request("GET", "", timeout=left(), job=job)
                 return str(reply.json()["status"]) if reply is not None else None
             except (JobApiUnreachable, ValueError, KeyError, TypeError):
                 return None
 
         with contextlib.suppress(JobApiUnreachable):
-            self._request("POST", "/stop", timeout=left())
+            self._request("POST", "/stop", timeout=left(), job=job)
         return Retrying(
             stop=stop_after_delay(timeout), wait=wait_fixed(0.2),
             retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),

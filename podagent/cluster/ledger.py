@@ -19,7 +19,7 @@ from typing import Any
 LEDGER = "ledger.json"
 # The run ended for good: the job reached an end of its own, or someone asked for the end.
 # Anything else (a signal, a lost Ray, workers that never came) leaves the run to a restart.
-FINISHED = ("succeeded", "JobFailed", "JobStopped", "StopRequested")
+FINISHED = ("succeeded", "JobFailed", "JobStopped", "StopRequested", "RestartsExhausted")
 
 
 class Ledger:
@@ -65,12 +65,16 @@ class Ledger:
         return self.submissions[-1] if self.submissions and not self.finished else None
 
     def next_submission_id(self) -> str:
-        """The run's name for its first job, then `<run>-2`, `<run>-3`: each id once."""
-        count = len(self.submissions)
-        return self.data["run"] if count == 0 else f"{self.data['run']}-{count + 1}"
+        """One id per attempt, each used once: `<run>-1`, `<run>-2`, ..."""
+        return f"{self.data['run']}-{len(self.submissions) + 1}"
 
     def current_submission_id(self) -> str:
-        return self.submissions[-1]["id"] if self.submissions else self.data["run"]
+        return self.submissions[-1]["id"] if self.submissions else f"{self.data['run']}-1"
+
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        """The restarts after lost nodes (or failed jobs) so far, across container restarts."""
+        return self.data.setdefault("restarts", [])
 
     # --- what the head records -----------------------------------------------------------------
 
@@ -87,6 +91,15 @@ class Ledger:
         for submission in self.submissions:
             if submission["id"] == submission_id and submission.get("status") is None:
                 submission.update(status=status, ended_at=_now())
+        self._write()
+
+    def restarting(self, entry: dict[str, Any]) -> None:
+        """A restart begins: why, who was lost; `resubmitted()` completes the entry."""
+        self.restarts.append({"at": _now(), **entry})
+        self._write()
+
+    def resubmitted(self, submission_id: str, **figures: Any) -> None:
+        self.restarts[-1].update(submission=submission_id, **figures)
         self._write()
 
     def ended(self, outcome: str, job_status: str | None) -> None:

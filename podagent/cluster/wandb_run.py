@@ -161,6 +161,11 @@ class Ledger:
             up.summary["cluster_token"] = "off"
         elif name == "resume":
             up.summary["resumed_from"] = record.get("checkpoint_dir")
+        elif name == "restart":  # a lost node (or a failed job): the job is run again
+            up.metrics["cluster/restarts"] = _number(record.get("n"))
+            up.summary["last_restart_reason"] = record.get("reason")
+        elif name == "restarted":
+            up.metrics["cluster/restart_time_lost_s"] = _number(record.get("time_lost_s"))
         if up.metrics:
             up.metrics[STEP_METRIC] = elapsed
         return up

@@ -34,10 +34,11 @@ def engine() -> Iterator[engine_module.Engine]:
 
 
 @pytest.fixture(scope="package")
-def built(engine: engine_module.Engine) -> dict[str, images.Built]:
-    """podagent's image on every base (base name -> Built); bases come from the cache."""
+def built(engine: engine_module.Engine, container_images) -> dict[str, images.Built]:
+    """podagent's image on every base (base name -> Built); bases come from the cache. They
+    are made from the session's start on (tests/conftest.py), so this mostly waits for that."""
     started = time.monotonic()
-    rootfs, made = images.ensure_all(docker=engine.docker)
+    rootfs, made = container_images.result()
 
     def took(m: images.Made) -> str:
         return "cached" if m.cached else f"made in {m.seconds:.0f} s"

@@ -194,7 +194,7 @@ def test_docker_stop_on_the_head_mid_job_exits_143_and_the_volume_keeps_the_run(
         f"{STOP_TIMEOUT} s):\n{out[-3000:]}")
     assert [w.wait_exit(60) for w in workers] == [0, 0], "\n\n".join(
         w.logs[-2000:] for w in workers)
-    assert "job midjob stopped (status STOPPED)" in out, out[-3000:]
+    assert "job midjob-1 stopped (status STOPPED)" in out, out[-3000:]
     assert "Ray stopped (" in out
     assert "ERROR" not in out  # a signal is no error
     for w in workers:

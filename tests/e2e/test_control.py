@@ -35,7 +35,7 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     assert status["role"] == "worker" and status["head"]["ip"] == head.pod.ip
     assert {n["ip"] for n in status["nodes"] if n["alive"]} == {
         head.pod.ip, *(w.pod.ip for w in workers)}
-    assert status["job"]["submission_id"] == "e2e" and status["job"]["status"] == "RUNNING"
+    assert status["job"]["submission_id"] == "e2e-1" and status["job"]["status"] == "RUNNING"
     assert status["reward"]["state"] == "healthy"
     assert status["uptime_s"] > 0
 

@@ -41,14 +41,16 @@ def _events(agent: Agent) -> list[dict]:
 
 def test_worker_pod_killed_mid_job_head_notices_and_the_job_decides(make_pod, dns_server,
                                                                     tmp_path, agents):
-    """e) the worker's whole pod is SIGKILLed while the job runs: within 15 s the head warns,
-    naming the worker, and records a worker_lost event; the job (on the head only) goes on and
-    succeeds, so the head exits 0."""
+    """e) PODAGENT_ON_NODE_LOSS=fail (what podagent did before restarts existed): the worker's
+    whole pod is SIGKILLed while the job runs: within 15 s the head warns, naming the worker,
+    and records a worker_lost event; the job (on the head only) goes on and succeeds, so the
+    head exits 0 and nothing is restarted."""
     script, marker = tmp_path / "job.py", tmp_path / "go"
     script.write_text(WAIT_FOR_MARKER)
     head, (worker,) = form_cluster(
         make_pod, dns_server, tmp_path, agents, workers=1,
         head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
+                  "PODAGENT_ON_NODE_LOSS": "fail",
                   "PODAGENT_JOB": shlex.join([sys.executable, str(script), str(marker)])})
     for a in (head, worker):
         a.start()
@@ -66,10 +68,13 @@ def test_worker_pod_killed_mid_job_head_notices_and_the_job_decides(make_pod, dn
     assert lost["ip"] == worker.pod.ip
     assert killed_wall <= lost["at"] <= killed_wall + NOTICE_WITHIN, lost
     assert head.proc is not None and head.proc.poll() is None  # the job decides, not podagent
+    assert "the job decides whether it goes on" in head.output
 
     marker.write_text("go")
     assert head.wait_exit(60) == 0, head.output[-3000:]
     assert "marker seen: done" in head.output and "[head] job SUCCEEDED" in head.output
+    assert "RESTART" not in head.output and not [e for e in _events(head)
+                                                if e["event"] == "restart"]
     assert worker.wait_exit(10) == -signal.SIGKILL
     assert head.pod.pids() == [], head.pod.pids()
 
@@ -123,7 +128,7 @@ def test_sigterm_to_the_head_mid_job_closes_every_pod(make_pod, dns_server, tmp_
         w.output[-2000:] for w in workers)
 
     out = head.output
-    assert "[head] job e2e stopped (status STOPPED)" in out, out[-3000:]
+    assert "[head] job e2e-1 stopped (status STOPPED)" in out, out[-3000:]
     assert "Ray stopped (" in out
     assert "ERROR" not in out  # a signal is no error
     for w in workers:

@@ -103,7 +103,7 @@ def test_a_finished_run_is_not_run_again_and_a_staying_pod_leaves_on_sigterm(
     first = head.start()
     code = first.wait_exit(FORM_TIMEOUT)
     assert code == EXIT_JOB_FAILED, first.output[-3000:]
-    assert "job e2e submitted" in first.output
+    assert "job e2e-1 submitted" in first.output
     (warning,) = [line for line in first.output.splitlines() if "WORKER_TIMOUT" in line]
     assert ("WARNING: PODAGENT_WORKER_TIMOUT is not a podagent setting; did you mean "
             "PODAGENT_WORKER_TIMEOUT? (ignored)") in warning, warning
@@ -122,7 +122,7 @@ def test_a_finished_run_is_not_run_again_and_a_staying_pod_leaves_on_sigterm(
     assert "not running it again" in out
     assert "submitted" not in out and "Ray head up" not in out, out[-3000:]
     assert (_run_dir(head) / "job.log").read_text().splitlines().count("job ran") == 1
-    assert [s["id"] for s in _ledger(head)["submissions"]] == ["e2e"]
+    assert [s["id"] for s in _ledger(head)["submissions"]] == ["e2e-1"]
     assert again.pod.pids() == []
 
     staying = again.restarted({"PODAGENT_AFTER_RUN": "stay"})
@@ -244,15 +244,15 @@ def test_head_lost_while_a_worker_joins_then_mid_job_the_worker_rejoins_and_the_
     assert worker.wait_exit(60) == 0, worker.output[-3000:]
 
     out = third.output
-    assert "run e2e was interrupted (job e2e: running when its head stopped)" in out, out[-3000:]
+    assert "run e2e was interrupted (job e2e-1: running when its head stopped)" in out, out[-3000:]
     assert (f"resuming: {checkpoints} holds a checkpoint (step-1), so the job gets "
             f"--load_checkpoint") in out
     assert out.count(" submitted (") == 1 and "job e2e-2 submitted" in out, out[-3000:]
     assert "resumed from ['model.txt']" in out and "[head] job SUCCEEDED" in out
     ledger = _ledger(third)
     first_sub, resubmitted = ledger["submissions"]
-    assert first_sub["id"] == "e2e" and resubmitted["id"] == "e2e-2", ledger
-    assert resubmitted["resumed_from"] == "e2e" and resubmitted["status"] == "SUCCEEDED", ledger
+    assert first_sub["id"] == "e2e-1" and resubmitted["id"] == "e2e-2", ledger
+    assert resubmitted["resumed_from"] == "e2e-1" and resubmitted["status"] == "SUCCEEDED", ledger
     if first_sub.get("ended_at") is not None:
         assert resubmitted["at"] > first_sub["ended_at"], ledger
     else:  # its head was SIGKILLed: nothing recorded its end
@@ -261,7 +261,7 @@ def test_head_lost_while_a_worker_joins_then_mid_job_the_worker_rejoins_and_the_
     # events.jsonl is the run's: each start of the head appends to it.
     submitted = [e for e in _events(third) if e["event"] == "job_submitted"]
     assert [(e.get("submission_id"), e["ts"] > third_at) for e in submitted] == [
-        ("e2e", False), ("e2e-2", True)], submitted
+        ("e2e-1", False), ("e2e-2", True)], submitted
     # One worker process throughout: it joined twice (the first attempt was stopped).
     assert worker.output.count("joined the cluster at") == 2, worker.output[-3000:]
     rejoins = [e for e in _events(worker) if e["event"] == "rejoining"]
@@ -296,4 +296,4 @@ def test_sigterm_to_each_role_mid_job_ends_that_pod_within_5_s(make_pod, dns_ser
     assert ledger["starts"][-1]["outcome"] == "Interrupted", ledger
     assert "finished" not in ledger, ledger
     (submission,) = ledger["submissions"]
-    assert submission["id"] == "e2e" and submission["status"] is not None, ledger
+    assert submission["id"] == "e2e-1" and submission["status"] is not None, ledger

@@ -47,7 +47,7 @@ def test_smoke_job_succeeds_and_shows_each_step(smoke: PodagentRun) -> None:
     assert head, f"no 'Ray head up at ... (N.N s)' line in:\n{out}"
     assert int(head["port"]) == smoke.ray_port
     assert f"dashboard answers at http://{head['ip']}:{smoke.dashboard_port}" in out, out
-    assert re.search(rf"^\[head\] job {smoke.run_name} submitted \(the built-in cluster "
+    assert re.search(rf"^\[head\] job {smoke.run_name}-1 submitted \(the built-in cluster "
                      r"check\) \(\d+\.\d s\)$", out, re.M), out
     assert "check: 1 ranks on 1 nodes, backend gloo" in out, out
     assert re.search(rf"^check: {head['ip']} +0 +cpu .*✓ .*$", out, re.M), out
@@ -83,7 +83,7 @@ def test_smoke_events_record_the_lifecycle(smoke: PodagentRun) -> None:
     assert ray_head["result"] == "ok" and ray_head["duration_s"] > 0, ray_head
     assert ray_head["address"].endswith(f":{smoke.ray_port}")
     (submitted,) = smoke.events_named("job_submitted")
-    assert submitted["result"] == "ok" and submitted["submission_id"] == smoke.run_name
+    assert submitted["result"] == "ok" and submitted["submission_id"] == f"{smoke.run_name}-1"
     (finished,) = smoke.events_named("job_finished")
     assert (finished["result"], finished["status"]) == ("ok", "SUCCEEDED"), finished
     assert events[-1]["code"] == 0 and "error" not in events[-1], events[-1]
@@ -111,7 +111,7 @@ def test_failed_job_exits_3_with_its_output(failed: PodagentRun) -> None:
     assert "boom" in lines(failed.read("job.log")), failed.read("job.log")
     assert re.search(r"^\[head\] job FAILED \(\d+\.\d s\)$", failed.stdout, re.M)
     first = failed.stderr.splitlines()[0] if failed.stderr else ""
-    assert first.startswith(f"[head] ERROR: job {failed.run_name} failed"), failed.stderr
+    assert first.startswith(f"[head] ERROR: job {failed.run_name}-1 failed"), failed.stderr
     assert "exit code 3" in first, failed.stderr
     (finished,) = failed.events_named("job_finished")
     assert finished["status"] == "FAILED"

@@ -99,8 +99,8 @@ def test_the_restarted_head_follows_the_same_job_and_exits_0(reattached: Reattac
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr}"
     out = run.stdout
     assert ("re-attaching: this pod's Ray at " in out
-            and f"still runs job {run.run_name} (RUNNING)" in out), out[-3000:]
-    assert f"job {run.run_name} already running: following it" in out
+            and f"still runs job {run.run_name}-1 (RUNNING)" in out), out[-3000:]
+    assert f"job {run.run_name}-1 already running: following it" in out
     assert "stale Ray" not in out and "Ray head up at" not in out  # no cleaning, no new Ray
     assert "built-in reward server still answers" in out and "keeping it" in out
     assert "[head] job SUCCEEDED" in out
@@ -108,7 +108,8 @@ def test_the_restarted_head_follows_the_same_job_and_exits_0(reattached: Reattac
 
 def test_the_job_was_submitted_exactly_once(reattached: Reattached) -> None:
     run = reattached.second
-    ours = [job for job in reattached.jobs_listed if job.get("submission_id") == run.run_name]
+    ours = [job for job in reattached.jobs_listed
+            if job.get("submission_id") == f"{run.run_name}-1"]
     assert len(ours) == 1, reattached.jobs_listed
     submitted = [e for e in run.events() if e["event"] == "job_submitted" and "new" in e]
     assert [e["new"] for e in submitted] == [True, False], submitted

@@ -55,7 +55,7 @@ def test_a_stop_request_stops_the_job_and_exits_0(stopped_while_running: Podagen
     run = stopped_while_running
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr}"
     assert "stop requested by pod-operator at " in run.stdout
-    assert f"job {run.run_name} stopped (status STOPPED)" in run.stdout
+    assert f"job {run.run_name}-1 stopped (status STOPPED)" in run.stdout
     assert run.stderr.strip() == ""  # an orderly end is no error
     (requested,) = run.events_named("stop_requested")
     assert requested["by"] == "pod-operator" and requested["at"] > 0

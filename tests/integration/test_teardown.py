@@ -93,7 +93,7 @@ def test_sigterm_stops_the_job_and_exits_143(stopped: tuple[PodagentRun, Seen]) 
     run, seen = stopped
     assert run.returncode == 143, f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
     assert seen.exit_after is not None and seen.exit_after < EXIT_WITHIN, seen.exit_after
-    assert f"[head] job {run.run_name} stopped (status STOPPED)" in run.stdout, run.stdout
+    assert f"[head] job {run.run_name}-1 stopped (status STOPPED)" in run.stdout, run.stdout
     assert "Ray stopped (" in run.stdout
     assert run.stderr.strip() == "", run.stderr  # a signal is no error
     (job_stopped,) = run.events_named("job_stopped")

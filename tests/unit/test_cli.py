@@ -228,6 +228,7 @@ EXIT_CODES = [
     (errors.AuthRefused("wrong token"), 13),
     (errors.JobSubmitFailed("no agent"), 14),
     (errors.StopTimeout("still up"), 15),
+    (errors.RestartsExhausted("lost again"), 16),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),

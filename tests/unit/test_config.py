@@ -147,6 +147,9 @@ INVALID = [
     ("PODAGENT_AFTER_RUN", "halt", "one of stay, exit, stop-pod"),
     ("PODAGENT_AFTER_RUN", "Stay", "one of stay, exit, stop-pod"),
     ("PODAGENT_REJOIN", "yes", "0 or 1"),
+    ("PODAGENT_ON_NODE_LOSS", "retry", "one of restart, wait, fail"),
+    ("PODAGENT_RESTARTS", "-1", ""),
+    ("PODAGENT_RETRY_FAILED_JOB", "true", "0 or 1"),
     ("PODAGENT_RUNPOD_API_URL", "ftp://rest.runpod.io/v1", "http:// or https:// URL"),
     ("PODAGENT_RUNPOD_API_URL", "rest.runpod.io/v1", "http:// or https:// URL"),
     ("PODAGENT_RUNPOD_API_URL", "https://", "http:// or https:// URL"),
@@ -626,6 +629,17 @@ KEY = "rpa_" + "S3cret" * 6
 def test_after_run(env, expected, source):
     s = build(env)
     assert (s.after_run, s.sources["after_run"]) == (expected, source)
+
+
+@pytest.mark.parametrize(("env", "policy", "restarts"), [
+    ({}, "restart", 3),
+    ({"PODAGENT_RESTARTS": "0"}, "fail", 0),
+    ({"PODAGENT_RESTARTS": "0", "PODAGENT_ON_NODE_LOSS": "restart"}, "restart", 0),
+    ({"PODAGENT_ON_NODE_LOSS": "wait"}, "wait", 3),
+])
+def test_on_node_loss_restarts_unless_no_restarts_are_allowed(env, policy, restarts):
+    s = build(env)
+    assert (s.on_node_loss, s.restarts, s.retry_failed_job) == (policy, restarts, False)
 
 
 def test_stop_pod_needs_the_api_key():

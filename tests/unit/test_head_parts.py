@@ -4,8 +4,10 @@ watch (a scripted GCS and clock)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import socket
 from collections.abc import Iterator
 
 import psutil
@@ -94,10 +96,64 @@ def test_census_reports_each_loss_once_while_the_job_runs():
     heard = Heard()
     census = WorkerCensus(lambda: [node("10.0.0.2"), node("10.0.0.3")], heard.reporter)
     census.poll_joins(2)
-    census.note_losses({"id-10.0.0.3"})
-    census.note_losses({"id-10.0.0.3"})
-    census.note_losses(set())
+    assert [w.ip for w in census.note_losses({"id-10.0.0.3"}, "the job decides")] == [
+        "10.0.0.2"]
+    assert census.note_losses({"id-10.0.0.3"}, "the job decides") == []
+    census.note_losses(set(), "the job decides")
     assert [e["ip"] for e in heard.named("worker_lost")] == ["10.0.0.2", "10.0.0.3"]
+    assert "left the cluster while the job ran (Ray marked its node dead; noticed " in heard.text
+    assert "); the job decides" in heard.text
+
+
+def test_a_pod_joining_while_a_restart_waits_takes_the_lost_ones_place():
+    """The same address back is the lost pod restarted; a new address replaces the lost pod
+    that left first. A lost node Ray still lists as alive is never counted again."""
+    heard = Heard()
+    tables = scripted(
+        [node("10.0.0.2"), node("10.0.0.3")],  # the job's workers
+        [node("10.0.0.3")],  # .2 lost while the job ran
+        [node("10.0.0.2"), node("10.0.0.3")],  # begin_recovery: Ray still lists .2 alive
+        [node("10.0.0.2"), node("10.0.0.3")],  # poll: .2's old node is not a join
+        [node("10.0.0.3"), node("10.0.0.9")],  # a new pod in its place
+    )
+    census = WorkerCensus(lambda: next(tables), heard.reporter)
+    assert census.poll_joins(2) == 2
+    census.note_losses({w.node_id for w in census.alive()}, "stopping the job")
+    assert [w.ip for w in census.begin_recovery()] == ["10.0.0.2"]
+    assert census.poll_joins(2) == 1
+    assert census.poll_joins(2) == 2
+    assert "worker joined: 10.0.0.9 (1 GPUs) [2/2] (in place of the lost 10.0.0.2)" in heard.text
+    assert census.replaced == [("10.0.0.2", "10.0.0.9")]
+    assert heard.named("worker_joined")[-1]["replaces"] == "10.0.0.2"
+
+
+def test_the_lost_pod_restarted_is_said_to_be_back():
+    heard = Heard()
+    first, again = node("10.0.0.2"), dataclasses.replace(node("10.0.0.2"), node_id="id-new")
+    tables = scripted([first], [], [], [again])
+    census = WorkerCensus(lambda: next(tables), heard.reporter)
+    census.poll_joins(1)
+    census.note_losses({w.node_id for w in census.alive()}, "stopping the job")
+    census.begin_recovery()
+    census.poll_joins(1)
+    assert "(the lost pod 10.0.0.2 is back)" in heard.text
+
+
+def test_an_unreachable_raylet_is_a_lost_pod_before_ray_says_so():
+    """The job failed because a pod was killed: its raylet refuses connections at once."""
+    heard = Heard()
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        up = dataclasses.replace(node("127.0.0.1"), node_manager_port=listening.getsockname()[1])
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            gone_port = closed.getsockname()[1]
+        gone = dataclasses.replace(node("127.0.0.1"), node_id="id-gone",
+                                   node_manager_port=gone_port)
+        census = WorkerCensus(lambda: [up, gone], heard.reporter)
+        census.poll_joins(2)
+        assert [w.node_id for w in census.unreachable()] == ["id-gone"]
 
 
 def test_census_awaits_departures_and_names_who_stayed():
@@ -172,9 +228,11 @@ def test_job_env_carries_wandb_settings_never_the_key():
     settings = config.build({}, {"WANDB_PROJECT": "p", "WANDB_API_KEY": "k" * 40,
                                  "PODAGENT_RUN_NAME": "r1"})
     env = job_spec.env(settings, "10.0.0.1", nodes=3, gpus=24,
-                       reward_url="http://10.0.0.1:5000/get_reward", ray_debug=True)
+                       reward_url="http://10.0.0.1:5000/get_reward", ray_debug=True,
+                       submission_id="r1-2", attempt=2)
     assert env == {"PODAGENT_NUM_NODES": "3", "PODAGENT_NUM_GPUS": "24",
                    "PODAGENT_HEAD_ADDR": "10.0.0.1", "PODAGENT_RUN_NAME": "r1",
+                   "PODAGENT_SUBMISSION_ID": "r1-2", "PODAGENT_ATTEMPT": "2",
                    "REMOTE_RM_URL": "http://10.0.0.1:5000/get_reward", "RAY_DEBUG": "legacy",
                    "WANDB_PROJECT": "p"}
 

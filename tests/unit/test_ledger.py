@@ -15,26 +15,26 @@ from podagent.waiting import Signals
 from tests.fakes.runpod_api import FakeRunPodApi
 
 
-def test_a_new_run_has_nothing_to_resume_and_names_its_first_job_after_the_run(tmp_path):
+def test_a_new_run_has_nothing_to_resume_and_numbers_its_first_job_1(tmp_path):
     ledger = Ledger.load(tmp_path, "r1")
     assert ledger.finished is None and ledger.interrupted() is None
-    assert ledger.next_submission_id() == "r1" == ledger.current_submission_id()
+    assert ledger.next_submission_id() == "r1-1" == ledger.current_submission_id()
     assert not (tmp_path / LEDGER).exists()  # nothing written until something happened
 
 
 def test_an_interrupted_run_is_resumed_under_a_new_id_and_finishes_for_good(tmp_path):
     first = Ledger.load(tmp_path, "r1")
     first.started("head-pod")
-    first.submitted("r1", None)
+    first.submitted("r1-1", None)
     first.ended("Interrupted", None)  # SIGTERM: not the end of the run
-    first.job_ended("r1", "STOPPED")
+    first.job_ended("r1-1", "STOPPED")
 
     again = Ledger.load(tmp_path, "r1")  # the restarted head
     assert again.finished is None
-    assert again.interrupted()["id"] == "r1"
+    assert again.interrupted()["id"] == "r1-1"
     assert again.next_submission_id() == "r1-2"
     again.started("head-pod")
-    again.submitted("r1-2", resumed_from="r1")
+    again.submitted("r1-2", resumed_from="r1-1")
     again.job_ended("r1-2", "SUCCEEDED")
     again.ended("succeeded", "SUCCEEDED")
     again.exit_code(0)
@@ -42,7 +42,7 @@ def test_an_interrupted_run_is_resumed_under_a_new_id_and_finishes_for_good(tmp_
     third = Ledger.load(tmp_path, "r1")
     assert third.finished["outcome"] == "succeeded" and third.finished["exit_code"] == 0
     assert [(s["id"], s["status"], s["resumed_from"]) for s in third.submissions] == [
-        ("r1", "STOPPED", None), ("r1-2", "SUCCEEDED", "r1")]
+        ("r1-1", "STOPPED", None), ("r1-2", "SUCCEEDED", "r1-1")]
     assert [s["outcome"] for s in third.data["starts"]] == ["Interrupted", "succeeded"]
 
 
@@ -65,6 +65,28 @@ def test_a_failed_job_ends_the_run_but_workers_that_never_came_do_not(tmp_path):
     ledger.exit_code(3)
     ledger.exit_code(0)  # the first code stays
     assert Ledger.load(tmp_path, "r1").finished["exit_code"] == 3
+
+
+def test_restarts_are_counted_across_container_restarts(tmp_path):
+    ledger = Ledger.load(tmp_path, "r1")
+    ledger.started("p")
+    ledger.submitted("r1-1", None)
+    ledger.job_ended("r1-1", "STOPPED")
+    ledger.restarting({"n": 1, "reason": "lost 10.0.0.3", "lost": ["10.0.0.3"]})
+    ledger.submitted("r1-2", "r1-1")
+    ledger.resubmitted("r1-2", time_lost_s=12.5, replaced=[["10.0.0.3", "10.0.0.9"]])
+    again = Ledger.load(tmp_path, "r1")
+    assert again.next_submission_id() == "r1-3"
+    (restart,) = again.restarts
+    assert (restart["n"], restart["submission"], restart["time_lost_s"]) == (1, "r1-2", 12.5)
+    assert restart["replaced"] == [["10.0.0.3", "10.0.0.9"]]
+
+
+def test_exhausted_restarts_end_the_run_for_good(tmp_path):
+    ledger = Ledger.load(tmp_path, "r1")
+    ledger.started("p")
+    ledger.ended("RestartsExhausted", "STOPPED")
+    assert Ledger.load(tmp_path, "r1").finished["outcome"] == "RestartsExhausted"
 
 
 def test_an_unreadable_ledger_is_kept_aside_not_lost(tmp_path):

@@ -1,0 +1,188 @@
+"""Self-healing runs: a worker pod lost mid-training, the run goes on from its last checkpoint
+without anyone. The job is a real training run across the nodes (tests/jobs/tiny_train.py):
+that the run went on is shown by the training itself (its target step reached, the losses of
+a resumed attempt equal to what the first attempt computed for the same steps, no step before
+the last checkpoint done twice).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from tests.e2e.test_cluster import FORM_TIMEOUT
+from tests.harness.agents import Agent, form_cluster
+from tests.harness.pods import wait_for
+
+TRAIN = Path(__file__).resolve().parents[1] / "jobs" / "tiny_train.py"
+EXIT_RESTARTS_EXHAUSTED, EXIT_JOB_FAILED = 16, 3
+STOPPED_WITHIN = 10.0  # the issue's bound: pod lost -> job stopped
+STEPS, EVERY = 120, 10
+
+
+def _train_job(steps: int = STEPS, step_time: float = 0.1) -> str:
+    return shlex.join([sys.executable, str(TRAIN), "--steps", str(steps), "--every",
+                       str(EVERY), "--step-time", str(step_time)])
+
+
+def _run_dir(agent: Agent) -> Path:
+    return Path(agent.env["PODAGENT_LOG_DIR"]) / agent.env["PODAGENT_RUN_NAME"]
+
+
+def _ledger(agent: Agent) -> dict:
+    return json.loads((_run_dir(agent) / "ledger.json").read_text())
+
+
+def _events(agent: Agent, name: str) -> list[dict]:
+    text = (_run_dir(agent) / "events.jsonl").read_text()
+    return [e for e in map(json.loads, filter(str.strip, text.splitlines()))
+            if e["event"] == name]
+
+
+def _steps(checkpoints: Path) -> list[dict]:
+    path = checkpoints / ".steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_step(checkpoints: Path, attempt: int, step: int, head: Agent) -> None:
+    def reached() -> bool:
+        if head.proc is not None and head.proc.poll() is not None:
+            raise AssertionError(f"the head exited {head.proc.returncode}:\n"
+                                 f"{head.output[-3000:]}")
+        return any(s["attempt"] == attempt and s["step"] >= step for s in _steps(checkpoints))
+
+    wait_for(reached, timeout=FORM_TIMEOUT, interval=0.2,
+             what=f"attempt {attempt} of the training to reach step {step}")
+
+
+def _cluster(make_pod, dns_server, tmp_path, agents, workers: int, **head_env: str):
+    checkpoints = tmp_path / "ckpt"
+    head, pods = form_cluster(
+        make_pod, dns_server, tmp_path, agents, workers=workers,
+        head_env={"EXPECTED_WORKERS": str(workers), "PODAGENT_REWARD": "none",
+                  "PODAGENT_CHECKPOINT_DIR": str(checkpoints), "PODAGENT_RESTART_BACKOFF": "1",
+                  **head_env})
+    for a in (head, *pods):
+        a.start()
+    return head, pods, checkpoints
+
+
+def _kill(worker: Agent, head: Agent) -> float:
+    """SIGKILL the worker's whole pod; returns when the head has acted on it (a restart begun,
+    or the run over)."""
+    worker.wait_output("watching the head", timeout=FORM_TIMEOUT)
+    killed = time.time()
+    worker.kill_pod()
+    wait_for(lambda: any(e["ts"] > killed
+                         for e in _events(head, "restart") + _events(head, "teardown")),
+             timeout=60, interval=0.2, what="the head to act on the lost pod")
+    return killed
+
+
+def _assert_training_went_on(steps: list[dict], checkpoints_at: list[int]) -> None:
+    """Each attempt after the first starts right after a checkpoint the previous attempt wrote,
+    with the loss the previous attempt computed for that step (same weights, same batch)."""
+    by_attempt: dict[int, list[dict]] = {}
+    for s in steps:
+        by_attempt.setdefault(s["attempt"], []).append(s)
+    attempts = sorted(by_attempt)
+    for earlier, later in itertools.pairwise(attempts):
+        first = by_attempt[later][0]["step"]
+        before = {s["step"]: s["loss"] for s in by_attempt[earlier]}
+        assert first - 1 in checkpoints_at and first - 1 in before, (earlier, later, first)
+        assert max(before) < first + EVERY, "more than a checkpoint interval done twice"
+        if first in before:  # the step the earlier attempt did after its last checkpoint
+            assert abs(before[first] - by_attempt[later][0]["loss"]) < 1e-5, (before[first],
+                                                                              by_attempt[later])
+        steps_of_later = [s["step"] for s in by_attempt[later]]
+        assert steps_of_later == list(range(first, first + len(steps_of_later))), later
+    assert by_attempt[attempts[-1]][-1]["step"] == STEPS
+
+
+def test_lost_workers_replaced_or_restarted_and_the_training_finishes(make_pod, dns_server,
+                                                                      tmp_path, agents):
+    """A worker pod killed mid-training and a replacement pod (new id, new address) started:
+    the job is stopped within 10 s, submitted again once the replacement joined, resuming from
+    the newest checkpoint. Then the other worker's pod is killed and the same pod restarted:
+    the same again. Training reaches its target step; the ledger shows 3 attempts and the time
+    each restart lost."""
+    head, (w1, w2), checkpoints = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+                                           PODAGENT_JOB=_train_job())
+
+    _wait_step(checkpoints, attempt=1, step=EVERY + 3, head=head)
+    killed = _kill(w1, head)
+    (restart,) = _events(head, "restart")
+    assert restart["ts"] - killed <= STOPPED_WITHIN, restart
+    assert restart["lost"] == [w1.pod.ip] and restart["n"] == 1, restart
+    replacement_pod = make_pod("w3", register=True)
+    replacement = Agent(replacement_pod, dns_server, tmp_path,
+                        {"HEAD_POD_ID": head.env["HEAD_POD_ID"]})
+    agents.append(replacement)
+    replacement.start()
+
+    _wait_step(checkpoints, attempt=2, step=2 * EVERY + 3 + 10, head=head)
+    joined = [e for e in _events(head, "worker_joined") if e.get("replaces")]
+    assert [(e["ip"], e["replaces"]) for e in joined] == [(replacement_pod.ip, w1.pod.ip)]
+    # The replacement checked its NCCL preset against its own interfaces, as every worker does.
+    preset = "NCCL preset runpod-global: RUNPOD_POD_ID/HEAD_POD_ID are set"
+    assert preset in replacement.output and preset in w1.output
+    submitted = [e for e in _events(head, "job_submitted") if e.get("result") == "ok"]
+    assert [e["submission_id"] for e in submitted] == ["e2e-1", "e2e-2"]
+    assert joined[0]["ts"] < submitted[1]["ts"], "resubmitted before the replacement joined"
+    ledger = _ledger(head)
+    assert [s["id"] for s in ledger["submissions"]] == ["e2e-1", "e2e-2"], ledger
+    assert ledger["restarts"][0]["time_lost_s"] > 0, ledger
+    assert "--load_checkpoint" in head.output.split("job e2e-2 submitted")[1].splitlines()[0]
+
+    killed = _kill(w2, head)
+    second = _events(head, "restart")[-1]
+    assert second["n"] == 2 and second["lost"] == [w2.pod.ip], second
+    assert second["ts"] - killed <= STOPPED_WITHIN, second
+    w2_again = w2.restarted()
+    agents.append(w2_again)
+    w2_again.start()
+
+    assert head.wait_exit(FORM_TIMEOUT) == 0, head.output[-4000:]
+    assert f"TRAINED steps={STEPS} attempt=3" in head.output
+    assert f"(the lost pod {w2.pod.ip} is back)" in head.output
+    ledger = _ledger(head)
+    assert [s["id"] for s in ledger["submissions"]] == ["e2e-1", "e2e-2", "e2e-3"], ledger
+    assert [s["resumed_from"] for s in ledger["submissions"]] == [None, "e2e-1", "e2e-2"]
+    assert [r["n"] for r in ledger["restarts"]] == [1, 2]
+    assert all(r["time_lost_s"] > 0 and r["submission"] for r in ledger["restarts"]), ledger
+    assert ledger["finished"]["outcome"] == "succeeded", ledger
+    saved = sorted(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
+    _assert_training_went_on(_steps(checkpoints), saved)
+    for w in (replacement, w2_again):
+        assert w.wait_exit(30) == 0, w.output[-3000:]
+
+
+def test_restarts_exhausted_exit_16_with_the_checkpoints_kept(make_pod, dns_server, tmp_path,
+                                                              agents):
+    """PODAGENT_RESTARTS=2 and three losses: the third ends the run with exit 16, one line
+    naming the limit, the checkpoints and the ledger intact."""
+    head, (worker,), checkpoints = _cluster(
+        make_pod, dns_server, tmp_path, agents, workers=1, PODAGENT_RESTARTS="2",
+        PODAGENT_JOB=_train_job(steps=10_000, step_time=0.05))
+    for attempt in (1, 2, 3):
+        # the first loss comes after a checkpoint: the test then shows it survives
+        _wait_step(checkpoints, attempt=attempt, step=EVERY + 1 if attempt == 1 else 1,
+                   head=head)
+        _kill(worker, head)
+        worker = worker.restarted()
+        agents.append(worker)
+        worker.start()
+    assert head.wait_exit(60) == EXIT_RESTARTS_EXHAUSTED, head.output[-3000:]
+    (error,) = [line for line in head.output.splitlines() if "ERROR" in line]
+    assert "already restarted 2 time(s) (PODAGENT_RESTARTS=2): giving up" in error, error
+    ledger = _ledger(head)
+    assert len(ledger["submissions"]) == 3 and len(ledger["restarts"]) == 2, ledger
+    assert ledger["finished"]["outcome"] == "RestartsExhausted", ledger
+    assert ledger["finished"]["exit_code"] == EXIT_RESTARTS_EXHAUSTED, ledger
+    assert checkpoints.is_dir() and list(checkpoints.glob("step-*.pt")), "checkpoints lost"
