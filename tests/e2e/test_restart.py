@@ -25,21 +25,7 @@ EXIT_JOB_FAILED, EXIT_SIGTERM = 3, 143
 GRACE = "3"  # PODAGENT_HEAD_GRACE for the workers: a lost head is noticed in seconds
 SIGTERM_WINDOW = 5.0  # RunPod sends SIGKILL about 5 s after SIGTERM
 REJOIN_LINE = "this pod's Ray is stopped and podagent waits for the head again"
-# Trains until stopped, with a checkpoint written first; started with the resume flag, says
-# what it resumed from and succeeds.
-CHECKPOINTING_JOB = """
-import os, sys, time
-print("ARGV", sys.argv[1:], flush=True)
-step = os.path.join(os.environ["PODAGENT_CHECKPOINT_DIR"], "step-1")
-if "--load_checkpoint" in sys.argv:
-    print("resumed from", sorted(os.listdir(step)), flush=True)
-    sys.exit(0)
-os.makedirs(step)
-with open(os.path.join(step, "model.txt"), "w") as f:
-    f.write("weights")
-print("saved", flush=True)
-time.sleep(600)
-"""
+SAVE_ONCE = Path(__file__).resolve().parents[1] / "jobs" / "save_once.py"
 LONG_JOB = "python -c 'import time; print(\"step\", 1, flush=True); time.sleep(600)'"
 
 
@@ -187,8 +173,7 @@ def test_head_lost_while_a_worker_joins_then_mid_job_the_worker_rejoins_and_the_
     flag, and it finishes; the ledger holds exactly the two submissions."""
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
-    script = tmp_path / "train.py"
-    script.write_text(CHECKPOINTING_JOB)
+    script = SAVE_ONCE
     head, (worker,) = form_cluster(
         make_pod, dns_server, tmp_path, agents, workers=1,
         head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",

@@ -5,30 +5,18 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 from tests.integration.conftest import Runs, wait_for
 
-JOB = """
-import os, sys, time
-print("ARGV", sys.argv[1:], flush=True)
-step = os.path.join(os.environ["PODAGENT_CHECKPOINT_DIR"], "step-1")
-if "--load_checkpoint" in sys.argv:
-    print("resumed from", sorted(os.listdir(step)), flush=True)
-    sys.exit(0)
-os.makedirs(step)
-with open(os.path.join(step, "model.txt"), "w") as f:
-    f.write("weights")
-print("saved", flush=True)
-time.sleep(600)
-"""
+SAVE_ONCE = Path(__file__).resolve().parents[1] / "jobs" / "save_once.py"
 
 
 def test_a_stopped_job_restarts_with_the_resume_flag(podagent_runs: Runs) -> None:
     first = podagent_runs.new("ckpt1")
     checkpoints = first.scratch / "checkpoints"
     checkpoints.mkdir(parents=True)
-    script = first.scratch / "train.py"
-    script.write_text(JOB)
+    script = SAVE_ONCE
     env = {"PODAGENT_CHECKPOINT_DIR": str(checkpoints), "PODAGENT_REWARD": "none"}
     with first.running(["head", "--", sys.executable, str(script)], env=env):
         wait_for(lambda: first.read("job.log"), lambda log: "saved" in log, timeout=180,
