@@ -65,12 +65,15 @@ def _check_passed_on(out: str, pods: list[Agent]) -> None:
     assert set(rows) == {a.pod.ip for a in pods}, out[-4000:]
     for row in rows.values():
         assert "gloo/TCP via podnet1" in row and "✗" not in row, row
-        assert row.count("✓") == 6, row  # all_reduce, gather, all_gather, gathers, reward, data
+        # all_reduce, gather, all_gather, gathers, reward, data, a DDP training step
+        assert row.count("✓") == 7, row
     # Data distribution: 1000 samples, batch 8: the steps per epoch shrink as nodes are added.
     assert ("steps per epoch 125 on 1 node (world 1), 63 on 2 nodes (world 2), "
             "42 on 3 nodes (world 3)") in out
     assert re.search(r"^check: all_reduce 16 MiB: algbw [\d.]+ GB/s, busbw [\d.]+ GB/s$", out,
                      re.M)
+    assert re.search(r"^check: ddp step: \d+ parameters on 3 ranks, each its own batch: "
+                     r"averaged gradients equal on every rank", out, re.M), out[-4000:]
     assert "check: ALL CHECKS PASSED" in out
 
 
