@@ -147,20 +147,9 @@ def run_podagent_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
             worker_fault(c.workers[0], fault)
             events_path = logdir / "head" / "bench" / "events.jsonl"
 
-            def lost() -> float | None:
-                for event in harness.read_events(events_path):
-                    if event.get("event") == "worker_lost":
-                        return float(event["ts"])
-                if head.proc.poll() is not None:
-                    raise RunFailed(f"head exited {head.proc.returncode} instead: "
-                                    f"{reason_line(head.output)}", last_lines(head.output))
-                return None
-
-            try:
-                noticed = wait_for(lost, timeout=cap, interval=0.05,
-                                   what="the head's worker_lost event")
-            except TimeoutError as exc:
-                raise RunFailed(str(exc), last_lines(head.output)) from None
+            noticed = float(benchkit.await_event(
+                events_path, head, lambda e: e.get("event") == "worker_lost", cap,
+                "the head's worker_lost event")["ts"])
             run.seconds = round(noticed - killed, 3)
             run.extra["head_still_running"] = head.proc.poll() is None
             if not run.extra["head_still_running"]:

@@ -134,21 +134,10 @@ def run_restart(run: Run, logdir: Path, timeout: float, grace: float) -> None:
             new_head.start()
             events_path = logdir / "head" / "bench" / "events.jsonl"
 
-            def joined() -> float | None:
-                for event in harness.read_events(events_path):
-                    if (event.get("event") == "worker_joined" and event.get("ip") == c.workers[0].ip
-                            and float(event["ts"]) >= started):
-                        return float(event["ts"])
-                if new_head.proc.poll() is not None:
-                    raise RunFailed(f"the new head exited {new_head.proc.returncode}: "
-                                    f"{reason_line(new_head.output)}", last_lines(new_head.output))
-                return None
-
-            try:
-                joined_ts = wait_for(joined, timeout=timeout, interval=0.05,
-                                     what="the new head's worker_joined event")
-            except TimeoutError as exc:
-                raise RunFailed(str(exc), last_lines(worker.output)) from None
+            joined_ts = float(benchkit.await_event(
+                events_path, new_head, lambda e: e.get("event") == "worker_joined"
+                and e.get("ip") == c.workers[0].ip and float(e["ts"]) >= started,
+                timeout, "the new head's worker_joined event")["ts"])
             run.seconds = round(joined_ts - started, 3)
             ray_up = [float(e["ts"]) for e in harness.read_events(events_path)
                       if e.get("event") == "ray_head" and e.get("result") == "ok"

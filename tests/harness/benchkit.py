@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import psutil
 
 from podagent import __version__ as PODAGENT_VERSION
-from tests.harness.cluster import BENCH_PREFIX
-from tests.harness.pods import cleanup_stale
+from tests.harness.cluster import BENCH_PREFIX, read_events
+from tests.harness.pods import cleanup_stale, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"  # git-ignored
@@ -46,6 +46,25 @@ class RunFailed(Exception):
 # --- a program's output -------------------------------------------------------------------------
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def await_event(events: Path, agent: Any, match: Callable[[dict[str, Any]], bool],
+                timeout: float, what: str) -> dict[str, Any]:
+    """The first event of podagent's events.jsonl that `match` accepts, once it is written.
+    RunFailed when the agent's podagent exits first (with its reason) or after `timeout`."""
+    def found() -> dict[str, Any] | None:
+        for event in read_events(events):
+            if match(event):
+                return event
+        if agent.proc.poll() is not None:
+            raise RunFailed(f"{agent.pod.name}'s podagent exited {agent.proc.returncode} "
+                            f"instead: {reason_line(agent.output)}", last_lines(agent.output))
+        return None
+
+    try:
+        return wait_for(found, timeout=timeout, interval=0.05, what=what)
+    except TimeoutError as exc:
+        raise RunFailed(str(exc), last_lines(agent.output)) from None
 
 
 def last_lines(text: str, count: int = 12) -> list[str]:
