@@ -59,6 +59,14 @@ def whole(minimum: int = 0, maximum: int = 1_000_000) -> Callable[[str], int]:
     return parse
 
 
+def seconds_or_zero(raw: str) -> float:
+    """As `seconds`, 0 included (no wait at all)."""
+    try:
+        return 0.0 if float(raw) == 0 else seconds(raw)
+    except ValueError:
+        raise ValueError("must be a number of seconds >= 0 (at most 7 days)") from None
+
+
 def seconds(raw: str) -> float:
     rule = "must be a number of seconds > 0 (at most 7 days)"
     try:
@@ -279,7 +287,7 @@ FIELDS: tuple[Field, ...] = (
     Field("retry_failed_job", "PODAGENT_RETRY_FAILED_JOB", "--retry-failed-job", zero_one,
           "1: a job that fails with no node lost is restarted too (within PODAGENT_RESTARTS).",
           default=False),
-    Field("restart_backoff", "PODAGENT_RESTART_BACKOFF", "--restart-backoff", seconds,
+    Field("restart_backoff", "PODAGENT_RESTART_BACKOFF", "--restart-backoff", seconds_or_zero,
           "Seconds before the first restart's submission, doubled for each later one (at most "
           "300 s); the wait for the cluster runs meanwhile.", default=5.0),
     Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,

@@ -92,6 +92,8 @@ class Head(Lifecycle[HeadState]):
         self._next_watch = 0.0
         self.follow_running_job = False  # re-attached: the job runs already, follow it
         self.restart: dict[str, Any] | None = None  # the restart under way: why, since when
+        self.job_stopped_by_us = False  # the job was stopped for a restart (not ended by itself)
+        self._job_ended_at: float | None = None
 
     def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
         return {
@@ -277,7 +279,9 @@ class Head(Lifecycle[HeadState]):
             except _NodeLost:
                 # No waiting for NCCL's timeout: the job is stopped now and submitted again.
                 self._stop_job(self.s.stop_timeout)
+                self.job_stopped_by_us = True
                 self.job.finish_log()
+            self._job_ended_at = time.time()
             lost = [w for w in self.census.workers.values() if w.node_id in self.census.lost]
             if self.job_status != "SUCCEEDED" and not lost and self.s.on_node_loss != "fail":
                 lost = self._losses_behind_failure()
@@ -315,11 +319,13 @@ class Head(Lifecycle[HeadState]):
                 + (f", checkpoints kept in {self.s.checkpoint_dir}" if self.s.checkpoint_dir
                    else ""))
         number, now = done + 1, time.time()
-        noticed = min([*self.census.lost_at.values(), now])
+        # The run stopped making progress when the job ended or the loss was seen, if earlier.
+        noticed = min([*self.census.lost_at.values(), self._job_ended_at or now, now])
         self.census.begin_recovery()
         expected = self.s.expected_workers
+        ended = "stopped" if self.job_stopped_by_us else f"ended {self.job_status or 'LOST'}"
         self.reporter.warn(f"RESTART {number}/{self.s.restarts}: {why}; job "
-                           f"{self.job.submission_id} stopped; waiting for {expected} worker(s) "
+                           f"{self.job.submission_id} {ended}; waiting for {expected} worker(s) "
                            f"(a replacement pod counts), then the job is submitted again, "
                            f"resuming from the newest checkpoint")
         self.restart = {"n": number, "noticed": noticed, "stopped": now,
@@ -329,7 +335,7 @@ class Head(Lifecycle[HeadState]):
                                 "job": self.job.submission_id, "job_status": self.job_status})
         self.reporter.event("restart", n=number, of=self.s.restarts, reason=why,
                             lost=[w.ip for w in lost], job=self.job.submission_id)
-        self.job, self.job_status = None, None
+        self.job, self.job_status, self.job_stopped_by_us = None, None, False
         return HeadState.RECOVERING
 
     def _recover(self) -> HeadState:
@@ -366,13 +372,16 @@ class Head(Lifecycle[HeadState]):
     def _restarted(self, submission_id: str) -> None:
         assert self.restart
         now = time.time()
+        # Seconds without a running job: the job's own start-up and the steps it redoes from
+        # its checkpoint come on top (podagent cannot see those; bench/recovery.py measures).
         figures = {"time_lost_s": round(now - self.restart["noticed"], 3),
                    "waited_s": round(now - self.restart["stopped"], 3),
                    "replaced": [list(pair) for pair in self.census.replaced]
                    if self.census else []}
         self.ledger.resubmitted(submission_id, **figures)
-        self.reporter.say(f"restart {self.restart['n']}: job {submission_id} runs "
-                          f"{figures['time_lost_s']:.1f} s after the loss was noticed")
+        self.reporter.say(f"restart {self.restart['n']}: job {submission_id} submitted "
+                          f"{figures['time_lost_s']:.1f} s after the run stopped (the job's "
+                          f"own start and the steps since its checkpoint come on top)")
         self.reporter.event("restarted", n=self.restart["n"], submission_id=submission_id,
                             **figures)
         self.restart = None

@@ -34,6 +34,7 @@ HTTP_TIMEOUT = 5.0
 
 
 SUBMIT_TIMEOUT = 120.0
+TAIL_GRACE = 1.0  # seconds the log stream gets to end by itself once the job is over
 
 
 class JobApiUnreachable(Exception):
@@ -64,6 +65,7 @@ class JobRunner:
         self._log_file = None
         self._tail: threading.Thread | None = None
         self._write_lock = threading.Lock()
+        self._log_done = False  # the full log was written: late stream chunks are dropped
 
     def for_submission(self, submission_id: str) -> JobRunner:
         """A runner for another job of the same dashboard (each attempt has its own id, log
@@ -138,7 +140,14 @@ class JobRunner:
         return True
 
     def _write(self, chunk: str) -> None:
+        """A chunk of the stream: appended to job.log and the screen, unless the log was
+        already completed from the full log (then it is a copy)."""
         with self._write_lock:
+            if not self._log_done:
+                self._append(chunk)
+
+    def _append(self, chunk: str) -> None:
+        if chunk:
             self._streamed += len(chunk)
             assert self._log_file is not None
             self._log_file.write(chunk)
@@ -185,14 +194,18 @@ class JobRunner:
     def finish_log(self) -> None:
         """The job is over: the rest of its log (the stream may have missed the end)."""
         if self._tail:
-            self._tail.join(timeout=5)  # the stream ends by itself once the job is over
+            # The stream ends by itself a few seconds after the job; the full log below has
+            # whatever it has not delivered yet, so a lost node is acted on without waiting.
+            self._tail.join(timeout=TAIL_GRACE)
         with contextlib.suppress(JobApiUnreachable, ValueError, KeyError):
             reply = self._request("GET", "/logs")
             full = reply.json()["logs"] if reply is not None else ""
-            if len(full) > self._streamed:
-                self._write(full[self._streamed:])
-        if self._log_file:
-            self._log_file.close()
+            with self._write_lock:  # the stream may still be writing: take over from it
+                self._append(full[self._streamed:])
+        with self._write_lock:
+            self._log_done = True  # also when the full log could not be read
+            if self._log_file:
+                self._log_file.close()
 
     def stop_earlier_attempts(self, run_name: str, timeout: float) -> None:
         """Before a submission: every other job of this run (metadata podagent_run) must be

@@ -642,6 +642,12 @@ def test_on_node_loss_restarts_unless_no_restarts_are_allowed(env, policy, resta
     assert (s.on_node_loss, s.restarts, s.retry_failed_job) == (policy, restarts, False)
 
 
+def test_restart_backoff_may_be_zero_but_not_negative():
+    assert build({"PODAGENT_RESTART_BACKOFF": "0"}).restart_backoff == 0.0
+    with pytest.raises(ConfigError, match="seconds >= 0"):
+        build({"PODAGENT_RESTART_BACKOFF": "-1"})
+
+
 def test_stop_pod_needs_the_api_key():
     with pytest.raises(ConfigError) as info:
         build({"RUNPOD_POD_ID": "p1", "PODAGENT_AFTER_RUN": "stop-pod"})
