@@ -68,6 +68,19 @@ class HeadState(str, enum.Enum):
     DONE = "done"
 
 
+def restart_reason(settings: Settings, job_status: str | None, lost: list[str]) -> str | None:
+    """Why the job that just ended is run again, or None: it succeeded, was stopped by someone
+    else, or failed by itself (unless PODAGENT_RETRY_FAILED_JOB=1); with
+    PODAGENT_ON_NODE_LOSS=fail a lost node changes nothing."""
+    if job_status == "SUCCEEDED":
+        return None
+    if lost and settings.on_node_loss != "fail":
+        return f"lost {', '.join(lost)}"
+    if not lost and settings.retry_failed_job and job_status == "FAILED":
+        return "the job failed (PODAGENT_RETRY_FAILED_JOB=1)"
+    return None
+
+
 class _NodeLost(Exception):
     """While the job runs (PODAGENT_ON_NODE_LOSS=restart): a worker was lost."""
 
@@ -288,13 +301,11 @@ class Head(Lifecycle[HeadState]):
             self.ledger.job_ended(self.job.submission_id, self.job_status or "LOST")
             step.done(f"job {self.job_status or 'asked to stop (not yet confirmed)'}",
                       status=self.job_status, nodes_lost=[w.ip for w in lost])
-        if self.job_status == "SUCCEEDED":
-            return HeadState.DONE
-        if lost and self.s.on_node_loss != "fail":
-            return self._begin_restart(f"lost {', '.join(w.ip for w in lost)}", lost)
-        if not lost and self.s.retry_failed_job and self.job_status == "FAILED":
-            return self._begin_restart(f"job {self.job.submission_id} failed", [])
-        self.job.outcome(self.job_status or "FAILED")
+        why = restart_reason(self.s, self.job_status, [w.ip for w in lost])
+        if why:
+            return self._begin_restart(why, lost)
+        if self.job_status != "SUCCEEDED":
+            self.job.outcome(self.job_status or "FAILED")
         return HeadState.DONE
 
     def _losses_behind_failure(self) -> list[NodeInfo]:
