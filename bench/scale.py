@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray.core.generated import gcs_pb2, gcs_service_pb2  # noqa: F401 - warm: no import in t
 
-    outdir, meta = benchkit.begin(args.out, "scale-", NET_PREFIX)
+    outdir, meta = benchkit.begin(args.out, "scale-", net_prefix=NET_PREFIX)
     began = time.monotonic()
     census_per_n: set[int] = set()
 
