@@ -16,20 +16,23 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil
+import requests
 import tenacity
 
 from podagent.gcs import GcsClient, GcsUnavailable
@@ -42,8 +45,7 @@ from tests.harness.pods import Pod, wait_for
 METHODS = ("podagent", "floor", "symmetric")
 TRIVIAL_JOB = "python -c pass"
 LONG_JOB = "python -c 'import time; print(\"training\", flush=True); time.sleep(600)'"
-ENTRY_MARKER = "ENTRY"
-ENTRY_CODE = f"import time; print({ENTRY_MARKER!r}, repr(time.time()), flush=True)"
+ENTRY_MARKER, EXIT_MARKER = "ENTRY", "EXIT"
 FOOTPRINT_WINDOW = 20.0
 
 # Targets printed next to the figures.
@@ -93,6 +95,61 @@ sys.exit(main())
 """
 
 
+# --- what the pods are and run -----------------------------------------------------------------
+
+
+class Observer(Protocol):
+    """Watches one run from its start (`observe`, once the head's process exists: podagent's,
+    or the floor's `ray start --head` done) to `finish(marks)`, called with the run's moments
+    (time.time() values by name: t0, up, submitted, finished) after its figures are taken and
+    while its pods still run; what it returns goes into the run's extra["observed"]."""
+
+    def finish(self, marks: dict[str, float | None]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a run's pods are made and what they run; the defaults are this bench's own."""
+    prefix: str = harness.BENCH_PREFIX  # the network namespaces' prefix
+    subnet: str | None = None  # None: the first free /24
+    env: Mapping[str, str] = field(default_factory=dict)  # for every process of every pod
+    job_seconds: float = 0.0  # how long the job runs (0: `python -c pass`)
+    until_finished: bool = False  # the floor also waits for its job to end (t0 → finished)
+    # Called with the cluster and the head pod's podagent process (None: the floor's run).
+    observe: Callable[[harness.Cluster, int | None], Observer] | None = None
+
+    @property
+    def job(self) -> str:
+        """podagent's and the floor's job, a command line: symmetric-run's entrypoint."""
+        if not self.job_seconds:
+            return TRIVIAL_JOB
+        return shlex.join([sys.executable, "-c", self.entry_code])
+
+    @property
+    def entry_code(self) -> str:
+        """symmetric-run's entrypoint: it says when it starts and ends, and sleeps between."""
+        stamp = "repr(time.time()), flush=True"
+        return (f"import time; print({ENTRY_MARKER!r}, {stamp}); time.sleep({self.job_seconds:g});"
+                f" print({EXIT_MARKER!r}, {stamp})")
+
+
+def marker_time(text: str, name: str) -> float | None:
+    """The time.time() a job printed after `name` (first such line), None before it did."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def observe(setup: Setup, c: harness.Cluster, pid: int | None) -> Observer | None:
+    return setup.observe(c, pid) if setup.observe else None
+
+
+def finish(observer: Observer | None, run: Run, marks: dict[str, float | None]) -> None:
+    if observer is not None:
+        run.extra["observed"] = observer.finish(marks)
+
+
 # --- records ------------------------------------------------------------------------------------
 
 
@@ -133,19 +190,20 @@ def join_latencies(events: list[dict[str, Any]]) -> tuple[list[float], list[floa
     return raw, after
 
 
-def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
+def run_podagent(run: Run, logdir: Path, timeout: float, setup: Setup = Setup()) -> None:
     n = run.n
     agents: list[Agent] = []
-    with harness.cluster(n) as c:
+    with harness.cluster(n, setup.prefix, setup.subnet) as c:
         try:
             agents, t0 = harness.start_agents(
                 c, logdir,
                 # The floor starts no reward server: compare the bring-up alone.
-                head_env={"EXPECTED_WORKERS": str(n), "PODAGENT_JOB": TRIVIAL_JOB,
+                head_env={"EXPECTED_WORKERS": str(n), "PODAGENT_JOB": setup.job,
                           "PODAGENT_REWARD": "none",
-                          "PODAGENT_WORKER_TIMEOUT": str(int(timeout - 30))},
-                worker_env={"PODAGENT_HEAD_TIMEOUT": str(int(timeout - 30))})
+                          "PODAGENT_WORKER_TIMEOUT": str(int(timeout - 30)), **setup.env},
+                worker_env={"PODAGENT_HEAD_TIMEOUT": str(int(timeout - 30)), **setup.env})
             head = agents[0]
+            observer = observe(setup, c, head.proc.pid)
             try:
                 harness.wait_agents_exit(agents, timeout=max(1.0, t0 + timeout - time.time()))
             except TimeoutError as exc:
@@ -161,6 +219,17 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
                                     if "duration_s" in e}
             if submitted:
                 run.seconds = round(submitted[0]["ts"] - t0, 3)
+            moments = {e["event"]: e["ts"] for e in events
+                       if e.get("event") in ("ray_head", "job_submitted", "job_finished")}
+            if "job_finished" in moments:
+                run.extra["finished_s"] = round(moments["job_finished"] - t0, 3)
+            ended = marker_time(harness.read_text(logdir / "head" / "bench" / "job.log"),
+                                EXIT_MARKER)
+            if ended is not None:  # the job's own last line
+                run.extra["job_end_s"] = round(ended - t0, 3)
+            finish(observer, run, {"t0": t0, "up": moments.get("ray_head"),
+                                   "submitted": moments.get("job_submitted"),
+                                   "finished": moments.get("job_finished")})
             bad = {k: v for k, v in run.exit_codes.items() if v != 0}
             if bad or not submitted:
                 who = next(iter(bad), "head")
@@ -176,13 +245,13 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
 # --- method 2: the bare floor -------------------------------------------------------------------
 
 
-def run_floor(run: Run, logdir: Path, timeout: float) -> None:
+def run_floor(run: Run, logdir: Path, timeout: float, setup: Setup = Setup()) -> None:
     n = run.n
-    env = harness.pod_env()
+    env = harness.pod_env(**setup.env)
     stop = threading.Event()
     joins: dict[str, dict[str, Any]] = {}
     threads: list[threading.Thread] = []
-    with harness.cluster(n) as c:
+    with harness.cluster(n, setup.prefix, setup.subnet) as c:
         head = c.head
         head_log = logdir / "head.out"
 
@@ -231,6 +300,7 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
                                 last_lines(harness.read_text(head_log)))
 
             run.extra["head_up_s"] = round(time.time() - t0, 3)
+            observer = observe(setup, c, None)
             # The GCS is up now: a client made before that would sit in gRPC's reconnect
             # back-off and add up to a second to the floor.
             gcs = GcsClient(f"{head.ip}:{harness.RAY_PORT}")
@@ -255,8 +325,9 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
             run.extra["nodes_alive_s"] = round(time.time() - t0, 3)
 
             dashboard = f"http://{head.ip}:{harness.DASHBOARD_PORT}"
-            submit = [harness.RAY, "job", "submit", "--address", dashboard, "--no-wait", "--",
-                      *TRIVIAL_JOB.split()]
+            job_id = f"floor-{secrets.token_hex(4)}"
+            submit = [harness.RAY, "job", "submit", "--address", dashboard, "--no-wait",
+                      "--submission-id", job_id, "--", *shlex.split(setup.job)]
             attempts = {"n": 0}
 
             def submit_once() -> int:
@@ -279,12 +350,37 @@ def run_floor(run: Run, logdir: Path, timeout: float) -> None:
                 raise RunFailed(f"`ray job submit` exit {rc}: {reason_line(text)}",
                                 last_lines(text))
             run.seconds = round(submitted - t0, 3)
+            ended = job_ended(dashboard, job_id, deadline) if setup.until_finished else None
+            if ended is not None:
+                run.extra["finished_s"] = round(ended - t0, 3)
+                with contextlib.suppress(requests.RequestException, ValueError, TypeError):
+                    logs = requests.get(f"{dashboard}/api/jobs/{job_id}/logs", timeout=5.0)
+                    run.extra["job_end_s"] = round(
+                        marker_time(logs.json()["logs"], EXIT_MARKER) - t0, 3)
+            finish(observer, run, {"t0": t0, "submitted": submitted, "finished": ended})
             run.ok = True
         finally:
             stop.set()
             harness.kill_everything(c)
             for t in threads:
                 t.join(timeout=15)
+
+
+def job_ended(dashboard: str, job_id: str, deadline: float) -> float:
+    """When the Jobs API first says the job succeeded (asked every 0.1 s)."""
+    def status() -> str:
+        reply = requests.get(f"{dashboard}/api/jobs/{job_id}", timeout=2.0)
+        state = reply.json().get("status", "") if reply.ok else ""
+        if state in ("FAILED", "STOPPED"):
+            raise RunFailed(f"the floor's job ended {state}")
+        return state == "SUCCEEDED"
+
+    try:
+        wait_for(status, timeout=max(1.0, deadline - time.time()), interval=0.1,
+                 what=f"job {job_id} to succeed", ignore=(requests.RequestException, ValueError))
+    except TimeoutError as exc:
+        raise RunFailed(str(exc)) from None
+    return time.time()
 
 
 # --- method 3: ray symmetric-run ----------------------------------------------------------------
@@ -298,11 +394,11 @@ def write_shim(directory: Path) -> Path:
     return shim
 
 
-def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
+def run_symmetric(run: Run, logdir: Path, timeout: float, setup: Setup = Setup()) -> None:
     n = run.n
     procs: dict[str, subprocess.Popen[Any]] = {}
     files = []
-    with harness.cluster(n) as c:
+    with harness.cluster(n, setup.prefix, setup.subnet) as c:
         bindir = Path(c.tmp[c.head.name] + "-bin")
         try:
             shim = write_shim(bindir)
@@ -317,9 +413,11 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
                 argvs[pod.name] = [
                     str(shim), "symmetric-run", "--address", f"{c.head.ip}:{harness.RAY_PORT}",
                     "--min-nodes", str(n + 1), "--num-gpus", "0", "--disable-usage-stats",
-                    "--temp-dir", f"{c.tmp[pod.name]}/ray", "--", "python", "-c", ENTRY_CODE]
+                    "--temp-dir", f"{c.tmp[pod.name]}/ray", "--", sys.executable, "-c",
+                    setup.entry_code]
                 path = os.pathsep.join([str(bindir), harness.pod_env()["PATH"]])
-                envs[pod.name] = harness.pod_env(PATH=path, RAY_TMPDIR=c.tmp[pod.name])
+                envs[pod.name] = harness.pod_env(**setup.env, PATH=path,
+                                                 RAY_TMPDIR=c.tmp[pod.name])
             outs = {pod.name: logdir / f"{pod.name}.out" for pod in c.pods}
             t0 = time.time()
             for pod in c.pods:
@@ -330,9 +428,9 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
             head = procs[c.head.name]
 
             def marker() -> float | None:
-                for line in harness.read_text(outs[c.head.name]).splitlines():
-                    if line.startswith(ENTRY_MARKER + " "):
-                        return float(line.split()[1])
+                seen = marker_time(harness.read_text(outs[c.head.name]), ENTRY_MARKER)
+                if seen is not None:
+                    return seen
                 if head.poll() is not None:
                     text = harness.read_text(outs[c.head.name])
                     raise RunFailed(f"head exited {head.returncode} before the entrypoint ran: "
@@ -353,8 +451,11 @@ def run_symmetric(run: Run, logdir: Path, timeout: float) -> None:
                 raise
             run.seconds = round(entry - t0, 3)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                head.wait(timeout=60)
+                head.wait(timeout=60 + setup.job_seconds)
             run.exit_codes = {name: p.poll() for name, p in procs.items()}
+            ended = marker_time(harness.read_text(outs[c.head.name]), EXIT_MARKER)
+            if ended is not None:  # the entrypoint is the job: its end is when it ended
+                run.extra["finished_s"] = run.extra["job_end_s"] = round(ended - t0, 3)
             if head.returncode != 0:
                 text = harness.read_text(outs[c.head.name])
                 raise RunFailed(f"head exit {head.returncode} after the entrypoint: "

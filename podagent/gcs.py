@@ -7,16 +7,22 @@ from gcs_service.proto, the same in every supported Ray; tests check them agains
 classes of the installed Ray and of every supported release, tests/compat).
 The node census, which needs Ray's large GcsNodeInfo message, imports Ray's classes lazily:
 only the head calls it, and the head imports Ray for the Jobs API anyway.
+
+The census reads are sized for a head that asks ten times a second with a thousand nodes in
+the table (bench/scale.py measured them): `nodes()` asks for every node's liveness only and for
+a node's full record once, when it first appears; `registered()` asks for one record and the
+table's size, so a caller can tell that a node joined without reading the table at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 _CHECK_ALIVE = "/ray.rpc.NodeInfoGcsService/CheckAlive"
 _GET_ALL_NODES = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
+_GET_LIVENESS = "/ray.rpc.NodeInfoGcsService/GetAllNodeAddressAndLiveness"  # Ray 2.51 on
 _KV_GET = "/ray.rpc.InternalKVGcsService/InternalKVGet"
 _KV_PUT = "/ray.rpc.InternalKVGcsService/InternalKVPut"
 
@@ -123,6 +129,8 @@ class GcsClient:
             options=[("grpc.initial_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 1000)],
         )
+        # node id -> the node as first read, alive and dead: nothing else in a record changes
+        self._known: dict[bytes, tuple[NodeInfo, NodeInfo]] = {}
 
     def close(self) -> None:
         self._channel.close()
@@ -182,9 +190,46 @@ class GcsClient:
             raise GcsUnavailable(f"KV put failed with status {code}: {message}")
 
     def nodes(self, timeout: float = 5.0) -> list[NodeInfo]:
+        """Every node of the table, alive or dead. The whole table is ~520 bytes a node (at
+        1,000 nodes a read took 2.9 ms of the GCS's CPU and 6.7 ms of ours); from Ray 2.51 the
+        GCS is asked for each node's liveness only (~55 bytes a node, 0.7 ms and 1.4 ms) and,
+        once per node it has not seen, for that node's full record. Before 2.51: the whole
+        table."""
         from ray.core.generated import gcs_pb2, gcs_service_pb2
 
-        request = gcs_service_pb2.GetAllNodeInfoRequest().SerializeToString()
+        if not hasattr(gcs_service_pb2, "GetAllNodeAddressAndLivenessRequest"):
+            return self.node_table(timeout)
+        raw = self._call(_GET_LIVENESS, b"", timeout)
+        listed = gcs_service_pb2.GetAllNodeAddressAndLivenessReply.FromString(raw).node_info_list
+        new = [n.node_id for n in listed if n.node_id not in self._known]
+        if new:
+            request = gcs_service_pb2.GetAllNodeInfoRequest(node_selectors=[
+                gcs_service_pb2.GetAllNodeInfoRequest.NodeSelector(node_id=i) for i in new])
+            for info in self._read_table(request.SerializeToString(), timeout):
+                node = bytes.fromhex(info.node_id)
+                self._known[node] = (replace(info, alive=True), replace(info, alive=False))
+        alive = gcs_pb2.GcsNodeInfo.GcsNodeState.Value("ALIVE")
+        # A node that died between the two reads is in the first only: it is read next time.
+        return [self._known[n.node_id][0 if n.state == alive else 1]
+                for n in listed if n.node_id in self._known]
+
+    def node_table(self, timeout: float = 5.0) -> list[NodeInfo]:
+        """The whole node table in one read, every record in full."""
+        return self._read_table(b"", timeout)
+
+    def registered(self, timeout: float = 2.0) -> int:
+        """How many nodes the table holds, alive and dead. It grows when a node registers and
+        stays when one dies; the GCS sends one record with it, so the read costs the same at
+        any cluster size."""
+        from ray.core.generated import gcs_service_pb2
+
+        request = gcs_service_pb2.GetAllNodeInfoRequest(limit=1).SerializeToString()
+        raw = self._call(_GET_ALL_NODES, request, timeout)
+        return int(gcs_service_pb2.GetAllNodeInfoReply.FromString(raw).total)
+
+    def _read_table(self, request: bytes, timeout: float) -> list[NodeInfo]:
+        from ray.core.generated import gcs_pb2, gcs_service_pb2
+
         raw = self._call(_GET_ALL_NODES, request, timeout)
         reply = gcs_service_pb2.GetAllNodeInfoReply.FromString(raw)
         alive = gcs_pb2.GcsNodeInfo.GcsNodeState.Value("ALIVE")

@@ -3,10 +3,16 @@
 One census is one read of the table; the head calls it while it waits for the workers (joins
 and workers that leave again), once on re-attach, while the job runs (losses) and at the end
 (who is still connected). Every join and loss is a line and an event.
+
+While it waits the head polls ten times a second. The table is then read only when a node
+registered since the last read (its size changed: a constant-cost read) or the last read is
+RECOUNT_EVERY old (a departure leaves the size as it was), so the GCS's cost of the wait does not
+grow with the cluster (docs/benchmarks.md, "The head's census at 1,000 nodes").
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable
@@ -14,13 +20,17 @@ from collections.abc import Callable
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from podagent.errors import RayStartError, WorkersTimeout
-from podagent.gcs import NodeInfo
+from podagent.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
+
+RECOUNT_EVERY = 1.0  # seconds: a worker that leaves again while the head waits shows this late
 
 
 class WorkerCensus:
-    def __init__(self, nodes: Callable[[], list[NodeInfo]], reporter: Reporter):
+    def __init__(self, nodes: Callable[[], list[NodeInfo]], reporter: Reporter,
+                 registered: Callable[[], int] | None = None):
         self._nodes = nodes  # the head's node table; raises when its GCS does not answer
+        self._registered = registered  # how many nodes the table holds (None: read every poll)
         self.reporter = reporter
         self.workers: dict[str, NodeInfo] = {}  # node id -> the worker as it joined
         self.lost: set[str] = set()  # node ids lost while the job ran
@@ -31,6 +41,8 @@ class WorkerCensus:
         self.lost_at: dict[str, float] = {}  # node id -> when its loss was noticed
         self.departed: set[str] = set()  # node ids never counted again (Ray may list them a
         # few seconds more after a restart began)
+        self._size: int | None = None  # the table's size before the last read
+        self._read_at = float("-inf")
 
     def alive(self) -> list[NodeInfo]:
         return [n for n in self._nodes() if n.alive and not n.is_head]
@@ -45,6 +57,8 @@ class WorkerCensus:
     def poll_joins(self, expected: int) -> int:
         """While waiting for the workers: record who joined and who left again; returns how
         many are in."""
+        if not self._table_changed():
+            return len(self.workers)
         alive = {w.node_id: w for w in self.alive() if w.node_id not in self.departed}
         for node_id in [n for n in self.workers if n not in alive]:
             gone = self.workers.pop(node_id)
@@ -72,6 +86,19 @@ class WorkerCensus:
         if lost.ip == worker.ip:
             return f" (the lost pod {lost.ip} is back)"
         return f" (in place of the lost {lost.ip})"
+
+    def _table_changed(self) -> bool:
+        """Whether this poll reads the table: the size is asked first, so a node registering
+        during the read is seen by the next poll."""
+        now = time.monotonic()
+        size = None
+        if self._registered is not None:
+            with contextlib.suppress(GcsUnavailable, RayStartError):  # the read says why
+                size = self._registered()
+        if size is not None and size == self._size and now - self._read_at < RECOUNT_EVERY:
+            return False
+        self._size, self._read_at = size, now
+        return True
 
     def accept_shortfall(self, expected: int, minimum: int | None, timeout: float) -> None:
         """Fewer joined than expected within the timeout: raises WorkersTimeout unless

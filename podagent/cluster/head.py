@@ -149,7 +149,7 @@ class Head(Lifecycle[HeadState]):
         self.setup = node.prepare(self.s, Role.HEAD, self.reporter)
         self.ray = HeadRay(self.s, self.setup, self.reporter, self.signals,
                            self.ledger.current_submission_id())
-        self.census = WorkerCensus(self.ray.nodes, self.reporter)
+        self.census = WorkerCensus(self.ray.nodes, self.reporter, self.ray.registered)
         return HeadState.CLEANING
 
     def _clean(self) -> HeadState:

@@ -193,6 +193,15 @@ class HeadRay:
         except GcsUnavailable as exc:
             raise RayStartError(f"this pod's Ray GCS stopped answering: {exc}") from None
 
+    def registered(self) -> int:
+        """How many nodes the table holds, alive and dead (one cheap read: the census asks it
+        before each read of the table while the head waits)."""
+        assert self.gcs
+        try:
+            return self.gcs.registered(timeout=2.0)
+        except GcsUnavailable as exc:
+            raise RayStartError(f"this pod's Ray GCS stopped answering: {exc}") from None
+
     def alive_workers(self) -> list[NodeInfo]:
         return [n for n in self.nodes() if n.alive and not n.is_head]
 

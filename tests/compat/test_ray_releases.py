@@ -151,6 +151,32 @@ def test_node_table_fields_podagent_reads_exist_in_every_release(releases):
     each(releases, check)
 
 
+def test_census_reads_exist_in_every_release_that_has_them(releases):
+    """registered() asks every release for one record and reads the table's size; nodes() uses
+    the liveness read where the Ray it runs on has it (2.51 on), then asks for new nodes by id."""
+
+    def check(r: Release) -> list[str]:
+        problems = []
+        request = r.pool.FindMessageTypeByName("ray.rpc.GetAllNodeInfoRequest")
+        reply = r.pool.FindMessageTypeByName("ray.rpc.GetAllNodeInfoReply")
+        if "limit" not in request.fields_by_name or "total" not in reply.fields_by_name:
+            problems.append("GetAllNodeInfo has no limit or no total")
+        method = r.method(gcs._GET_LIVENESS)
+        if method is None:
+            return problems
+        listed = r.pool.FindMessageTypeByName(method[1]).fields_by_name["node_info_list"]
+        missing = {"node_id", "node_manager_address", "state"} - set(
+            listed.message_type.fields_by_name)
+        if missing:
+            problems.append(f"the liveness read's nodes lack {sorted(missing)}")
+        selector = request.fields_by_name.get("node_selectors")
+        if selector is None or "node_id" not in selector.message_type.fields_by_name:
+            problems.append("GetAllNodeInfoRequest has the liveness read but no node_id selector")
+        return problems
+
+    each(releases, check)
+
+
 # --- `ray start`, the health checks, token auth --------------------------------------------------
 
 

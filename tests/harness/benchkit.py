@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -137,24 +138,25 @@ def parse_methods(choices: Iterable[str]) -> Callable[[str], list[str]]:
 
 
 def require_root(parser: argparse.ArgumentParser) -> None:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        parser.error("needs root and iproute2's `ip` (pods are network namespaces)")
+    if os.geteuid() != 0 or (shutil.which("ip") is None and find_spec("pyroute2") is None):
+        parser.error("needs root and iproute2's `ip` or pyroute2 (pods are network namespaces)")
 
 
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def begin(out: Path, prefix: str = "", clean: bool = True) -> tuple[Path, dict[str, Any]]:
+def begin(out: Path, prefix: str = "", clean: bool = True, net_prefix: str = BENCH_PREFIX
+          ) -> tuple[Path, dict[str, Any]]:
     """A bench starts: its results folder out/<prefix><UTC time>/ (with logs/), what a crashed
-    earlier bench left removed (never a live one's; not with clean=False, for a bench whose pods
-    are not the harness's), and the facts its report starts with."""
+    earlier bench of its network prefix left removed (never a live one's; not with clean=False,
+    for a bench whose pods are not the harness's), and the facts its report starts with."""
     import ray
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     outdir = out.resolve() / f"{prefix}{stamp}"
     (outdir / "logs").mkdir(parents=True, exist_ok=True)
     if clean:
-        cleanup_stale(prefix=BENCH_PREFIX)
+        cleanup_stale(prefix=net_prefix)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPU(s), {platform.machine()}, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
@@ -211,10 +213,13 @@ def execute_all(plan: Iterable[tuple[R, str, Body[R]]], outdir: Path,
 
 def git_commit() -> str:
     """This checkout's commit, `+dirty` when podagent/ has uncommitted changes."""
-    proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
-                            "podagent"], capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=False)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                                "podagent"], capture_output=True, text=True, check=False)
+    except OSError:  # no git on this machine (a copy of the tree, not a checkout)
+        return "?"
     return (proc.stdout.strip() or "?") + ("+dirty" if dirty.stdout.strip() else "")
 
 

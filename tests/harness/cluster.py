@@ -30,7 +30,8 @@ from tests.harness.pods import DnsServer, Pod, PodNetwork, _kill_netns_processes
 BENCH_PREFIX = "pb"  # the benches' networks; the tests' are "pa": cleanup_stale never mixes them
 RAY_PORT, DASHBOARD_PORT = 6379, 8265
 VENV_BIN = Path(sys.executable).parent
-RAY = str(VENV_BIN / "ray")
+# The `ray` beside this Python; a system Python's Ray installed elsewhere has it on PATH.
+RAY = str(VENV_BIN / "ray") if (VENV_BIN / "ray").exists() else (shutil.which("ray") or "ray")
 EXIT_HEAD_LOST = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.HeadLost)
 
 
@@ -56,9 +57,10 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(n: int, prefix: str = BENCH_PREFIX) -> Iterator[Cluster]:
-    """A fresh private network, DNS server and N+1 registered pods; all gone afterwards."""
-    net = PodNetwork(prefix=prefix)
+def cluster(n: int, prefix: str = BENCH_PREFIX, subnet: str | None = None) -> Iterator[Cluster]:
+    """A fresh private network (`subnet`, or the first free /24), DNS server and N+1
+    registered pods; all gone afterwards."""
+    net = PodNetwork(subnet=subnet, prefix=prefix)
     dns: DnsServer | None = None
     tmp: dict[str, str] = {}
     try:

@@ -2,7 +2,7 @@
 private bridge, plus a real DNS server answering ``<pod_id>.runpod.internal``.
 
 Plain module (no pytest import) so benchmarks can reuse it. Needs root and
-iproute2's ``ip``.
+iproute2's ``ip``, or pyroute2 where ``ip`` is missing (netlink.py).
 """
 
 from __future__ import annotations
@@ -96,7 +96,14 @@ def run_cmd(
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return run_cmd(["ip", *args], check=check)
+    if shutil.which("ip") is not None:
+        return run_cmd(["ip", *args], check=check)
+    from tests.harness import netlink  # a host without iproute2: the same lines via pyroute2
+
+    proc = netlink.ip(args)
+    if check and proc.returncode != 0:
+        raise CommandError(proc.args, proc.returncode, proc.stderr)
+    return proc
 
 
 def wait_for(

@@ -246,6 +246,124 @@ def test_head_node_alive_raises_for_a_failed_status():
         client.close()
 
 
+class Answering(GcsClient):
+    """A GcsClient whose RPCs answer by method (each a canned reply, or a function of the
+    request) and record the requests."""
+
+    def __init__(self, **replies):
+        super().__init__("127.0.0.1:1")
+        self.replies, self.calls = replies, []
+
+    def _call(self, method, request, timeout):
+        self.calls.append((method.rsplit("/", 1)[1], request))
+        reply = self.replies[method.rsplit("/", 1)[1]]
+        return reply(request) if callable(reply) else reply
+
+
+def _records(*ids: int) -> dict[int, object]:
+    from ray.core.generated import gcs_pb2
+
+    return {i: gcs_pb2.GcsNodeInfo(node_id=bytes([i]) * 28, node_manager_address=f"10.0.0.{i}",
+                                   is_head_node=i == 1, resources_total={"GPU": 8.0},
+                                   start_time_ms=1700000000000 + i) for i in ids}
+
+
+def _liveness(**states: str) -> bytes:
+    from ray.core.generated import gcs_pb2
+
+    state = gcs_pb2.GcsNodeInfo.GcsNodeState
+    return _reply(gcs_service_pb2.GetAllNodeAddressAndLivenessReply, node_info_list=[
+        gcs_pb2.GcsNodeAddressAndLiveness(node_id=bytes([int(i[1:])]) * 28,
+                                          node_manager_address=f"10.0.0.{i[1:]}",
+                                          state=state.Value(alive))
+        for i, alive in states.items()])
+
+
+def _by_id(records: dict[int, object]):
+    """GetAllNodeInfo answering the node ids it is asked for (from `records`)."""
+    def answer(request: bytes) -> bytes:
+        asked = gcs_service_pb2.GetAllNodeInfoRequest.FromString(request).node_selectors
+        return _reply(gcs_service_pb2.GetAllNodeInfoReply, node_info_list=[
+            records[s.node_id[0]] for s in asked if s.node_id[0] in records])
+    return answer
+
+
+def _asked_ids(request: bytes) -> list[int]:
+    parsed = gcs_service_pb2.GetAllNodeInfoRequest.FromString(request)
+    return [s.node_id[0] for s in parsed.node_selectors]
+
+
+@pytest.mark.skipif(not hasattr(gcs_service_pb2, "GetAllNodeAddressAndLivenessRequest"),
+                    reason="Ray before 2.51 has no liveness read: nodes() reads the table")
+def test_nodes_asks_liveness_and_each_new_node_once():
+    client = Answering(GetAllNodeAddressAndLiveness=_liveness(n1="ALIVE", n2="DEAD"),
+                       GetAllNodeInfo=_by_id(_records(1, 2, 3)))
+    try:
+        first = client.nodes()
+        assert [(n.ip, n.alive, n.is_head, n.gpus, n.start_time_ms) for n in first] == [
+            ("10.0.0.1", True, True, 8.0, 1700000000001),
+            ("10.0.0.2", False, False, 8.0, 1700000000002)]
+        assert [m for m, _ in client.calls] == ["GetAllNodeAddressAndLiveness", "GetAllNodeInfo"]
+        assert gcs_service_pb2.GetAllNodeAddressAndLivenessRequest.FromString(
+            client.calls[0][1]).ListFields() == []  # every node, alive or dead
+        assert _asked_ids(client.calls[1][1]) == [1, 2]
+
+        # Known nodes: one liveness read, their state from it, the rest remembered.
+        client.calls.clear()
+        client.replies["GetAllNodeAddressAndLiveness"] = _liveness(n1="DEAD", n2="ALIVE")
+        assert [(n.ip, n.alive) for n in client.nodes()] == [
+            ("10.0.0.1", False), ("10.0.0.2", True)]
+        assert [m for m, _ in client.calls] == ["GetAllNodeAddressAndLiveness"]
+
+        # A new node: only its record is asked for.
+        client.calls.clear()
+        client.replies["GetAllNodeAddressAndLiveness"] = _liveness(n1="ALIVE", n2="ALIVE",
+                                                                   n3="ALIVE")
+        assert [n.node_id for n in client.nodes()] == [
+            (bytes([i]) * 28).hex() for i in (1, 2, 3)]
+        assert _asked_ids(client.calls[1][1]) == [3]
+    finally:
+        client.close()
+
+
+@pytest.mark.skipif(not hasattr(gcs_service_pb2, "GetAllNodeAddressAndLivenessRequest"),
+                    reason="Ray before 2.51 has no liveness read")
+def test_nodes_leaves_out_a_node_whose_record_is_gone_and_asks_again():
+    client = Answering(GetAllNodeAddressAndLiveness=_liveness(n1="ALIVE", n4="ALIVE"),
+                       GetAllNodeInfo=_by_id(_records(1)))
+    try:
+        assert [n.ip for n in client.nodes()] == ["10.0.0.1"]
+        client.replies["GetAllNodeInfo"] = _by_id(_records(1, 4))
+        assert [n.ip for n in client.nodes()] == ["10.0.0.1", "10.0.0.4"]
+        assert _asked_ids(client.calls[-1][1]) == [4]
+    finally:
+        client.close()
+
+
+def test_nodes_before_ray_2_51_read_the_whole_table(monkeypatch):
+    monkeypatch.delattr(gcs_service_pb2, "GetAllNodeAddressAndLivenessRequest", raising=False)
+    client = Recorder(_nodes_reply((True, "ALIVE"), (False, "DEAD")))
+    try:
+        assert [(n.ip, n.alive, n.is_head) for n in client.nodes()] == [
+            ("10.0.0.1", True, True), ("10.0.0.2", False, False)]
+    finally:
+        client.close()
+    ((method, request),) = client.calls
+    assert method == "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo" and request == b""
+
+
+def test_registered_asks_for_one_record_and_reads_the_tables_size():
+    client = Recorder(_reply(gcs_service_pb2.GetAllNodeInfoReply, total=1000,
+                             num_filtered=999))
+    try:
+        assert client.registered() == 1000
+    finally:
+        client.close()
+    ((method, request),) = client.calls
+    assert method == "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
+    assert gcs_service_pb2.GetAllNodeInfoRequest.FromString(request).limit == 1
+
+
 # --- a real gRPC call to nowhere ----------------------------------------------------------------
 
 

@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from podagent import config, runstate
+from podagent.cluster import census as census_mod
 from podagent.cluster import job_spec
-from podagent.cluster.census import WorkerCensus
+from podagent.cluster.census import RECOUNT_EVERY, WorkerCensus
 from podagent.cluster.head import restart_reason
 from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
 from podagent.cluster.lifecycle import EndRequested
@@ -68,6 +69,50 @@ def test_census_records_joins_and_a_worker_that_leaves_before_the_job():
     assert "worker 10.0.0.2 left again before the job started" in heard.text
     assert [e["ip"] for e in heard.named("worker_joined")] == ["10.0.0.2", "10.0.0.3"]
     assert [e["ip"] for e in heard.named("worker_lost")] == ["10.0.0.2"]
+
+
+class Gcs:
+    """A scripted node table and its size, counting the reads; `size` None: no answer."""
+
+    def __init__(self, table: list[NodeInfo], size: int | None) -> None:
+        self.table, self.size, self.reads = table, size, 0
+
+    def nodes(self) -> list[NodeInfo]:
+        self.reads += 1
+        return self.table
+
+    def registered(self) -> int:
+        if self.size is None:
+            raise RayStartError("this pod's Ray GCS stopped answering: UNAVAILABLE")
+        return self.size
+
+
+def test_census_reads_the_table_only_when_its_size_changed_or_a_second_passed(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(census_mod.time, "monotonic", lambda: clock[0])
+    heard = Heard()
+    head = node("10.0.0.1", head=True)
+    gcs = Gcs([head], size=1)
+    census = WorkerCensus(gcs.nodes, heard.reporter, gcs.registered)
+    assert census.poll_joins(2) == 0 and gcs.reads == 1  # the first poll reads
+    clock[0] += 0.1
+    assert census.poll_joins(2) == 0 and gcs.reads == 1  # same size, 0.1 s later: no read
+    gcs.table, gcs.size = [head, node("10.0.0.2")], 2  # a worker registered
+    clock[0] += 0.1
+    assert census.poll_joins(2) == 1 and gcs.reads == 2
+    gcs.table = [head, node("10.0.0.2", alive=False)]  # it died: the size stays
+    clock[0] += RECOUNT_EVERY - 0.05
+    assert census.poll_joins(2) == 1 and gcs.reads == 2
+    clock[0] += 0.05  # a second after the last read: read anyway
+    assert census.poll_joins(2) == 0 and gcs.reads == 3
+    assert "worker 10.0.0.2 left again before the job started" in heard.text
+
+
+def test_census_reads_the_table_when_its_size_is_not_answered():
+    heard = Heard()
+    gcs = Gcs([node("10.0.0.2")], size=None)
+    census = WorkerCensus(gcs.nodes, heard.reporter, gcs.registered)
+    assert [census.poll_joins(1) for _ in range(3)] == [1, 1, 1] and gcs.reads == 3
 
 
 def test_census_shortfall_fails_unless_the_minimum_is_met():
