@@ -479,7 +479,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
            f"{meta['load_max']:.1f} at run starts. The job: tests/jobs/tiny_train.py "
            f"--every {EVERY} --step-time {STEP_TIME:g}, a worker pod SIGKILLed a few steps "
            f"past step {KILL_AT - 3}'s checkpoint, a replacement pod started at once. "
-           f"podagent: PODAGENT_RESTART_BACKOFF={BACKOFF} (no backoff; 0 is refused).", ""]
+           f"podagent: PODAGENT_RESTART_BACKOFF={BACKOFF} (no backoff).", ""]
 
     def part(name: str):
         return lambda r: r.split()[name]
