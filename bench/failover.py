@@ -321,28 +321,17 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "(code 7); worker loss = the head's `worker_lost` event (its job keeps running). "
             "Killed: every process of the pod SIGKILLed; cut off: its link taken down.",
             ""]
-    failed = [r for r in runs if not r.ok]
-    if failed:
-        out += ["#### Failed runs", "",
-                table(["method", "run", "reason"],
-                      [[r.label, str(r.index), r.reason.replace("|", "/")[:300]]
-                       for r in failed]), ""]
+    out += benchkit.failed_runs(runs, label=lambda r: r.label)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs per method (default 3)")
+    benchkit.add_run_options(parser, methods=METHODS, run_timeout="each cluster's bring-up")
     parser.add_argument("--grace", type=benchkit.parse_floats, default=[8.0, 5.0],
                         help="PODAGENT_HEAD_GRACE values for podagent's head loss (default 8,5)")
     parser.add_argument("--baseline-cap", type=float, default=120.0,
                         help="longest wait for plain Ray to react, in seconds (default 120)")
-    parser.add_argument("--methods", type=benchkit.parse_methods(METHODS), default=list(METHODS),
-                        help=f"{','.join(METHODS)} (default: all)")
-    parser.add_argument("--run-timeout", type=float, default=300.0,
-                        help="bound on each cluster's bring-up in seconds (default 300)")
-    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
-                        help="results directory (default bench/results/, git-ignored)")
     args = parser.parse_args(argv)
     benchkit.require_root(parser)
 

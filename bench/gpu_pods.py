@@ -357,12 +357,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "the check prints (from its ray.init on); ddp step: the slowest rank's, worst run, "
             "and DDP's one-time import of torch._dynamo before it.",
             ""]
-    failed = [r for r in runs if not r.ok]
-    if failed:
-        out += ["#### Failed runs", "",
-                benchkit.table(["K", "run", "reason"],
-                               [[str(r.pods), str(r.index), r.reason.replace("|", "/")[:300]]
-                                for r in failed]), ""]
+    out += benchkit.failed_runs(runs, label=lambda r: str(r.pods), what="K")
     return "\n".join(out)
 
 

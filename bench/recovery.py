@@ -554,28 +554,17 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "start as well (its driver and ranks importing torch: the same as the first "
             "attempt's start, paid by any restart). plain Ray: nothing submits the job again; the "
             "replacement joins the cluster and sits idle.", ""]
-    failed = [r for r in runs if not r.ok]
-    if failed:
-        out += ["#### Failed runs", "",
-                table(["method", "run", "reason"],
-                      [[r.method, str(r.index), r.reason.replace("|", "/")[:300]]
-                       for r in failed]), ""]
+    out += benchkit.failed_runs(runs)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs per method (default 3)")
+    benchkit.add_run_options(parser, methods=METHODS)
     parser.add_argument("--workers", type=int, choices=(1, 2, 3, 4), default=2,
                         help="workers besides the head (default 2); one of them is killed")
     parser.add_argument("--baseline-cap", type=float, default=600.0,
                         help="longest wait for plain Ray's job to end, in seconds (default 600)")
-    parser.add_argument("--methods", type=benchkit.parse_methods(METHODS), default=list(METHODS),
-                        help=f"{','.join(METHODS)} (default: all)")
-    parser.add_argument("--run-timeout", type=float, default=300.0,
-                        help="bound on each bring-up and each wait in seconds (default 300)")
-    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
-                        help="results directory (default bench/results/, git-ignored)")
     args = parser.parse_args(argv)
     benchkit.require_root(parser)
 

@@ -221,26 +221,15 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "the same pod at once (RunPod's container restart, without the container's own "
             "cost). The new head is started once the worker has reacted; the head's job is "
             "submitted again as bench-2 with the resume flag (its checkpoint is there).", ""]
-    failed = [r for r in runs if not r.ok]
-    if failed:
-        out += ["#### Failed runs", "",
-                table(["method", "run", "reason"],
-                      [[r.method, str(r.index), r.reason.replace("|", "/")[:300]]
-                       for r in failed]), ""]
+    out += benchkit.failed_runs(runs)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs per method (default 3)")
+    benchkit.add_run_options(parser, methods=METHODS)
     parser.add_argument("--grace", type=float, default=3.0,
                         help="the worker's PODAGENT_HEAD_GRACE in seconds (default 3)")
-    parser.add_argument("--methods", type=benchkit.parse_methods(METHODS), default=list(METHODS),
-                        help=f"{','.join(METHODS)} (default: all)")
-    parser.add_argument("--run-timeout", type=float, default=300.0,
-                        help="bound on each bring-up and each wait in seconds (default 300)")
-    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
-                        help="results directory (default bench/results/, git-ignored)")
     args = parser.parse_args(argv)
     benchkit.require_root(parser)
 

@@ -68,6 +68,30 @@ def await_event(events: Path, agent: Any, match: Callable[[dict[str, Any]], bool
         raise RunFailed(str(exc), last_lines(agent.output)) from None
 
 
+def add_run_options(parser: argparse.ArgumentParser, per: str = "method",
+                    methods: Iterable[str] | None = None,
+                    run_timeout: str = "each bring-up and each wait") -> None:
+    """The options every bench takes: --runs, --methods (when it has several), --run-timeout
+    and --out."""
+    parser.add_argument("--runs", type=int, default=3, help=f"runs per {per} (default 3)")
+    if methods is not None:
+        methods = tuple(methods)
+        parser.add_argument("--methods", type=parse_methods(methods), default=list(methods),
+                            help=f"{','.join(methods)} (default: all)")
+    parser.add_argument("--run-timeout", type=float, default=300.0,
+                        help=f"bound on {run_timeout} in seconds (default 300)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="results directory (default bench/results/, git-ignored)")
+
+
+def failed_runs(runs: Iterable[Any], label: Callable[[Any], str] = lambda r: r.method,
+                what: str = "method") -> list[str]:
+    """The report's lines for the runs that failed (none when all succeeded)."""
+    rows = [[label(r), str(r.index), r.reason.replace("|", "/")[:300]]
+            for r in runs if not r.ok]
+    return ["#### Failed runs", "", table([what, "run", "reason"], rows), ""] if rows else []
+
+
 def last_lines(text: str, count: int = 12) -> list[str]:
     return [ANSI.sub("", line) for line in text.splitlines() if line.strip()][-count:]
 
