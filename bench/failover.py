@@ -356,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     yield run, log_name(run), bodies[method]
 
     runs = benchkit.execute_all(plan(), outdir, lambda r: line(r, args.runs))
-    loads = [r.load_before[0] for r in runs if r.load_before]
-    meta.update(load_min=min(loads, default=0.0), load_max=max(loads, default=0.0))
-    benchkit.write_results(outdir, render(runs, args, meta), meta, args, runs)
-    return 0 if runs and all(r.ok for r in runs) else 1
+    return benchkit.finish(runs, outdir, meta, args, render)
 
 
 if __name__ == "__main__":

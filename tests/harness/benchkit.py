@@ -92,6 +92,16 @@ def failed_runs(runs: Iterable[Any], label: Callable[[Any], str] = lambda r: r.m
     return ["#### Failed runs", "", table([what, "run", "reason"], rows), ""] if rows else []
 
 
+def finish(runs: list[Any], outdir: Path, meta: dict[str, Any], args: argparse.Namespace,
+           render: Callable[[list[Any], argparse.Namespace, dict[str, Any]], str]) -> int:
+    """Writes the report and the results; the bench's exit status: 0 only if every run
+    succeeded."""
+    loads = [r.load_before[0] for r in runs if r.load_before]
+    meta.update(load_min=min(loads, default=0.0), load_max=max(loads, default=0.0))
+    write_results(outdir, render(runs, args, meta), meta, args, runs)
+    return 0 if runs and all(r.ok for r in runs) else 1
+
+
 def last_lines(text: str, count: int = 12) -> list[str]:
     return [ANSI.sub("", line) for line in text.splitlines() if line.strip()][-count:]
 
