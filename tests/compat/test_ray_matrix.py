@@ -30,6 +30,10 @@ def _collect(python: str) -> set[str]:
     return {line for line in result.stdout.splitlines() if "::" in line}
 
 
+# The GCS codec's tests of the liveness read (Ray 2.51 on): on 2.48 the census reads the table.
+MAX_SKIPPED_ON_2_48 = 2
+
+
 def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
     field: Installed = field_envs["openrlhf"].result()
     assert field.after["ray"] == ray_compat.SUPPORTED_FROM == "2.48.0"
@@ -52,6 +56,9 @@ def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     # Tests of a matrix module that are not marked (run on the session's Ray only) show as
-    # deselected.
-    assert re.fullmatch(rf"{len(expected)} passed(, \d+ deselected)?(, \d+ warnings?)? in .*",
-                        summary), summary
+    # deselected; a test of what only a newer Ray has (its skipif names the version) skips.
+    counts = re.fullmatch(r"(\d+) passed(?:, (\d+) skipped)?(?:, \d+ deselected)?"
+                          r"(?:, \d+ warnings?)? in .*", summary)
+    assert counts, summary
+    passed, skipped = int(counts[1]), int(counts[2] or 0)
+    assert passed + skipped == len(expected) and skipped <= MAX_SKIPPED_ON_2_48, summary
