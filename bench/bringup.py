@@ -154,21 +154,13 @@ def finish(observer: Observer | None, run: Run, marks: dict[str, float | None]) 
 
 
 @dataclass
-class Run:
+class Run(benchkit.RunRecord):
+    # seconds: the method's metric (t0 -> job submitted / entrypoint)
     method: str  # podagent | floor | symmetric | headloss
     n: int  # workers
     index: int  # 1-based run number
-    ok: bool = False
-    seconds: float | None = None  # the method's metric (t0 -> job submitted / entrypoint)
-    reason: str = ""  # why it failed (one line)
-    tail: list[str] = field(default_factory=list)  # the head's last output lines on failure
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
-    wall_s: float = 0.0  # the whole run, teardown included
-    load_before: tuple[float, float, float] | None = None
     load_after: tuple[float, float, float] | None = None
     foreign_raylets: int = 0  # raylets on this machine not ours, at the start (other suites)
-    extra: dict[str, Any] = field(default_factory=dict)
-    logs: str = ""
 
 
 # --- method 1: podagent -------------------------------------------------------------------------

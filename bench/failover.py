@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,20 +51,11 @@ STEADY_HOLD_S = 8.0
 
 
 @dataclass
-class Run:
+class Run(benchkit.RunRecord):
     method: str
     index: int
     grace: float | None = None  # PODAGENT_HEAD_GRACE for podagent-headloss
-    ok: bool = False
-    seconds: float | None = None
     capped: bool = False  # the baseline did not react within --baseline-cap
-    reason: str = ""
-    tail: list[str] = field(default_factory=list)
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
-    wall_s: float = 0.0
-    load_before: tuple[float, float, float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    logs: str = ""
 
     @property
     def label(self) -> str:

@@ -194,16 +194,10 @@ def pod_env(i: int, cpu: bool, logs: Path, extra: dict[str, str] | None = None
 
 
 @dataclass
-class Run:
+class Run(benchkit.RunRecord):
+    # seconds: the check's busbw here (benchkit's figure field)
     pods: int
     index: int
-    ok: bool = False
-    seconds: float | None = None  # the check's busbw here (benchkit's figure field)
-    reason: str = ""
-    tail: list[str] = field(default_factory=list)
-    wall_s: float = 0.0
-    load_before: tuple[float, float, float] | None = None
-    logs: str = ""
     raw_before: float | None = None  # busbw, GB/s
     raw_after: float | None = None
     transport: list[str] = field(default_factory=list)
@@ -212,7 +206,6 @@ class Run:
     check_s: float | None = None  # the check's own time, as it prints it
     ddp: dict[str, Any] | None = None
     check_lines: list[str] = field(default_factory=list)
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,11 @@ TARGET_ADDED_S = 15.0  # kill -> next new step, less the replacement's own start
 
 
 @dataclass
-class Run:
+class Run(benchkit.RunRecord):
+    # seconds: podagent: kill -> first new step; ray: kill -> job terminal
     method: str
     index: int
     workers: int
-    ok: bool = False
-    seconds: float | None = None  # podagent: kill -> first new step; ray: kill -> job terminal
     capped: bool = False  # plain Ray's job not over within --baseline-cap
     # All from the kill, in seconds (podagent unless noted):
     detect_s: float | None = None  # -> the head's worker_lost (its `at`); ray: node dead
@@ -86,13 +85,6 @@ class Run:
     step_at_kill: int | None = None
     resumed_at: int | None = None  # attempt 2's first step
     redone: int | None = None  # steps of attempt 1 done again by attempt 2
-    reason: str = ""
-    tail: list[str] = field(default_factory=list)
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
-    wall_s: float = 0.0
-    load_before: tuple[float, float, float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    logs: str = ""
 
     def split(self) -> dict[str, float | None]:
         """podagent's kill -> first new step in consecutive parts (they add up to the total)."""

@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,22 +59,14 @@ JOBSTART = re.compile(r"^JOBSTART ([\d.]+) (.*)$", re.M)
 
 
 @dataclass
-class Run:
+class Run(benchkit.RunRecord):
+    # seconds: new head started -> its worker_joined event for the worker
     method: str
     index: int
-    ok: bool = False
-    seconds: float | None = None  # new head started -> its worker_joined event for the worker
     job_s: float | None = None  # new head started -> the resubmitted job's first line
     after_ray_s: float | None = None  # the new head's Ray up (ray_head) -> worker_joined
     cold_job_s: float | None = None  # every pod started -> the first job's first line
     reaction_s: float | None = None  # head killed -> the worker waits (rejoin) or exited
-    reason: str = ""
-    tail: list[str] = field(default_factory=list)
-    exit_codes: dict[str, int | None] = field(default_factory=dict)
-    wall_s: float = 0.0
-    load_before: tuple[float, float, float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    logs: str = ""
 
 
 def job_started(agent: Agent) -> tuple[float, str] | None:

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +33,21 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"  # git-ignored
 
 R = TypeVar("R")
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    """What every bench's run carries and `execute` fills in; a bench's own Run subclasses it,
+    its own fields first (these are keyword-only)."""
+    ok: bool = False
+    seconds: float | None = None  # the bench's main figure, shown on its progress line
+    reason: str = ""  # why it failed (one line)
+    tail: list[str] = field(default_factory=list)  # the last output lines on failure
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    wall_s: float = 0.0  # the whole run, teardown included
+    load_before: tuple[float, float, float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    logs: str = ""  # the run's log folder, relative to the results
 Body = Callable[[R, Path], None]  # a run's scenario: fills the run in, logs in the folder given
 
 
