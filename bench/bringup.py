@@ -731,10 +731,7 @@ def rerender(directory: Path) -> int:
                           + ("; workers: " + "; ".join(f"{k}: {v}" for k, v in workers.items())
                              if workers else ""))
         runs.append(run)
-    report = render(runs, argparse.Namespace(**saved["args"]), saved["meta"])
-    print(report)
-    (directory / "results.md").write_text(report + "\n")
-    return 0
+    return benchkit.rerender(directory, runs, saved, render)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -637,10 +637,7 @@ def rerender(directory: Path) -> int:
     saved = json.loads((directory / "results.json").read_text())
     runs = [Run(**{**r, "load_before": tuple(r["load_before"] or ()) or None,
                    "load_after": tuple(r["load_after"] or ()) or None}) for r in saved["runs"]]
-    report = render(runs, argparse.Namespace(**saved["args"]), saved["meta"])
-    print(report)
-    (directory / "results.md").write_text(report + "\n")
-    return 0
+    return benchkit.rerender(directory, runs, saved, render)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,6 +117,15 @@ def finish(runs: list[Any], outdir: Path, meta: dict[str, Any], args: argparse.N
     return 0 if runs and all(r.ok for r in runs) else 1
 
 
+def rerender(directory: Path, runs: list[Any], saved: dict[str, Any],
+             render: Callable[[list[Any], argparse.Namespace, dict[str, Any]], str]) -> int:
+    """The report of saved results written again (results.md) and printed."""
+    report = render(runs, argparse.Namespace(**saved["args"]), saved["meta"])
+    print(report)
+    (directory / "results.md").write_text(report + "\n")
+    return 0
+
+
 def last_lines(text: str, count: int = 12) -> list[str]:
     return [ANSI.sub("", line) for line in text.splitlines() if line.strip()][-count:]
 
