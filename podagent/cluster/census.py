@@ -12,6 +12,7 @@ grow with the cluster (docs/benchmarks.md, "The head's census at 1,000 nodes").
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import socket
 import time
@@ -23,6 +24,7 @@ from podagent.errors import RayStartError, WorkersTimeout
 from podagent.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 
+PROBES_AT_ONCE = 64  # raylet probes in flight when a failed job is looked into
 RECOUNT_EVERY = 1.0  # seconds: a worker that leaves again while the head waits shows this late
 
 
@@ -147,15 +149,21 @@ class WorkerCensus:
         """Workers whose raylet refuses or ignores a connection now. A killed pod breaks the
         job's collectives at once, seconds before Ray's health checks mark its node dead: this
         tells a job that failed because a pod went away from one that failed by itself."""
-        found = []
-        for worker in self.workers.values():
-            if worker.node_id in self.lost or not worker.node_manager_port:
-                continue
+        asked = [w for w in self.workers.values()
+                 if w.node_id not in self.lost and w.node_manager_port]
+
+        def gone(worker: NodeInfo) -> bool:
             try:
                 socket.create_connection((worker.ip, worker.node_manager_port), timeout).close()
             except OSError:
-                found.append(worker)
-        return found
+                return True
+            return False
+
+        if not asked:
+            return []
+        # All at once: pods cut off the network each take the whole timeout.
+        with concurrent.futures.ThreadPoolExecutor(min(len(asked), PROBES_AT_ONCE)) as pool:
+            return [w for w, lost in zip(asked, pool.map(gone, asked), strict=True) if lost]
 
     def mark_lost(self, workers: list[NodeInfo], how: str, then: str) -> None:
         for worker in workers:
