@@ -207,11 +207,13 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     signals = Signals()
 
     def force(signum: int) -> None:
-        # A second signal: no more patience. Kill everything we started and leave.
-        reporter.error(f"second {signal.Signals(signum).name}: killing all children now")
+        # A second signal: no more patience. Kill everything we started and leave. This runs
+        # in the main thread, which may be anywhere (holding the reporter's lock in a stalled
+        # write): so the children go first, and the last line takes no lock and cannot block.
         for proc in process.descendants():
             with contextlib.suppress(psutil.Error):
                 proc.kill()
+        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
         os._exit(128 + signum)
 
     signals.install(on_second=force)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import select
 import sys
 import threading
 import time
@@ -42,6 +45,71 @@ class Step:
 
 LOG_FORMATS = ("text", "json")
 LIVE_INTERVAL = 0.5  # seconds between rewrites of a live progress line
+# A line waits at most this long for a reader of the screen that stopped reading (a full pipe,
+# a stalled log collector); after that podagent drops lines until there is room again.
+SCREEN_WAIT = 2.0
+EMERGENCY_LOG_WAIT = 0.5  # the last line of a forced exit waits this long for the log file
+
+
+def _fileno(stream: TextIO) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, ValueError, OSError):  # in memory (tests), closed, or detached
+        return None
+
+
+class _Screen:
+    """One output stream (stdout or stderr), written so that nobody who stops reading it can
+    block podagent: a blocked write would hold the reporter's lock, and with it every line and
+    the signal handling of the whole run. A line waits at most SCREEN_WAIT for room; then lines
+    are dropped (counted, and said once the reader is back) until there is room again."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.fd = _fileno(stream)
+        self.stalled = False
+        self.dropped = 0
+
+    def write(self, text: str, wait: float = SCREEN_WAIT) -> bool:
+        """True when all of `text` went out."""
+        if self.fd is None:
+            self.stream.write(text)
+            self.stream.flush()
+            return True
+        if self.dropped and self._room(0):
+            note = (f"(podagent: {self.dropped} line(s) dropped here while this output was "
+                    f"not read; the pod's log file has them)\n")
+            self.dropped = 0
+            self._send(note.encode(), 0)
+        if self._send(text.encode(errors="replace"), 0 if self.stalled else wait):
+            self.stalled = False
+            return True
+        self.stalled = True
+        self.dropped += 1
+        return False
+
+    def _send(self, data: bytes, wait: float) -> bool:
+        view = memoryview(data)
+        while view:
+            if not self._room(wait):
+                return False
+            try:
+                # At most PIPE_BUF at a time: a pipe with room for that never blocks the write.
+                written = os.write(self.fd, view[:select.PIPE_BUF])  # type: ignore[arg-type]
+            except BlockingIOError:
+                continue
+            except OSError:  # the reader is gone (EPIPE) or the stream broke: nothing to do
+                return False
+            view = view[written:]
+        return True
+
+    def _room(self, wait: float) -> bool:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)  # type: ignore[arg-type]
+        try:
+            return any(mask & select.POLLOUT for _, mask in poller.poll(int(wait * 1000)))
+        except OSError:
+            return False
 
 
 class Reporter:
@@ -67,6 +135,7 @@ class Reporter:
         self.live = log_format == "text" and not quiet and _is_terminal(self.stream)
         self._live_shown = False
         self._lock = threading.Lock()
+        self._screens: dict[int, _Screen] = {}
         self._log: TextIO | None = None
         self._events: TextIO | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -80,15 +149,43 @@ class Reporter:
     def close(self) -> None:
         with self._lock:
             self._clear_live()
-        for f in (self._log, self._events):
-            if f:
-                f.close()
-        self._log = self._events = None
+            for f in (self._log, self._events):
+                if f:
+                    with contextlib.suppress(OSError, ValueError):  # a full disk: flush fails
+                        f.close()
+            self._log = self._events = None
+
+    def _screen(self, stream: TextIO) -> _Screen:
+        screen = self._screens.get(id(stream))
+        if screen is None or screen.stream is not stream:
+            screen = self._screens[id(stream)] = _Screen(stream)
+        return screen
 
     def _clear_live(self) -> None:
         if self._live_shown:
-            self.stream.write("\r\x1b[2K")
+            self._screen(self.stream).write("\r\x1b[2K")
             self._live_shown = False
+
+    def _to_file(self, which: str, text: str) -> None:
+        """A line for the pod's log file or events.jsonl. A file that cannot be written (the
+        volume is full or gone) is given up with one warning on screen: the run goes on."""
+        f = self._log if which == "log" else self._events
+        if f is None:
+            return
+        try:
+            f.write(text)
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError, ValueError):
+                f.close()
+            if which == "log":
+                self._log = None
+            else:
+                self._events = None
+            name = Path(getattr(f, "name", which)).name
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._screen(self.stream).write(
+                f"[{self.role}] WARNING: cannot write {name} in {self.run_dir} ({why}): "
+                f"going on without it; what was written stays\n")
 
     def _write(self, level: str, message: str, stream: TextIO) -> None:
         """level: info, warning, error, or job (a line of the job's own output)."""
@@ -110,9 +207,8 @@ class Reporter:
             if shown:
                 if stream is self.stream:
                     self._clear_live()
-                print(text_out, file=stream, flush=True)
-            if self._log:
-                self._log.write(f"{stamp} {text}\n")
+                self._screen(stream).write(text_out + "\n")
+            self._to_file("log", f"{stamp} {text}\n")
 
     def say(self, message: str) -> None:
         self._write("info", message, self.stream)
@@ -129,10 +225,29 @@ class Reporter:
 
     def log_only(self, message: str) -> None:
         """A line for the pod's log file but not the screen (the live line showed it)."""
-        if self._log:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            with self._lock:
-                self._log.write(f"{stamp} {self.redact(f'[{self.role}] {message}')}\n")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with self._lock:
+            self._to_file("log", f"{stamp} {self.redact(f'[{self.role}] {message}')}\n")
+
+    def emergency(self, message: str) -> None:
+        """The last line before a forced exit, from a signal handler: it takes no lock (the
+        main thread may hold the reporter's, blocked in a write) and never waits for the
+        screen; the pod's log file gets EMERGENCY_LOG_WAIT at most."""
+        text = f"[{self.role}] ERROR: {self.redact(message)}"
+        _Screen(sys.stderr).write(text + "\n", wait=0)
+        log = self._log
+        if log is None:
+            return
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+        def write() -> None:
+            with contextlib.suppress(OSError, ValueError):
+                log.write(f"{stamp} {text}\n")
+                log.flush()
+
+        writer = threading.Thread(target=write, name="last-line", daemon=True)
+        writer.start()
+        writer.join(EMERGENCY_LOG_WAIT)
 
     def live_line(self, message: str) -> None:
         """Rewrite the terminal's last line (a wait in progress); nothing when not live."""
@@ -140,9 +255,7 @@ class Reporter:
             return
         text = self.redact(f"[{self.role}] {message}")
         with self._lock:
-            self.stream.write(f"\r\x1b[2K{text}")
-            self.stream.flush()
-            self._live_shown = True
+            self._live_shown = self._screen(self.stream).write(f"\r\x1b[2K{text}")
 
     def _redact_values(self, value: Any) -> Any:
         # Before serialising: JSON escapes quotes and non-ASCII, which would hide a secret.
@@ -168,8 +281,7 @@ class Reporter:
                   "event": event, **fields}
         line = json.dumps(self._redact_values(record), default=str)
         with self._lock:
-            if self._events:
-                self._events.write(line + "\n")
+            self._to_file("events", line + "\n")
             listeners = list(self._listeners)
         for listener in listeners:
             self._notify(listener, line)

@@ -162,7 +162,9 @@ class PodagentRun:
 
     # --- running ----------------------------------------------------------------------------
 
-    def start(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def start(self, args: Sequence[str], env: Mapping[str, str] | None = None,
+              stdout: int | None = None) -> None:
+        """`stdout`: a file descriptor instead of stdout.txt (a pipe the test holds)."""
         assert self.proc is None, "one process per PodagentRun"
         self.env.update(env or {})
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -171,7 +173,8 @@ class PodagentRun:
             self._started = time.monotonic()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "podagent", *args], env=self.env, cwd=self.scratch,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=out if stdout is None else stdout, stderr=err,
+                start_new_session=True,
             )
 
     def wait(self, timeout: float = RUN_TIMEOUT) -> int:
@@ -206,11 +209,11 @@ class PodagentRun:
             return describe(ray_processes_under(self.temp_dir))
 
     @contextlib.contextmanager
-    def running(self, args: Sequence[str], env: Mapping[str, str] | None = None
-                ) -> Iterator[PodagentRun]:
+    def running(self, args: Sequence[str], env: Mapping[str, str] | None = None,
+                stdout: int | None = None) -> Iterator[PodagentRun]:
         """Start podagent; whatever happens inside, finish() runs at the end."""
         try:
-            self.start(args, env)
+            self.start(args, env, stdout)
             yield self
         finally:
             self.finish()

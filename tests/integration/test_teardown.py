@@ -218,7 +218,7 @@ def test_teardown_after_ray_died_leaves_nothing(
     expected = after.own_exit if after.own_exit is not None else 143
     assert run.returncode == expected, f"{run.stdout[-2000:]}\n{run.stderr}"
     if after.forced:
-        assert "[head] ERROR: second SIGTERM: killing all children now" in run.stderr
+        assert "[head] ERROR: second SIGTERM: killed all children" in run.stderr
     else:
         assert "Ray stopped (" in run.stdout, run.stdout
         assert run.events()[-1]["event"] == "exit"
