@@ -50,6 +50,8 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.StopTimeout, 15, "`podagent stop`: the cluster was still up when --timeout ran out"),
     (errors.RestartsExhausted, 16, "head: the run was restarted PODAGENT_RESTARTS times after "
                                    "lost nodes and lost another (logs and checkpoints are kept)"),
+    (errors.LedgerError, 17, "head: the run's ledger on the volume could not be written "
+                             "(full or read-only), so no job was submitted"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -117,7 +119,7 @@ def _ray(settings: config.Settings | None = None) -> ray_compat.RayVersion:
 def _secret_values(settings: config.Settings) -> list[str]:
     """What the output must never show: secret variables' values, and the cluster token, which
     may come from a file (RAY_AUTH_TOKEN_PATH) rather than the environment."""
-    values = [v for k, v in os.environ.items() if config.is_secret(k) and v]
+    values = [v for k, v in settings.environ.items() if config.is_secret(k) and v]
     return [*values, settings.auth_token] if settings.auth_token else values
 
 
@@ -174,12 +176,25 @@ def _require_parts(settings: config.Settings, role: Role) -> None:
         _fail(str(exc), exit_code(exc))
 
 
+def _warn_early(settings: config.Settings) -> None:
+    """What a run and a dry run say first, before anything can fail: a misspelt variable may
+    be why a part is missing or a role is unclear."""
+    if not settings.warnings:
+        return
+    early = Reporter("podagent", settings.pod_id or socket.gethostname(), None,
+                     secrets=_secret_values(settings), log_format=settings.log_format,
+                     quiet=settings.quiet)
+    for warning in settings.warnings:  # e.g. a PODAGENT_* variable with a typo in its name
+        early.warn(warning)
+
+
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
               job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
     from podagent.cluster.head import Head
     from podagent.cluster.worker import Worker
 
     settings = _build(flags, job_argv)
+    _warn_early(settings)
     try:
         decision = detect_role(settings, explicit)
     except (errors.ConfigError, errors.RoleConflict) as exc:
@@ -189,15 +204,18 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     if dry_run:
         _dry_run(settings, decision, ray)
         sys.exit(EXIT_OK)
+    # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
+    # service) inherits the key. The settings keep their own copy of the environment.
+    os.environ.pop(config.RUNPOD_API_KEY, None)
     pod = settings.pod_id or socket.gethostname()
     reporter = Reporter(decision.role.value, pod, settings.run_dir,
                         secrets=_secret_values(settings), log_format=settings.log_format,
                         quiet=settings.quiet)
+    for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
+        reporter.log_only(f"WARNING: {warning}")
     reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     _say_untested(reporter, ray)
-    for warning in settings.warnings:  # e.g. a PODAGENT_* variable with a typo in its name
-        reporter.warn(warning)
     reporter.event("role", role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__, ray=ray.version)
     from podagent.cluster import wandb_run
@@ -218,10 +236,11 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
 
     signals.install(on_second=force)
     process.become_subreaper()
-    lifecycle = (Head if decision.role is Role.HEAD else Worker)(
-        settings, decision, reporter, signals)
+    lifecycle: Head | Worker | None = None
     code = EXIT_OK
     try:
+        lifecycle = (Head if decision.role is Role.HEAD else Worker)(
+            settings, decision, reporter, signals)
         lifecycle.run()
         code = _earlier_exit(lifecycle)
     except errors.PodagentError as exc:
@@ -239,15 +258,31 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     finally:
         if bringup:
             bringup.finish(code)
-    _after_run(lifecycle, settings, reporter, signals, code)
+    if lifecycle is not None:
+        _after_run(lifecycle, settings, reporter, signals, code)
     reporter.close()
     sys.exit(code)
 
 
+# How each way a start of the run can end (the lifecycle's outcome: the error's class name, or
+# one of these) maps onto the exit code; a restarted head repeats a finished run's code.
+OK_OUTCOMES = ("succeeded", "left", "StopRequested")
+
+
+def code_for_outcome(outcome: str) -> int:
+    if outcome in OK_OUTCOMES:
+        return EXIT_OK
+    for cls, code, _ in EXIT_CODES:
+        if cls.__name__ == outcome:
+            return code
+    return EXIT_INTERNAL
+
+
 def _earlier_exit(lifecycle: Any) -> int:
-    """A head that found its run finished earlier exits as that run did."""
+    """A head that found its run finished earlier exits as that run did: the code follows from
+    the recorded outcome, so a head killed before it wrote its code is still read right."""
     earlier = getattr(lifecycle, "finished_earlier", None)
-    return int(earlier.get("exit_code") or EXIT_OK) if earlier else EXIT_OK
+    return code_for_outcome(earlier["outcome"]) if earlier else EXIT_OK
 
 
 def _after_run(lifecycle: Any, settings: config.Settings, reporter: Reporter,
@@ -258,7 +293,10 @@ def _after_run(lifecycle: Any, settings: config.Settings, reporter: Reporter,
 
     ledger = getattr(lifecycle, "ledger", None)
     if ledger is not None:  # the head
-        ledger.exit_code(code)
+        try:
+            ledger.exit_code(code)
+        except errors.LedgerError as exc:
+            reporter.warn(str(exc))
         policy = settings.after_run if ledger.finished else None
     else:
         policy = getattr(lifecycle, "after_run", None)

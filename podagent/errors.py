@@ -73,6 +73,11 @@ class JobStopped(PodagentError):
     pass
 
 
+class LedgerError(PodagentError):
+    """The run's ledger on the volume could not be written (full, read-only, gone): the head
+    does not submit a job it could not record (a restarted head would not know of it)."""
+
+
 class JobSubmitFailed(PodagentError):
     """Ray's Jobs API refused the job, or did not accept it in time."""
 

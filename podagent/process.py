@@ -12,12 +12,13 @@ import ctypes
 import os
 import signal
 import subprocess
-import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import psutil
+
+from podagent.waiting import Deadline
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -85,29 +86,40 @@ def reap_orphans() -> None:
             pass
 
 
+STOP_POLL = 0.1  # how often a stop looks whether its deadline moved (a signal arrived)
+KILLED_WAIT = 5.0  # after SIGKILL: only a process stuck in the kernel takes longer
+
+
 def stop_processes(
     procs: Sequence[psutil.Process],
-    timeout: float,
+    timeout: float | Deadline,
     on_kill: Callable[[list[psutil.Process]], None] | None = None,
 ) -> tuple[int, int]:
-    """SIGTERM all, wait until a monotonic deadline, SIGKILL the rest. Returns (termed, killed)."""
+    """SIGTERM all, wait until the deadline (which may move earlier meanwhile), SIGKILL the
+    rest. Returns (termed, killed)."""
+    deadline = Deadline.of(timeout)
     procs = [p for p in procs if p.pid != os.getpid()]
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    alive = list(procs)
+    while alive and not deadline.passed:
+        _, alive = psutil.wait_procs(alive, timeout=min(STOP_POLL, deadline.left()))
     if alive:
         if on_kill:
             on_kill(alive)
         for proc in alive:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        psutil.wait_procs(alive, timeout=5)
+        psutil.wait_procs(alive, timeout=KILLED_WAIT)
     return len(procs) - len(alive), len(alive)
 
 
+PHASE_MINIMUM = 0.2  # every phase of a stop gets this long, however late it starts
+
+
 def stop_in_phases(
-    phases: Sequence[Callable[[psutil.Process], bool]], timeout: float,
+    phases: Sequence[Callable[[psutil.Process], bool]], timeout: float | Deadline,
     candidates: Callable[[], list[psutil.Process]] = descendants,
 ) -> tuple[int, int]:
     """Stop processes in phases (each picks from the candidates still running), then the rest.
@@ -115,7 +127,7 @@ def stop_in_phases(
     Candidates default to our descendants. One overall deadline; returns (terminated, killed)
     over all phases.
     """
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.of(timeout)
     termed = killed = 0
     for wanted in (*phases, lambda _p: True):
         picked = []
@@ -124,7 +136,7 @@ def stop_in_phases(
                 if proc.status() != psutil.STATUS_ZOMBIE and wanted(proc):
                     picked.append(proc)
         if picked:
-            t, k = stop_processes(picked, max(0.5, deadline - time.monotonic()))
+            t, k = stop_processes(picked, deadline.at_least(PHASE_MINIMUM))
             termed, killed = termed + t, killed + k
     reap_zombies()
     return termed, killed
@@ -234,7 +246,7 @@ class ManagedProcess:
     def tail(self, lines: int = 30) -> str:
         return log_tail(self.log_path, lines)
 
-    def stop(self, timeout: float) -> tuple[int, int]:
+    def stop(self, timeout: float | Deadline) -> tuple[int, int]:
         """The process and everything it started, TERM -> deadline -> KILL."""
         if not self.proc or self.proc.poll() is not None:
             return 0, 0

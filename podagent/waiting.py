@@ -1,9 +1,11 @@
-"""Signals recorded by handlers and acted on by the loops; bounded, interruptible waits."""
+"""Signals recorded by handlers and acted on by the loops; bounded, interruptible waits;
+deadlines that a signal can bring earlier."""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 from podagent.errors import Interrupted
@@ -37,3 +39,44 @@ class Signals:
         """A wait that a signal cuts short; used as tenacity's sleep."""
         if self.event.wait(seconds):
             raise Interrupted(self.received or signal.SIGTERM)
+
+
+class Deadline:
+    """When a step must be done by (monotonic time), which may move earlier while the step
+    runs: a signal during a teardown gives every step at most what is left of its budget, the
+    step already under way included."""
+
+    def __init__(self, when: Callable[[], float]):
+        self._when = when
+
+    @classmethod
+    def after(cls, seconds: float, cap: Callable[[], float | None] = lambda: None) -> Deadline:
+        """`seconds` from now, or `cap()` when that is earlier (asked again at every look)."""
+        own = time.monotonic() + seconds
+
+        def when() -> float:
+            limit = cap()
+            return own if limit is None else min(own, limit)
+
+        return cls(when)
+
+    @classmethod
+    def of(cls, timeout: float | Deadline) -> Deadline:
+        return timeout if isinstance(timeout, Deadline) else cls.after(timeout)
+
+    @property
+    def at(self) -> float:
+        return self._when()
+
+    def left(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    @property
+    def passed(self) -> bool:
+        return self.left() <= 0.0
+
+    def at_least(self, seconds: float) -> Deadline:
+        """This deadline, but never sooner than `seconds` from now: a step that must still do
+        something quick (send SIGKILL, say) when its time is up."""
+        floor = time.monotonic() + seconds
+        return Deadline(lambda: max(floor, self.at))

@@ -18,11 +18,12 @@ import socket
 import time
 from collections.abc import Callable
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import Retrying, retry_if_result, wait_fixed
 
 from podagent.errors import RayStartError, WorkersTimeout
 from podagent.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
+from podagent.waiting import Deadline
 
 PROBES_AT_ONCE = 64  # raylet probes in flight when a failed job is looked into
 RECOUNT_EVERY = 1.0  # seconds: a worker that leaves again while the head waits shows this late
@@ -187,7 +188,7 @@ class WorkerCensus:
         self.mark_lost(newly, "Ray marked its node dead", then)
         return newly
 
-    def await_departures(self, grace: float) -> None:
+    def await_departures(self, grace: float | Deadline) -> None:
         """At the end, after the closing announcement: workers leave on it; give them a moment
         so they never see the head vanish."""
         if not self.workers:
@@ -199,7 +200,8 @@ class WorkerCensus:
             except RayStartError:
                 return 0  # the GCS no longer answers: nobody is left to wait for
 
-        left = Retrying(stop=stop_after_delay(grace), wait=wait_fixed(0.2),
+        deadline = Deadline.of(grace)
+        left = Retrying(stop=lambda _state: deadline.passed, wait=wait_fixed(0.2),
                         retry=retry_if_result(lambda n: n > 0),
                         retry_error_callback=lambda state: state.outcome.result())(remaining)
         if left:

@@ -24,12 +24,12 @@ from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
 from podagent.config import Settings
-from podagent.errors import RayDied, RestartsExhausted
+from podagent.errors import LedgerError, RayDied, RestartsExhausted
 from podagent.gcs import NodeInfo
 from podagent.report import Progress, Reporter
 from podagent.rewards.manager import RewardServer
 from podagent.roles import Role, RoleDecision
-from podagent.waiting import Signals
+from podagent.waiting import Deadline, Signals
 
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
 HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get this long each
@@ -130,8 +130,9 @@ class Head(Lifecycle[HeadState]):
             self.finished_earlier = finished
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(finished["at"]))
             job = f", job {finished['job_status']}" if finished.get("job_status") else ""
+            why = f": {finished['reason']}" if finished.get("reason") else ""
             self.reporter.say(f"run {self.s.run_name} finished earlier ({finished['outcome']}"
-                              f"{job}, {at} UTC): not running it again; logs in "
+                              f"{job}, {at} UTC{why}): not running it again; logs in "
                               f"{self.s.run_dir} (a new PODAGENT_RUN_NAME starts a new run)")
             self.reporter.event("finished_earlier", **finished)
             return HeadState.DONE
@@ -298,7 +299,9 @@ class Head(Lifecycle[HeadState]):
             lost = [w for w in self.census.workers.values() if w.node_id in self.census.lost]
             if self.job_status != "SUCCEEDED" and not lost and self.s.on_node_loss != "fail":
                 lost = self._losses_behind_failure()
-            self.ledger.job_ended(self.job.submission_id, self.job_status or "LOST")
+            job = self.job
+            self._record(lambda: self.ledger.job_ended(job.submission_id,
+                                                       self.job_status or "LOST"))
             step.done(f"job {self.job_status or 'asked to stop (not yet confirmed)'}",
                       status=self.job_status, nodes_lost=[w.ip for w in lost])
         why = restart_reason(self.s, self.job_status, [w.ip for w in lost])
@@ -342,8 +345,9 @@ class Head(Lifecycle[HeadState]):
         self.restart = {"n": number, "noticed": noticed, "stopped": now,
                         "earliest": time.monotonic() + min(
                             RESTART_BACKOFF_MAX, self.s.restart_backoff * 2 ** (number - 1))}
-        self.ledger.restarting({"n": number, "reason": why, "lost": [w.ip for w in lost],
-                                "job": self.job.submission_id, "job_status": self.job_status})
+        entry = {"n": number, "reason": why, "lost": [w.ip for w in lost],
+                 "job": self.job.submission_id, "job_status": self.job_status}
+        self._record(lambda: self.ledger.restarting(entry))
         self.reporter.event("restart", n=number, of=self.s.restarts, reason=why,
                             lost=[w.ip for w in lost], job=self.job.submission_id)
         self.job, self.job_status, self.job_stopped_by_us = None, None, False
@@ -389,7 +393,7 @@ class Head(Lifecycle[HeadState]):
                    "waited_s": round(now - self.restart["stopped"], 3),
                    "replaced": [list(pair) for pair in self.census.replaced]
                    if self.census else []}
-        self.ledger.resubmitted(submission_id, **figures)
+        self._record(lambda: self.ledger.resubmitted(submission_id, **figures))
         self.reporter.say(f"restart {self.restart['n']}: job {submission_id} submitted "
                           f"{figures['time_lost_s']:.1f} s after the run stopped (the job's "
                           f"own start and the steps since its checkpoint come on top)")
@@ -414,6 +418,16 @@ class Head(Lifecycle[HeadState]):
             if self.census.note_losses(alive, then) and self.s.on_node_loss == "restart":
                 raise _NodeLost()
 
+    def _record(self, write: Callable[[], None]) -> None:
+        """A ledger entry while the run goes on: one the volume refuses is a warning, not the
+        run's end (the job's own outcome matters more). The records that keep a job from
+        running twice (the start, each submission) are not written through here: without
+        them nothing is submitted (LedgerError)."""
+        try:
+            write()
+        except LedgerError as exc:
+            self.reporter.warn(str(exc))
+
     def _total_gpus(self) -> int:
         assert self.setup and self.census
         return self.setup.gpus + self.census.gpus
@@ -427,42 +441,63 @@ class Head(Lifecycle[HeadState]):
     # --- teardown ------------------------------------------------------------------------------
 
     def _teardown(self, outcome: str) -> None:
+        """Every step runs whatever the one before did: a full volume must not leave the job,
+        the reward server or Ray running."""
         if self.finished_earlier:
             return  # nothing was started
-        self.ledger.ended(outcome, self.job_status)  # first: a pod being stopped has seconds
+        guarded = self._guarded
+        # First: a pod being stopped has seconds, and a restarted head reads this.
+        guarded("record the run's end in the ledger",
+                lambda: self.ledger.ended(outcome, self.job_status))
         # With this pod's Ray dead there is no job to stop and nobody to tell: just clean up.
-        ray_dead = outcome == RayDied.__name__
-        if self.ray:
-            self.ray.closing()
-            if not ray_dead and self.ray.silent():
-                ray_dead = True
-                self.reporter.warn("this pod's Ray GCS does not answer: not stopping the job "
-                                   "through the Jobs API nor telling the workers; stopping "
-                                   "Ray")
+        ray_dead = outcome == RayDied.__name__ or bool(
+            guarded("ask this pod's Ray whether it answers", self._ray_silent))
         if self.job and self.job_status is None and not ray_dead:
-            self._stop_job(self._budget(HURRIED_STEP if self.hurried else self.s.stop_timeout))
+            guarded(f"stop job {self.job.submission_id}",
+                    lambda: self._stop_job(self._deadline(self.s.stop_timeout, HURRIED_STEP)))
         if self.job:
-            self.ledger.job_ended(self.job.submission_id, self.job_status or "LOST")
+            job = self.job
+            guarded("record the job's end in the ledger",
+                    lambda: self.ledger.job_ended(job.submission_id, self.job_status or "LOST"))
         if self.reward:
-            self.reward.stop(self._budget(HURRIED_STEP) if self.hurried else None)
+            reward = self.reward
+            guarded("stop the reward server",
+                    lambda: reward.stop(self._deadline(self.s.stop_timeout, HURRIED_STEP)))
         if self.ray and self.ray.gcs and not ray_dead:
-            over = outcome in ledger_mod.FINISHED
-            self.ray.announce_close(outcome, self.job_status,
-                                    self.s.after_run if over else runstate.REJOIN)
-            if self.census:
-                self.census.await_departures(self._budget(HURRIED_DEPARTURES) if self.hurried
-                                             else self.s.head_grace)
+            guarded("tell the workers the run is closing", lambda: self._announce_close(outcome))
         if self.ray:
-            self.ray.close()
-        self._stop_ray(outcome, gcs_gone=ray_dead)
+            guarded("close the GCS client", self.ray.close)
+        guarded("stop Ray", lambda: self._stop_ray(outcome, gcs_gone=ray_dead))
         elapsed = time.monotonic() - self.started
-        reward = ""
+        reward_line = ""
         if self.reward:
-            reward = f"; REMOTE_RM_URL={self.reward.url} ({self.reward.restarts} restart(s))"
-        self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s{reward}; "
-                          f"logs in {self.s.run_dir}")
+            reward_line = (f"; REMOTE_RM_URL={self.reward.url} ({self.reward.restarts} "
+                           f"restart(s))")
+        self.reporter.say(f"run {self.s.run_name}: {outcome} after {elapsed:.1f} s"
+                          f"{reward_line}; logs in {self.s.run_dir}")
 
-    def _stop_job(self, timeout: float) -> None:
+    def _ray_silent(self) -> bool:
+        """This pod's Ray was started but its GCS does not answer now (then the Jobs API and
+        the workers cannot be reached either: each call would only wait out its timeout)."""
+        if not self.ray:
+            return False
+        self.ray.closing()
+        if not self.ray.silent():
+            return False
+        self.reporter.warn("this pod's Ray GCS does not answer: not stopping the job through "
+                           "the Jobs API nor telling the workers; stopping Ray")
+        return True
+
+    def _announce_close(self, outcome: str) -> None:
+        """The closing announcement, then a moment for the workers to leave on it."""
+        assert self.ray
+        over = outcome in ledger_mod.FINISHED
+        self.ray.announce_close(outcome, self.job_status,
+                                self.s.after_run if over else runstate.REJOIN)
+        if self.census:
+            self.census.await_departures(self._deadline(self.s.head_grace, HURRIED_DEPARTURES))
+
+    def _stop_job(self, timeout: float | Deadline) -> None:
         assert self.job
         # Ray kills the job's shell and its children at once; a child that outlives its shell
         # by a moment is re-parented to podagent (a subreaper), and Ray, which waits until
@@ -475,7 +510,7 @@ class Head(Lifecycle[HeadState]):
                                f"did not confirm it (Ray is stopped next either way)")
         elif status not in TERMINAL:  # still going at the deadline: stopping Ray ends it
             self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; still {status} "
-                               f"after {timeout:.1f} s (Ray is stopped next, which ends it)")
+                               f"at the deadline (Ray is stopped next, which ends it)")
         else:
             self.reporter.say(f"job {self.job.submission_id} stopped (status {status})")
             self.job_status = status  # the workers' closing announcement carries it

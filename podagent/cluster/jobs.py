@@ -8,7 +8,6 @@ import json
 import logging
 import shlex
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from tenacity import (
 from podagent.checks.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
 from podagent.errors import JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
-from podagent.waiting import Signals
+from podagent.waiting import Deadline, Signals
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # Ray's SDK sends its HTTP requests without a timeout; with the GCS gone the dashboard holds
@@ -247,17 +246,17 @@ class JobRunner:
             raise JobStopped(f"job {self.submission_id} was stopped {where}")
         raise JobFailed(f"job {self.submission_id} failed: {reason or status} {where}")
 
-    def stop(self, timeout: float, while_waiting: Callable[[], None] | None = None,
+    def stop(self, timeout: float | Deadline, while_waiting: Callable[[], None] | None = None,
              job: str | None = None) -> str | None:
         """Ask Ray to stop the job (or another, `job`) and wait (bounded) until it is over;
         `while_waiting` is called before each look at its status.
 
         Returns its last status, or None when the dashboard could not tell.
         """
-        ends = time.monotonic() + timeout
+        deadline = Deadline.of(timeout)
 
         def left() -> float:  # every request within the caller's deadline
-            return max(0.2, min(HTTP_TIMEOUT, ends - time.monotonic()))
+            return max(0.2, min(HTTP_TIMEOUT, deadline.left()))
 
         def status_or_none() -> str | None:
             if while_waiting is not None:
@@ -271,7 +270,7 @@ class JobRunner:
         with contextlib.suppress(JobApiUnreachable):
             self._request("POST", "/stop", timeout=left(), job=job)
         return Retrying(
-            stop=stop_after_delay(timeout), wait=wait_fixed(0.2),
+            stop=lambda _state: deadline.passed, wait=wait_fixed(0.2),
             retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),
             retry_error_callback=lambda state: state.outcome.result(),
         )(status_or_none)

@@ -16,10 +16,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from podagent.errors import LedgerError
+
 LEDGER = "ledger.json"
+# The outcome of a start that ended in a bug of podagent's (the CLI's exit 70).
+INTERNAL_ERROR = "InternalError"
 # The run ended for good: the job reached an end of its own, or someone asked for the end.
 # Anything else (a signal, a lost Ray, workers that never came) leaves the run to a restart.
 FINISHED = ("succeeded", "JobFailed", "JobStopped", "StopRequested", "RestartsExhausted")
+# So many starts in a row ending in an internal error end the run for good: the same bug
+# would meet every restarted container, billing GPUs in a loop.
+INTERNAL_ERRORS_IN_A_ROW = 3
 
 
 class Ledger:
@@ -31,14 +38,21 @@ class Ledger:
         """The run's ledger; an unreadable one is kept beside under another name, not lost."""
         path = run_dir / LEDGER
         data: dict[str, Any] = {}
-        with contextlib.suppress(FileNotFoundError):
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except FileNotFoundError:
+            data = {}
+        except ValueError:
             try:
-                data = json.loads(path.read_text())
-                if not isinstance(data, dict):
-                    raise ValueError("not an object")
-            except ValueError:
                 path.replace(path.with_name(f"{LEDGER}.unreadable-{int(time.time())}"))
-                data = {}
+            except OSError as exc:
+                raise LedgerError(f"the run's ledger {path} is unreadable and cannot be set "
+                                  f"aside: {exc.strerror}") from None
+            data = {}
+        except OSError as exc:
+            raise LedgerError(f"cannot read the run's ledger {path}: {exc.strerror}") from None
         data.setdefault("run", run_name)
         for key in ("starts", "submissions"):
             data.setdefault(key, [])
@@ -103,28 +117,50 @@ class Ledger:
         self._write()
 
     def ended(self, outcome: str, job_status: str | None) -> None:
-        """This start of the run is over; a finished outcome ends the run for good."""
+        """This start of the run is over; a finished outcome ends the run for good. Its exit
+        code follows from the outcome (the CLI's table) and is added by `exit_code()`."""
         if self.data["starts"]:
             self.data["starts"][-1].update(ended_at=_now(), outcome=outcome)
         if outcome in FINISHED:
-            self.data["finished"] = {"outcome": outcome, "job_status": job_status,
-                                     "at": _now(), "exit_code": None}
+            self.data["finished"] = {"outcome": outcome, "job_status": job_status, "at": _now()}
+        elif outcome == INTERNAL_ERROR and self._internal_errors_in_a_row():
+            self.data["finished"] = {
+                "outcome": outcome, "job_status": job_status, "at": _now(),
+                "reason": f"{INTERNAL_ERRORS_IN_A_ROW} starts in a row ended in an internal "
+                          f"error"}
         self._write()
 
+    def _internal_errors_in_a_row(self) -> bool:
+        last = self.data["starts"][-INTERNAL_ERRORS_IN_A_ROW:]
+        return (len(last) == INTERNAL_ERRORS_IN_A_ROW
+                and all(start.get("outcome") == INTERNAL_ERROR for start in last))
+
     def exit_code(self, code: int) -> None:
-        """The code this start exited with (chosen by the CLI), for a restart to repeat."""
+        """The code this start exited with (chosen by the CLI): on the start, and on the
+        run's end when this start finished it."""
+        if self.data["starts"]:
+            self.data["starts"][-1]["exit_code"] = code
         if self.finished is not None and self.finished.get("exit_code") is None:
             self.finished["exit_code"] = code
-            self._write()
+        self._write()
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Whole or not at all; a volume that refuses (full, read-only) is a LedgerError, and
+        what was asked stays in memory for the next write."""
         tmp = self.path.with_name(f".{LEDGER}.{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(self.data, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise LedgerError(f"cannot write the run's ledger {self.path} "
+                              f"({exc.strerror or exc}): a restarted head will not know what "
+                              f"this one did") from None
 
 
 def _now() -> float:

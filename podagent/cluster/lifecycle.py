@@ -9,16 +9,19 @@ from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
 from podagent.cluster import ray_node
+from podagent.cluster.ledger import INTERNAL_ERROR
 from podagent.config import Settings
 from podagent.errors import Interrupted, PodagentError
 from podagent.report import Reporter
 from podagent.roles import RoleDecision
-from podagent.waiting import Signals
+from podagent.waiting import Deadline, Signals
 
 State = TypeVar("State", bound=enum.Enum)
+T = TypeVar("T")
 # A signal ends the run: RunPod sends SIGKILL about 5 s after SIGTERM on spot pods, so the
 # whole teardown fits in this (each step gets what is left; the ledger and events come first).
 TERM_BUDGET = 4.0
+STEP_MINIMUM = 0.2  # however late, a step gets this long (to send SIGKILL, say)
 
 
 class EndRequested(Exception):
@@ -53,7 +56,7 @@ class Lifecycle(Generic[State]):
 
     def run(self) -> None:
         handlers = self.handlers()
-        outcome = "failed"
+        outcome = INTERNAL_ERROR  # unless the loop ends otherwise
         try:
             while self.state is not self.LAST:
                 self.signals.check()
@@ -64,8 +67,7 @@ class Lifecycle(Generic[State]):
             outcome = exc.outcome
         except Interrupted as exc:
             outcome = type(exc).__name__
-            self._ends_by = time.monotonic() + TERM_BUDGET
-            self.reporter.event("terminating", signal=exc.signum, budget_s=TERM_BUDGET)
+            self._note_signal()
             raise
         except PodagentError as exc:
             outcome = type(exc).__name__
@@ -76,23 +78,51 @@ class Lifecycle(Generic[State]):
     def _teardown(self, outcome: str) -> None:
         raise NotImplementedError
 
+    # --- the teardown's time and steps --------------------------------------------------------
+
+    def _note_signal(self) -> bool:
+        """A signal ends the run, also one that arrives during an ordinary teardown: from
+        then on every step, the one under way included, gets what is left of TERM_BUDGET."""
+        if self._ends_by is None and self.signals.received is not None:
+            self._ends_by = time.monotonic() + TERM_BUDGET
+            self.reporter.event("terminating", signal=self.signals.received,
+                                budget_s=TERM_BUDGET)
+        return self._ends_by is not None
+
     @property
     def hurried(self) -> bool:
         """A signal ends the run: the pod has seconds before SIGKILL."""
-        return self._ends_by is not None
+        return self._note_signal()
 
-    def _budget(self, want: float) -> float:
-        """`want` seconds, or what is left of TERM_BUDGET when a signal ends the run."""
-        if self._ends_by is None:
-            return want
-        return max(0.2, min(want, self._ends_by - time.monotonic()))
+    def _deadline(self, want: float, hurried: float | None = None) -> Deadline:
+        """A teardown step's deadline: `want` seconds (`hurried` when a signal ends the run),
+        and never past the end of TERM_BUDGET once a signal came, however late it comes."""
+        seconds = hurried if hurried is not None and self.hurried else want
+
+        def budget_end() -> float | None:
+            self._note_signal()
+            return self._ends_by
+
+        return Deadline.after(seconds, cap=budget_end).at_least(STEP_MINIMUM)
+
+    def _guarded(self, what: str, step: Callable[[], T]) -> T | None:
+        """One step of a teardown: a failure (a full volume, an API that broke) is said, and
+        the next step still runs; stopping the rest matters more than any one step."""
+        try:
+            return step()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.reporter.warn(f"teardown: could not {what} ({error}); going on")
+            self.reporter.event("teardown_step_failed", step=what, error=error)
+            return None
 
     def _stop_ray(self, outcome: str, gcs_gone: bool) -> None:
         """Stop every process podagent started; a node without its GCS gets a short deadline."""
-        timeout = self._budget(self.s.stop_timeout)
+        want = self.s.stop_timeout
         if gcs_gone:
-            timeout = min(timeout, ray_node.DEAD_GCS_STOP_TIMEOUT)
-        termed, killed = ray_node.RayNode.stop(timeout, adopted_from=self.s.ray_temp_dir,
+            want = min(want, ray_node.DEAD_GCS_STOP_TIMEOUT)
+        termed, killed = ray_node.RayNode.stop(self._deadline(want),
+                                               adopted_from=self.s.ray_temp_dir,
                                                adopted=self.adopted_ray)
         if termed or killed:
             extra = f", {killed} needed SIGKILL" if killed else ""

@@ -20,6 +20,7 @@ from podagent import pod, process
 from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.roles import Role
+from podagent.waiting import Deadline
 
 
 def ray_executable() -> str:
@@ -179,7 +180,7 @@ class RayNode:
         return process.alive(proc)
 
     @staticmethod
-    def stop(timeout: float, adopted_from: str | None = None,
+    def stop(timeout: float | Deadline, adopted_from: str | None = None,
              adopted: bool = False) -> tuple[int, int]:
         """Every process this podagent started (Ray's daemons, drivers, workers), and with
         `adopted` also the Ray an earlier podagent of this run started on this pod.

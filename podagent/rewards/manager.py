@@ -23,7 +23,7 @@ from podagent.config import Settings
 from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
-from podagent.waiting import Signals
+from podagent.waiting import Deadline, Signals
 
 # A request a real trainer could send: one query whose response boxes the right answer.
 PROBE_BODY = {
@@ -34,6 +34,7 @@ PROBE_BODY = {
 PROBE_TIMEOUT = 30.0  # a busy server answering trainers may be slow: slow is not dead
 SUPERVISE_INTERVAL = 5.0
 FAILED_PROBES_BEFORE_RESTART = 3
+SUPERVISOR_JOIN = 1.0  # its probe may be in flight; the process is stopped either way
 TAIL_LINES = 30
 ADOPTED_EXIT_UNKNOWN = -1000  # an adopted server's exit status cannot be read (not our child)
 
@@ -163,7 +164,7 @@ class RewardServer:
             f"{self.label} {self._exit_text(code)} {when}; last lines of "
             f"{self.process.log_path}:\n{self.process.tail(TAIL_LINES)}")
 
-    def _stop_process(self, timeout: float) -> None:
+    def _stop_process(self, timeout: float | Deadline) -> None:
         if self.adopted is not None:
             tree = [self.adopted]
             with contextlib.suppress(psutil.Error):
@@ -265,12 +266,11 @@ class RewardServer:
         self.process.start()
         return True
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | Deadline | None = None) -> None:
         """TERM -> deadline (PODAGENT_STOP_TIMEOUT, or `timeout` when the pod is being
         stopped and has seconds) -> KILL."""
-        deadline = self.s.stop_timeout if timeout is None else timeout
+        deadline = Deadline.of(self.s.stop_timeout if timeout is None else timeout)
         self._stop.set()
-        if self._supervisor:  # a daemon thread: not waited for past the deadline
-            self._supervisor.join(timeout=deadline if timeout is not None
-                                  else deadline + PROBE_TIMEOUT)
+        if self._supervisor:  # a daemon thread, mid-probe perhaps: not waited for long
+            self._supervisor.join(timeout=min(deadline.left(), SUPERVISOR_JOIN))
         self._stop_process(deadline)

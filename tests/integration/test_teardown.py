@@ -9,10 +9,17 @@ whichever way it leaves, nothing may stay behind.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import shlex
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import pytest
@@ -223,3 +230,110 @@ def test_teardown_after_ray_died_leaves_nothing(
         assert "Ray stopped (" in run.stdout, run.stdout
         assert run.events()[-1]["event"] == "exit"
     assert run.leftovers == []
+
+
+# --- a teardown that meets trouble ---------------------------------------------------------------
+
+FULL_VOLUME_EXIT_WITHIN = 30.0
+
+
+@contextlib.contextmanager
+def _small_volume(path: Path, size: str = "4m") -> Iterator[Path]:
+    """A tmpfs of `size` at path (as root): the run's log directory on a volume that fills."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(volume: Path) -> None:
+    """Write until the volume is full (ENOSPC)."""
+    with open(volume / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def test_a_full_volume_does_not_stop_the_teardown(podagent_runs: Runs) -> None:
+    """Checkpoints fill /workspace while the job runs: SIGTERM still stops the job and Ray
+    (every step of the teardown runs), the exit code is the signal's, and what the logs held
+    before the volume filled is still there."""
+    run = podagent_runs.new("fullvol")
+    with _small_volume(run.log_dir), run.running(["head", "--", *_long_job(run)],
+                                                 env={"PODAGENT_REWARD": "none"}):
+        _await_started(run)
+        _fill(run.log_dir)
+        assert run.proc is not None
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.wait(timeout=FULL_VOLUME_EXIT_WITHIN)
+        log_text = run.read("job.log")
+    assert code == 143, f"{run.stdout[-3000:]}\n{run.stderr}"
+    assert run.leftovers == []
+    assert "could not record the run's end in the ledger" in run.stdout, run.stdout[-3000:]
+    assert f"job {run.run_name}-1 stopped (status STOPPED)" in run.stdout, run.stdout[-3000:]
+    assert "Ray stopped (" in run.stdout
+    assert "Traceback" not in run.stdout + run.stderr
+    assert "started" in log_text.splitlines()
+
+
+def _answering_server(run: PodagentRun) -> list[str]:
+    """A reward server (PODAGENT_REWARD=cmd) that answers every request and ignores SIGTERM:
+    stopping it takes the whole PODAGENT_STOP_TIMEOUT, then SIGKILL."""
+    script = run.scratch / "stubborn_server.py"
+    script.write_text(STUBBORN_SERVER)
+    return [sys.executable, str(script)]
+
+
+STUBBORN_SERVER = """
+import http.server, json, os, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        reply = json.dumps({"rewards": [1.0] * len(body["query"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+host, port = os.environ["PODAGENT_REWARD_HOST"], int(os.environ["PODAGENT_REWARD_PORT"])
+http.server.HTTPServer((host, port), Handler).serve_forever()
+"""
+SLOW_STEP = 120  # PODAGENT_STOP_TIMEOUT: the reward server's stop would take this long
+CUT_SHORT_WITHIN = 20.0  # TERM_BUDGET (4 s) and Ray's stop, with room for a loaded machine
+
+
+def test_sigterm_during_an_ordinary_teardown_cuts_it_short(podagent_runs: Runs) -> None:
+    """The job succeeded and the teardown waits for a reward server that ignores SIGTERM: a
+    SIGTERM then gives the rest of the teardown the signal's budget, not PODAGENT_STOP_TIMEOUT.
+    The run had succeeded: the exit code says so, as the ledger does."""
+    run = podagent_runs.new("slowdown")
+    with run.running(["head", "--", sys.executable, "-c", "print('done', flush=True)"],
+                     env={"PODAGENT_REWARD": "cmd",
+                          "PODAGENT_REWARD_CMD": shlex.join(_answering_server(run)),
+                          "PODAGENT_STOP_TIMEOUT": str(SLOW_STEP)}):
+        wait_for(lambda: run.read("ledger.json"), lambda text: '"finished"' in text,
+                 timeout=180, what="the ledger to record the run's end (the teardown began)")
+        assert run.proc is not None
+        run.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code = run.wait(timeout=SLOW_STEP)
+        took = time.monotonic() - sent
+    assert code == 0, f"{run.stdout[-3000:]}\n{run.stderr}"
+    assert took < CUT_SHORT_WITHIN, f"exited {took:.1f} s after SIGTERM\n{run.stdout[-3000:]}"
+    assert run.leftovers == []
+    ledger = json.loads(run.read("ledger.json"))
+    assert ledger["finished"]["outcome"] == "succeeded"
+    assert ledger["finished"]["exit_code"] == 0 == ledger["starts"][-1]["exit_code"]
+    assert [e["event"] for e in run.events()].count("terminating") == 1

@@ -15,6 +15,7 @@ import pytest
 
 import podagent
 from podagent import cli, errors, nccl
+from podagent.cluster import ledger
 
 _DROP_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
 _DROP_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "EXPECTED_WORKERS",
@@ -229,6 +230,7 @@ EXIT_CODES = [
     (errors.JobSubmitFailed("no agent"), 14),
     (errors.StopTimeout("still up"), 15),
     (errors.RestartsExhausted("lost again"), 16),
+    (errors.LedgerError("volume full"), 17),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),
@@ -249,6 +251,16 @@ def test_exit_code_table_documents_every_code():
         cell = row.split("|")[1]
         documented.update(int(code) for code in cell.split("/"))
     assert documented == {0} | {code for _, code in EXIT_CODES}
+
+
+@pytest.mark.parametrize("outcome", (*ledger.FINISHED, ledger.INTERNAL_ERROR))
+def test_a_finished_runs_code_follows_from_its_recorded_outcome(outcome):
+    """A restarted head repeats a finished run's exit code from the outcome alone (the head
+    that finished it may have been killed before it wrote the code)."""
+    error = getattr(errors, outcome, None)
+    expected = cli.exit_code(error("x")) if error else (70 if outcome == ledger.INTERNAL_ERROR
+                                                        else 0)
+    assert cli.code_for_outcome(outcome) == expected
 
 
 # --- dry run: the configuration path that touches nothing -------------------------------------

@@ -7,9 +7,12 @@ import json
 import signal
 import threading
 
+import pytest
+
 from podagent import config
 from podagent.cluster import after_run
-from podagent.cluster.ledger import LEDGER, Ledger
+from podagent.cluster.ledger import INTERNAL_ERROR, LEDGER, Ledger
+from podagent.errors import LedgerError
 from podagent.report import Reporter
 from podagent.waiting import Signals
 from tests.fakes.runpod_api import FakeRunPodApi
@@ -95,6 +98,38 @@ def test_an_unreadable_ledger_is_kept_aside_not_lost(tmp_path):
     assert ledger.submissions == []
     kept = [p for p in tmp_path.iterdir() if p.name.startswith(f"{LEDGER}.unreadable-")]
     assert len(kept) == 1 and kept[0].read_text() == "{not json"
+
+
+def test_three_starts_in_a_row_ending_in_an_internal_error_end_the_run(tmp_path):
+    """A bug that meets every start would restart the container forever: the third start in a
+    row that ends in one finishes the run; an ordinary end in between resets the count."""
+    for outcome in (INTERNAL_ERROR, "Interrupted", INTERNAL_ERROR, INTERNAL_ERROR):
+        ledger = Ledger.load(tmp_path, "r1")
+        ledger.started("head-pod")
+        ledger.ended(outcome, None)
+    assert Ledger.load(tmp_path, "r1").finished is None  # two in a row so far
+    ledger = Ledger.load(tmp_path, "r1")
+    ledger.started("head-pod")
+    ledger.ended(INTERNAL_ERROR, None)
+    finished = Ledger.load(tmp_path, "r1").finished
+    assert finished is not None and finished["outcome"] == INTERNAL_ERROR
+    assert "3 starts in a row" in finished["reason"]
+
+
+def test_a_volume_that_refuses_the_ledger_is_one_clear_error_and_memory_keeps_it(tmp_path):
+    run_dir = tmp_path / "run"
+    ledger = Ledger.load(run_dir, "r1")
+    ledger.started("head-pod")
+    run_dir.chmod(0o500)  # read-only (root ignores modes, so also take the file's place)
+    (run_dir / LEDGER).unlink()
+    (run_dir / LEDGER).mkdir()  # a rename onto a directory fails whoever we are
+    try:
+        with pytest.raises(LedgerError, match="cannot write the run's ledger"):
+            ledger.submitted("r1-1", None)
+    finally:
+        run_dir.chmod(0o700)
+    assert ledger.submissions[-1]["id"] == "r1-1"  # kept for the next write
+    assert [p.name for p in run_dir.iterdir()] == [LEDGER]  # no temporary file left behind
 
 
 def test_each_write_is_whole(tmp_path):
