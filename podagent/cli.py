@@ -59,8 +59,13 @@ EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 def exit_code(exc: BaseException) -> int:
     if isinstance(exc, errors.Interrupted):
         return 128 + exc.signum
+    return _code_of(type(exc))
+
+
+def _code_of(error: type[BaseException]) -> int:
+    """The first class of EXIT_CODES the error is (a subclass of); else a bug: 70."""
     for cls, code, _ in EXIT_CODES:
-        if isinstance(exc, cls):
+        if issubclass(error, cls):
             return code
     return EXIT_INTERNAL
 
@@ -269,12 +274,15 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
 OK_OUTCOMES = ("succeeded", "left", "StopRequested")
 
 
-def code_for_outcome(outcome: str) -> int:
+def code_for_outcome(outcome: str) -> int | None:
+    """None for a signal (its number is not in the outcome: 130 or 143)."""
     if outcome in OK_OUTCOMES:
         return EXIT_OK
-    for cls, code, _ in EXIT_CODES:
-        if cls.__name__ == outcome:
-            return code
+    error = getattr(errors, outcome, None)
+    if error is errors.Interrupted:
+        return None
+    if isinstance(error, type) and issubclass(error, errors.PodagentError):
+        return _code_of(error)
     return EXIT_INTERNAL
 
 
@@ -282,7 +290,10 @@ def _earlier_exit(lifecycle: Any) -> int:
     """A head that found its run finished earlier exits as that run did: the code follows from
     the recorded outcome, so a head killed before it wrote its code is still read right."""
     earlier = getattr(lifecycle, "finished_earlier", None)
-    return code_for_outcome(earlier["outcome"]) if earlier else EXIT_OK
+    if not earlier:
+        return EXIT_OK
+    code = code_for_outcome(earlier["outcome"])  # a finished run never ended by a signal
+    return EXIT_INTERNAL if code is None else code
 
 
 def _after_run(lifecycle: Any, settings: config.Settings, reporter: Reporter,

@@ -49,6 +49,11 @@ class RayDied(PodagentError):
     """This pod's own Ray stopped while podagent was watching it."""
 
 
+class DashboardSilent(RayDied):
+    """This pod's Ray dashboard (the Jobs API) exited or stopped answering while its GCS
+    lives: Ray does not restart it, and the job can no longer be followed."""
+
+
 class WorkersTimeout(PodagentError):
     """The head waited for workers and not enough joined."""
 

@@ -22,13 +22,14 @@ from podagent.waiting import Deadline
 
 _PR_SET_CHILD_SUBREAPER = 36
 
+DASHBOARD_SCRIPT = "dashboard/dashboard.py"  # on the Ray dashboard's command line
 # The patterns `ray stop` uses to recognise Ray's processes (ray/autoscaler/_private/constants.py):
 # (substring, True = match the process name, False = match the whole command line).
 RAY_PROCESS_PATTERNS: tuple[tuple[str, bool], ...] = (
     ("raylet", True), ("plasma_store", True), ("gcs_server", True), ("ray::", True),
     ("monitor.py", False), ("ray.util.client.server", False), ("default_worker.py", False),
     ("setup_worker.py", False), ("log_monitor.py", False), ("ray::DashboardAgent", False),
-    ("dashboard/dashboard.py", False), ("ray::RuntimeEnvAgent", False),
+    (DASHBOARD_SCRIPT, False), ("ray::RuntimeEnvAgent", False),
     ("ray_process_reaper.py", False),
 )
 

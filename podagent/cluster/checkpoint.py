@@ -15,12 +15,20 @@ class Resume:
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest entry of the directory, ignoring hidden ones (editors', W&B's, lock files)."""
+    """The newest entry of the directory, ignoring hidden ones (editors', W&B's, lock files)
+    and entries that cannot be read: a `latest` link to a step that was pruned points nowhere,
+    and is no checkpoint to resume from."""
     try:
         entries = [p for p in directory.iterdir() if not p.name.startswith(".")]
     except OSError:  # missing or unreadable: no checkpoint to resume from
         return None
-    return max(entries, key=lambda p: p.stat().st_mtime, default=None)
+    found: list[tuple[float, Path]] = []
+    for entry in entries:
+        try:
+            found.append((entry.stat().st_mtime, entry))
+        except OSError:  # a dangling link, or gone since it was listed (pruned meanwhile)
+            continue
+    return max(found, default=(0.0, None))[1]
 
 
 def resume_args(settings: Settings) -> Resume:

@@ -19,7 +19,7 @@ from podagent.cluster import exposure, job_spec, node, ray_node, reattach
 from podagent.cluster import ledger as ledger_mod
 from podagent.cluster.census import WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
-from podagent.cluster.jobs import TERMINAL, JobRunner
+from podagent.cluster.jobs import SUBMIT_TIMEOUT, TERMINAL, JobRunner
 from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
@@ -257,14 +257,16 @@ class Head(Lifecycle[HeadState]):
                                bool(self.setup.plan.env_overrides.get("RAY_DEBUG")),
                                runner.submission_id,
                                len(self.ledger.submissions) + (0 if existing else 1))
+            deadline = Deadline.after(SUBMIT_TIMEOUT)  # one for the whole submission
             if not existing:
                 # Never two jobs of one run: an earlier attempt still alive is stopped first.
-                runner.stop_earlier_attempts(self.s.run_name, self.s.stop_timeout)
+                runner.stop_earlier_attempts(self.s.run_name, self.s.stop_timeout,
+                                             self.signals, deadline)
                 interrupted = self.ledger.interrupted()  # recorded first: a head that dies
                 self.ledger.submitted(runner.submission_id,  # now submits again
                                       interrupted["id"] if interrupted else None)
             new = runner.submit(entrypoint, env, self.s.working_dir,
-                                {"podagent_run": self.s.run_name}, self.signals)
+                                {"podagent_run": self.s.run_name}, self.signals, deadline)
             self.job = runner  # from here on, teardown stops it
             if not new:
                 self._set_aside_job_log()

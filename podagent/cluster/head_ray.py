@@ -27,7 +27,7 @@ from podagent.cluster import ray_node
 from podagent.cluster.jobs import JobRunner
 from podagent.cluster.node import NodeSetup
 from podagent.config import Settings
-from podagent.errors import RayDied, RayStartError
+from podagent.errors import DashboardSilent, RayDied, RayStartError
 from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 from podagent.waiting import Signals
@@ -58,6 +58,7 @@ class HeadRay:
         self._jobs_api: concurrent.futures.Future[JobRunner] | None = None
         self._closing = threading.Event()
         self._raylet: psutil.Process | None = None
+        self._dashboard: psutil.Process | None = None
         self._unhealthy_since: float | None = None
 
     @property
@@ -157,9 +158,18 @@ class HeadRay:
         self.gcs.check_alive(timeout=2.0)
 
     def _dashboard_answers(self) -> None:
+        if self._dashboard_exited():  # it will never answer: no need to wait it out
+            raise RayStartError(f"this pod's Ray dashboard exited before it answered at "
+                                f"{self.dashboard_url}; see Ray's logs in its temp dir")
         reply = requests.get(f"{self.dashboard_url}/api/version", timeout=2.0,
                              headers=self.s.auth_headers())
         reply.raise_for_status()
+
+    def _dashboard_exited(self) -> bool:
+        """The dashboard's process was seen and is gone (it has none yet while Ray starts)."""
+        self._dashboard = self._dashboard or ray_node.RayNode.find_dashboard(
+            adopted_from=self.s.ray_temp_dir, adopted=self.adopted)
+        return self._dashboard is not None and not ray_node.RayNode.running(self._dashboard)
 
     def _probe_until(self, probe: Callable[[], None], what: str,
                      sleep: Callable[[float], None]) -> None:
@@ -207,14 +217,19 @@ class HeadRay:
 
     def watch(self, now: float) -> set[str] | None:
         """One health check of this pod's Ray: the ids of the workers alive, or None when the
-        GCS did not answer this time. Raises RayDied once it has been unwell for the grace."""
+        GCS did not answer this time. Raises RayDied (DashboardSilent for the dashboard) once
+        a part has been unwell for the grace."""
         assert self.gcs
+        error: type[RayDied] = RayDied
         try:
             self.gcs.check_alive(timeout=WATCH_INTERVAL)
             self._raylet = self._raylet or ray_node.RayNode.find_raylet(
                 adopted_from=self.s.ray_temp_dir, adopted=self.adopted)
             raylet_ok = self._raylet is not None and ray_node.RayNode.running(self._raylet)
             problem = "" if raylet_ok else "this pod's raylet exited"
+            if not problem and self._dashboard_exited():
+                # Ray does not start it again: the job could be neither followed nor stopped.
+                problem, error = "this pod's Ray dashboard (the Jobs API) exited", DashboardSilent
             alive: set[str] | None = {n.node_id for n in self.alive_workers()}
         except (GcsUnavailable, RayStartError) as exc:
             problem, alive = f"the GCS does not answer ({exc})", None
@@ -223,7 +238,7 @@ class HeadRay:
         else:
             self._unhealthy_since = self._unhealthy_since or now
             if now - self._unhealthy_since > OWN_RAY_GRACE:
-                raise RayDied(f"this pod's Ray stopped working while the job ran: {problem}")
+                raise error(f"this pod's Ray stopped working while the job ran: {problem}")
         return alive
 
     # --- the end -------------------------------------------------------------------------------

@@ -8,40 +8,63 @@ import json
 import logging
 import shlex
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 from tenacity import (
     Retrying,
     retry_if_exception_type,
     retry_if_result,
-    stop_after_delay,
+    wait_exponential,
     wait_fixed,
 )
 
 from podagent.checks.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
-from podagent.errors import JobFailed, JobStopped, JobSubmitFailed
+from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
 from podagent.waiting import Deadline, Signals
+
+T = TypeVar("T")
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # Ray's SDK sends its HTTP requests without a timeout; with the GCS gone the dashboard holds
 # them for about a minute. Status and stop go through these bounded requests instead.
 HTTP_TIMEOUT = 5.0
-
-
-SUBMIT_TIMEOUT = 120.0
+# One request of Ray's own client (submit_job, and the working dir's upload, which may be
+# large): a socket that stays silent this long has failed, and the submission is retried.
+CLIENT_REQUEST_TIMEOUT = 60.0
+SUBMIT_TIMEOUT = 120.0  # the whole submission: earlier attempts checked, the job accepted
+SUBMIT_RETRY_MAX_WAIT = 2.0
 TAIL_GRACE = 1.0  # seconds the log stream gets to end by itself once the job is over
+# A job is followed through the dashboard: one that has not answered for this long while the
+# GCS lives is not coming back (Ray does not restart it), and the run cannot be followed.
+DASHBOARD_SILENT_LIMIT = 30.0
 
 
 class JobApiUnreachable(Exception):
-    """The dashboard did not answer in time (or at all)."""
+    """The dashboard did not answer in time, answered 5xx or dropped the connection: asking
+    again later may work."""
 
 
-class _Retry(Exception):
-    pass
+class JobApiRefused(Exception):
+    """The dashboard answered with a 4xx other than 404 (a missing token, say): asking again
+    does not help."""
+
+
+def _client(dashboard_url: str, headers: Mapping[str, str]) -> Any:
+    """Ray's job client with a timeout on each of its requests (it sends them with none;
+    `_do_request` forwards its keyword arguments to requests in every supported Ray)."""
+    from ray.job_submission import JobSubmissionClient  # heavy: only the head needs it
+
+    class BoundedClient(JobSubmissionClient):  # type: ignore[misc, valid-type]
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", CLIENT_REQUEST_TIMEOUT)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return BoundedClient(dashboard_url, headers=dict(headers))
 
 
 class JobRunner:
@@ -49,14 +72,12 @@ class JobRunner:
 
     def __init__(self, dashboard_url: str, submission_id: str, reporter: Reporter,
                  job_log: Path, headers: Mapping[str, str] | None = None):
-        from ray.job_submission import JobSubmissionClient  # heavy: only the head needs it
-
         # Ray's SDK logs its own chatter (websocket closed...) to our stdout; keep it quiet.
         logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
 
         self.url = dashboard_url.rstrip("/")
         self.headers = dict(headers or {})
-        self.client = JobSubmissionClient(dashboard_url, headers=self.headers)
+        self.client = _client(dashboard_url, self.headers)
         self.submission_id = submission_id
         self.reporter = reporter
         self.job_log = job_log
@@ -73,20 +94,19 @@ class JobRunner:
 
     # --- bounded Jobs API calls ----------------------------------------------------------------
 
-    def _request(self, method: str, path: str, timeout: float = HTTP_TIMEOUT,
+    def _request(self, method: str, path: str, timeout: float | None = None,
                  job: str | None = None) -> requests.Response | None:
         """None for 404 (no such job); raises JobApiUnreachable when the API does not answer.
         `job`: another submission id than this runner's."""
         try:
             reply = requests.request(method,
                                      f"{self.url}/api/jobs/{job or self.submission_id}{path}",
-                                     headers=self.headers, timeout=timeout)
+                                     headers=self.headers, timeout=timeout or HTTP_TIMEOUT)
         except requests.RequestException as exc:
             raise JobApiUnreachable(f"{method} {path or '/'}: {exc}") from None
         if reply.status_code == 404:
             return None
-        if reply.status_code >= 400:
-            raise JobApiUnreachable(f"{method} {path or '/'}: HTTP {reply.status_code}")
+        _raise_for(reply, f"{method} {path or '/'}")
         return reply
 
     def info(self) -> dict[str, Any] | None:
@@ -101,42 +121,68 @@ class JobRunner:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def submit(self, entrypoint: Sequence[str], env_vars: Mapping[str, str],
-               working_dir: str | None, metadata: Mapping[str, str], signals: Signals) -> bool:
+               working_dir: str | None, metadata: Mapping[str, str], signals: Signals,
+               deadline: Deadline | None = None) -> bool:
         """Submit, or find the job this run already submitted. True when newly submitted.
 
         Right after start-up the Jobs API can answer before the head's dashboard agent has
-        registered ("No available agent to submit job, please try again later"): that, and
-        other 5xx answers, are retried for SUBMIT_TIMEOUT.
+        registered ("No available agent to submit job, please try again later"); a busy
+        dashboard can answer 5xx, time out or drop a connection: all of that is retried until
+        the deadline (SUBMIT_TIMEOUT by default). A refusal (4xx) is not.
         """
-        if self.status() is not None:
-            return False
+        deadline = deadline or Deadline.after(SUBMIT_TIMEOUT)
         runtime_env: dict[str, Any] = {"env_vars": dict(env_vars)}
         if working_dir:
             runtime_env["working_dir"] = working_dir
-        last = {"error": ""}
 
-        def attempt() -> None:
+        posted = {"yet": False}
+
+        def attempt() -> bool:
+            if self.status() is not None:
+                # Ours when an earlier attempt sent it (its answer was lost); otherwise a job
+                # this run submitted before (a head that re-attaches finds it so).
+                return posted["yet"]
+            posted["yet"] = True
             try:
                 self.client.submit_job(
                     entrypoint=shlex.join(entrypoint), submission_id=self.submission_id,
                     runtime_env=runtime_env, metadata=dict(metadata),
                 )
+            except requests.RequestException as exc:  # timed out, connection dropped
+                raise JobApiUnreachable(f"POST /api/jobs/: {exc}") from None
             except RuntimeError as exc:  # Ray's client raises RuntimeError for HTTP errors
-                last["error"] = str(exc)
-                if "status code 5" not in str(exc):
-                    raise JobSubmitFailed(f"Ray refused the job: {exc}") from None
-                if self.status() is not None:  # it was accepted after all
-                    return
-                raise _Retry(str(exc)) from None
+                if "status code 5" in str(exc):
+                    raise JobApiUnreachable(str(exc)) from None
+                raise JobSubmitFailed(f"Ray refused the job: {exc}") from None
+            return True
+
+        return self._within(deadline, signals, "accept the job", attempt)
+
+    def _within(self, deadline: Deadline, signals: Signals, what: str,
+                attempt: Callable[[], T]) -> T:
+        """attempt() again while the Jobs API is unreachable, until the deadline; then
+        JobSubmitFailed naming what was awaited and the last answer. A refusal ends at once."""
+        last = {"answer": "none"}
+
+        def once() -> T:
+            try:
+                return attempt()
+            except JobApiUnreachable as exc:
+                last["answer"] = str(exc)
+                raise
+            except JobApiRefused as exc:
+                raise JobSubmitFailed(f"the Jobs API at {self.url} refused to {what}: {exc}"
+                                      ) from None
 
         try:
-            Retrying(stop=stop_after_delay(SUBMIT_TIMEOUT), wait=wait_fixed(0.5),
-                     retry=retry_if_exception_type(_Retry), sleep=signals.sleep,
-                     reraise=True)(attempt)
-        except _Retry:
-            raise JobSubmitFailed(f"the Jobs API did not accept the job within "
-                                  f"{SUBMIT_TIMEOUT:g} s; last answer: {last['error']}") from None
-        return True
+            return Retrying(stop=lambda _state: deadline.passed,
+                            wait=wait_exponential(multiplier=0.2, max=SUBMIT_RETRY_MAX_WAIT),
+                            retry=retry_if_exception_type(JobApiUnreachable),
+                            sleep=signals.sleep, reraise=True)(once)
+        except JobApiUnreachable:
+            raise JobSubmitFailed(f"the Jobs API at {self.url} did not {what} within "
+                                  f"{SUBMIT_TIMEOUT:g} s; last answer: {last['answer']}"
+                                  ) from None
 
     def _write(self, chunk: str) -> None:
         """A chunk of the stream: appended to job.log and the screen, unless the log was
@@ -148,9 +194,7 @@ class JobRunner:
     def _append(self, chunk: str) -> None:
         if chunk:
             self._streamed += len(chunk)
-            assert self._log_file is not None
-            self._log_file.write(chunk)
-            self._log_file.flush()
+            self._to_job_log(chunk)
             for line in chunk.splitlines():
                 if line.startswith(CHECK_JSON_PREFIX):
                     # The cluster check's machine-readable summary: an event, not screen text.
@@ -159,6 +203,22 @@ class JobRunner:
                         self.reporter.event("check", **result)
                     continue
                 self.reporter.raw(line)
+
+    def _to_job_log(self, chunk: str) -> None:
+        """job.log is a copy (Ray keeps the job's own log): a volume that refuses it (full,
+        gone) costs the copy, said once, never the run; the screen still shows the output."""
+        if self._log_file is None:
+            return
+        try:
+            self._log_file.write(chunk)
+            self._log_file.flush()
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError, ValueError):
+                self._log_file.close()
+            self._log_file = None
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self.reporter.warn(f"cannot write {self.job_log} ({why}): the job's output goes on "
+                               f"on screen only (Ray keeps its own copy in the job's logs)")
 
     def _tail_forever(self) -> None:
         async def tail() -> None:
@@ -174,17 +234,32 @@ class JobRunner:
         """Stream the job's output until it ends; returns its terminal status.
 
         on_tick runs every poll: the head uses it to watch its own Ray and the nodes, and it
-        ends the wait by raising. A dashboard that does not answer is not an ending by itself.
+        ends the wait by raising. A dashboard that does not answer for a moment is not an
+        ending; one silent for DASHBOARD_SILENT_LIMIT is (DashboardSilent).
         """
-        self.job_log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.job_log, "a")
+        try:
+            self.job_log.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.job_log, "a")
+        except OSError as exc:
+            self.reporter.warn(f"cannot open {self.job_log} ({exc.strerror}): the job's output "
+                               f"goes to the screen only")
         self._tail = threading.Thread(target=self._tail_forever, name="job-log", daemon=True)
         self._tail.start()
+        silent_since: float | None = None
         while True:
-            with contextlib.suppress(JobApiUnreachable):
+            try:
                 status = self.status()
+                silent_since = None
                 if status in TERMINAL:
                     break
+            except (JobApiUnreachable, JobApiRefused) as exc:
+                now = time.monotonic()
+                silent_since = silent_since or now
+                if now - silent_since >= DASHBOARD_SILENT_LIMIT:
+                    raise DashboardSilent(
+                        f"the Ray dashboard (Jobs API) at {self.url} has not answered for "
+                        f"{now - silent_since:.0f} s, so job {self.submission_id} cannot be "
+                        f"followed; last answer: {exc}") from None
             on_tick()
             signals.sleep(poll)
         self.finish_log()
@@ -204,20 +279,31 @@ class JobRunner:
         with self._write_lock:
             self._log_done = True  # also when the full log could not be read
             if self._log_file:
-                self._log_file.close()
+                with contextlib.suppress(OSError, ValueError):  # a full volume: flush fails
+                    self._log_file.close()
+                self._log_file = None
 
-    def stop_earlier_attempts(self, run_name: str, timeout: float) -> None:
+    def stop_earlier_attempts(self, run_name: str, timeout: float, signals: Signals,
+                              deadline: Deadline | None = None) -> None:
         """Before a submission: every other job of this run (metadata podagent_run) must be
         over; one still alive is stopped, and if it does not end in time nothing is submitted.
+        The list is asked for again while the Jobs API is unreachable (until the deadline).
         """
-        try:
-            reply = requests.get(f"{self.url}/api/jobs/", headers=self.headers,
-                                 timeout=HTTP_TIMEOUT)
-            reply.raise_for_status()
-            jobs = reply.json()
-        except (requests.RequestException, ValueError) as exc:
-            raise JobSubmitFailed(f"could not list the run's earlier jobs to make sure none is "
-                                  f"alive ({exc}); not submitting a second one") from None
+        def listed() -> list[dict[str, Any]]:
+            try:
+                reply = requests.get(f"{self.url}/api/jobs/", headers=self.headers,
+                                     timeout=HTTP_TIMEOUT)
+            except requests.RequestException as exc:
+                raise JobApiUnreachable(f"GET /api/jobs/: {exc}") from None
+            _raise_for(reply, "GET /api/jobs/")
+            try:
+                jobs = reply.json()
+            except ValueError:
+                raise JobApiUnreachable("GET /api/jobs/: not a job list") from None
+            return jobs if isinstance(jobs, list) else []
+
+        jobs = self._within(deadline or Deadline.after(SUBMIT_TIMEOUT), signals,
+                            "list the run's earlier jobs (to make sure none is alive)", listed)
         alive = [j["submission_id"] for j in jobs
                  if (j.get("metadata") or {}).get("podagent_run") == run_name
                  and j.get("submission_id") not in (None, self.submission_id)
@@ -274,3 +360,11 @@ class JobRunner:
             retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),
             retry_error_callback=lambda state: state.outcome.result(),
         )(status_or_none)
+
+
+def _raise_for(reply: requests.Response, what: str) -> None:
+    """5xx: unreachable for now (retried); another 4xx than 404: refused (not retried)."""
+    if reply.status_code >= 500:
+        raise JobApiUnreachable(f"{what}: HTTP {reply.status_code}")
+    if reply.status_code >= 400 and reply.status_code != 404:
+        raise JobApiRefused(f"{what}: HTTP {reply.status_code} {reply.text[:200]}")

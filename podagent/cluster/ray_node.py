@@ -167,13 +167,14 @@ class RayNode:
         A Ray adopted from an earlier podagent is not our descendant: it is found among this
         pod's Ray processes (those of the Ray temp dir `adopted_from`, if one is set).
         """
-        procs = (process.pod_ray_processes(adopted_from) if adopted
-                 else process.descendants())
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                if proc.name() == "raylet" and proc.status() != psutil.STATUS_ZOMBIE:
-                    return proc
-        return None
+        return _find(lambda proc: proc.name() == "raylet", adopted_from, adopted)
+
+    @staticmethod
+    def find_dashboard(adopted_from: str | None = None, adopted: bool = False
+                       ) -> psutil.Process | None:
+        """This pod's Ray dashboard (the Jobs API), found as the raylet is."""
+        return _find(lambda proc: process.DASHBOARD_SCRIPT in " ".join(proc.cmdline()),
+                     adopted_from, adopted)
 
     @staticmethod
     def running(proc: psutil.Process) -> bool:
@@ -198,6 +199,17 @@ class RayNode:
             return list(found.values())
 
         return process.stop_in_phases(RAY_STOP_ORDER, timeout, candidates=candidates)
+
+
+def _find(wanted: Callable[[psutil.Process], bool], adopted_from: str | None,
+          adopted: bool) -> psutil.Process | None:
+    procs = (process.pod_ray_processes(adopted_from) if adopted
+             else process.descendants())
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and wanted(proc):
+                return proc
+    return None
 
 
 def _stoppable() -> list[psutil.Process]:

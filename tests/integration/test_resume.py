@@ -1,5 +1,5 @@
-"""Checkpoint resume: a job writes a checkpoint and is stopped; started again, it gets the
-resume flag, and podagent says why."""
+"""Checkpoint resume: a job writes a checkpoint and is stopped; started again (beside a link
+that points nowhere), it gets the resume flag, and podagent says why."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_a_stopped_job_restarts_with_the_resume_flag(podagent_runs: Runs) -> Non
     assert f"no checkpoint in {checkpoints}: the job starts fresh" in first.stdout
     assert (checkpoints / "step-1" / "model.txt").read_text() == "weights"  # it survived
 
+    # A trainer's `latest` link to a step it pruned since: no checkpoint, and no crash.
+    (checkpoints / "latest").symlink_to(checkpoints / "step-0")
     second = podagent_runs.new("ckpt2")
     second.execute(["head", "--", sys.executable, str(script)], env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]

@@ -337,3 +337,29 @@ def test_sigterm_during_an_ordinary_teardown_cuts_it_short(podagent_runs: Runs) 
     assert ledger["finished"]["outcome"] == "succeeded"
     assert ledger["finished"]["exit_code"] == 0 == ledger["starts"][-1]["exit_code"]
     assert [e["event"] for e in run.events()].count("terminating") == 1
+
+
+def test_the_head_leaves_when_its_dashboard_dies_and_the_gcs_lives(podagent_runs: Runs) -> None:
+    """The Jobs API is how the head follows and stops the job: a dashboard that died (Ray
+    does not start it again) ends the run with exit 10 instead of a wait without end; the
+    teardown still stops Ray, which ends the job."""
+    run = podagent_runs.new("dashdead")
+    with run.running(["head", "--", *_long_job(run)],
+                     env={"PODAGENT_REWARD": "none", "PODAGENT_STOP_TIMEOUT": "3"}):
+        _await_started(run)
+        dashboard = wait_for(
+            lambda: [p for p in run.processes() if "dashboard/dashboard.py" in _cmdline(p)],
+            lambda found: len(found) == 1, timeout=10, what="the run's Ray dashboard")[0]
+        dashboard.kill()
+        code = run.wait(timeout=NOTICE_WITHIN + DEAD_RAY_EXIT_WITHIN)
+    assert code == 10, f"{run.stdout[-3000:]}\n{run.stderr}"
+    assert "Ray dashboard (the Jobs API) exited" in run.stderr, run.stderr
+    assert run.leftovers == []
+    assert json.loads(run.read("ledger.json"))["starts"][-1]["exit_code"] == 10
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""

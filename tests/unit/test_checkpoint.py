@@ -36,6 +36,16 @@ def test_a_checkpoint_gives_the_flag_and_names_the_newest(tmp_path):
     assert "(step-2)" in resume.reason
 
 
+def test_a_link_to_a_pruned_step_is_no_checkpoint_and_no_crash(tmp_path):
+    """A trainer's `latest` link outlives the step it pointed at; another entry vanishes
+    between the listing and its stat (pruned meanwhile): both are passed over."""
+    (tmp_path / "latest").symlink_to(tmp_path / "step-0")
+    assert checkpoint.resume_args(_settings(tmp_path)).args == ()
+    (tmp_path / "step-3").mkdir()
+    resume = checkpoint.resume_args(_settings(tmp_path))
+    assert resume.args == ("--load_checkpoint",) and "(step-3)" in resume.reason
+
+
 @pytest.mark.parametrize(("env", "args", "said"), [
     ({"PODAGENT_RESUME": "never"}, (), "PODAGENT_RESUME=never"),
     ({"PODAGENT_RESUME_FLAG": "--resume-from latest"}, ("--resume-from", "latest"), "resuming"),
