@@ -23,6 +23,7 @@ from podagent.waiting import Signals
 # connection to the GCS costs nothing, and every second saved here is saved on the join.
 DNS_MAX_WAIT = 1.0
 GCS_MAX_WAIT = 0.25
+GCS_PROBE_TIMEOUT = 2.0  # one address's health RPC (an address that drops packets costs this)
 
 
 class DnsOutcome(str, enum.Enum):
@@ -74,7 +75,8 @@ def resolve(name: str, resolver: dns.resolver.Resolver) -> DnsResult:
     """One lookup, classified. Never raises for DNS outcomes."""
     try:
         answer = resolver.resolve(name, "A", search=False)
-        return DnsResult(name, DnsOutcome.ANSWER, tuple(sorted(r.address for r in answer)))
+        addresses = sorted({r.address for r in answer}, key=ipaddress.ip_address)
+        return DnsResult(name, DnsOutcome.ANSWER, tuple(addresses))
     except dns.resolver.NXDOMAIN:
         return DnsResult(name, DnsOutcome.NXDOMAIN)
     except dns.resolver.NoAnswer:
@@ -93,8 +95,15 @@ class _NotYet(Exception):
 
 @dataclass(frozen=True)
 class HeadLocation:
-    ip: str
+    ip: str  # the head's address: the first found, then the one whose GCS answered
     how: str  # which setting or lookup gave it
+    # Every address found: a DNS name can have several (a stale record beside the new one).
+    addresses: tuple[str, ...] = ()
+    name: str | None = None  # the DNS name, looked up again while the head is awaited
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        return self.addresses or (self.ip,)
 
 
 class HeadFinder:
@@ -106,6 +115,8 @@ class HeadFinder:
         self.last_dns: DnsResult | None = None
         self.last_probe = "not tried yet"
         self.head_ray_version = ""  # what the head's GCS says it runs, once it answered
+        self._resolver: dns.resolver.Resolver | None = None
+        self._looked_up_at = float("-inf")
 
     def _retrying(self, max_wait: float) -> Retrying:
         remaining = max(0.0, self.deadline - time.monotonic())
@@ -140,62 +151,105 @@ class HeadFinder:
             return HeadLocation(str(ipaddress.ip_address(name)), how)
         except ValueError:
             pass
-        resolver = make_resolver(self.s.dns_server)
         progress = Progress(self.reporter)
         started = time.monotonic()
 
-        def attempt() -> str:
-            self.last_dns = result = resolve(name, resolver)
+        def attempt() -> tuple[str, ...]:
+            result = self._look_up(name)
             if result.outcome is not DnsOutcome.ANSWER:
                 progress(f"waiting for the head's DNS name: {result.describe()} "
                          f"({time.monotonic() - started:.0f} s)")
                 raise _NotYet(result.describe())
-            return result.addresses[0]
+            return result.addresses
 
         try:
-            ip = self._retrying(DNS_MAX_WAIT)(attempt)
+            addresses = self._retrying(DNS_MAX_WAIT)(attempt)
         except _NotYet:
             raise self._timeout(f"DNS name {name}") from None
-        return HeadLocation(ip, f"{how} ({name})")
+        return HeadLocation(addresses[0], f"{how} ({name})", addresses, name)
 
-    def wait_for_gcs(self, ip: str) -> GcsClient:
-        """Until the GCS answers its health RPC (an open port is not enough).
+    def _look_up(self, name: str) -> DnsResult:
+        self._resolver = self._resolver or make_resolver(self.s.dns_server)
+        self.last_dns = resolve(name, self._resolver)
+        self._looked_up_at = time.monotonic()
+        return self.last_dns
+
+    def wait_for_gcs(self, where: HeadLocation) -> tuple[HeadLocation, GcsClient]:
+        """Until the head's GCS answers its health RPC (an open port is not enough), at any
+        address the head's name has: a stale DNS record may stand beside (or before) the new
+        head's, so each is asked, and the name is looked up again (at most once a second) in
+        case its records change meanwhile. Returns the location that answered.
 
         On a head whose Ray gives its dashboard a fixed start-up deadline (before 2.52), also
         until the head's own node is alive in the node table: that node registers only once
         `ray start --head` got past the dashboard, and a head that missed the deadline starts
         Ray again, taking away a GCS that workers joined too early.
         """
-        client = GcsClient(f"{ip}:{self.s.ray_port}", metadata=self.s.grpc_metadata())
+        clients: dict[str, GcsClient] = {}
+        addresses = {"now": where.candidates}
+        probes: dict[str, str] = {}
         progress = Progress(self.reporter)
         started = time.monotonic()
 
-        def attempt() -> None:
+        def ask(ip: str) -> bool:
+            client = clients.get(ip)
+            if client is None:
+                client = clients[ip] = GcsClient(f"{ip}:{self.s.ray_port}",
+                                                 metadata=self.s.grpc_metadata())
             try:
-                self.head_ray_version = client.check_alive(timeout=2.0)
-                if not self._head_start_is_final() and not client.head_node_alive(timeout=2.0):
+                self.head_ray_version = client.check_alive(timeout=GCS_PROBE_TIMEOUT)
+                if not self._head_start_is_final() and not client.head_node_alive(
+                        timeout=GCS_PROBE_TIMEOUT):
                     raise GcsUnavailable("its GCS answers, but the head's own node has not "
                                          "registered yet (Ray is still starting there)")
             except GcsAuthRefused as exc:
-                client.close()
                 which = "a different cluster token" if self.s.auth_token else "no cluster token"
                 raise AuthRefused(
                     f"the head's Ray at {ip}:{self.s.ray_port} refused this pod: it has {which} "
                     f"({exc}); set the same PODAGENT_TOKEN (or RAY_AUTH_TOKEN) on every pod"
                 ) from None
             except GcsUnavailable as exc:
-                self.last_probe = str(exc)
-                progress(f"waiting for the head's Ray at {ip}:{self.s.ray_port}: {exc} "
-                         f"({time.monotonic() - started:.0f} s)")
-                raise _NotYet(str(exc)) from None
-            self.last_probe = "answered"
+                probes[ip] = str(exc)
+                return False
+            return True
+
+        def attempt() -> str:
+            if where.name and time.monotonic() - self._looked_up_at >= DNS_MAX_WAIT:
+                found = self._look_up(where.name)
+                if found.outcome is DnsOutcome.ANSWER:
+                    addresses["now"] = found.addresses
+            for ip in addresses["now"]:
+                if ask(ip):
+                    return ip
+            self.last_probe = "; ".join(f"{ip}: {probes.get(ip, 'not asked')}"
+                                        for ip in addresses["now"])
+            progress(f"waiting for the head's Ray at {self._ports(addresses['now'])}: "
+                     f"{self.last_probe} ({time.monotonic() - started:.0f} s)")
+            raise _NotYet(self.last_probe)
+
+        def close_all_but(keep: str | None) -> None:
+            for other, client in clients.items():
+                if other != keep:
+                    client.close()
 
         try:
-            self._retrying(GCS_MAX_WAIT)(attempt)
+            ip = self._retrying(GCS_MAX_WAIT)(attempt)
         except _NotYet:
-            client.close()
-            raise self._timeout(f"the head's Ray GCS at {ip}:{self.s.ray_port}") from None
-        return client
+            close_all_but(None)
+            raise self._timeout(f"the head's Ray GCS at {self._ports(addresses['now'])}"
+                                ) from None
+        except BaseException:  # a signal, a refused token
+            close_all_but(None)
+            raise
+        close_all_but(ip)
+        self.last_probe = "answered"
+        if len(addresses["now"]) > 1:
+            self.reporter.say(f"the head's name has {len(addresses['now'])} addresses "
+                              f"({', '.join(addresses['now'])}): {ip} answers")
+        return HeadLocation(ip, where.how, addresses["now"], where.name), clients[ip]
+
+    def _ports(self, addresses: tuple[str, ...]) -> str:
+        return " or ".join(f"{ip}:{self.s.ray_port}" for ip in addresses)
 
     def _head_start_is_final(self) -> bool:
         """Once its GCS answers, does the head's `ray start` always go on to succeed? Not on a

@@ -74,10 +74,10 @@ class Worker(Lifecycle[WorkerState]):
             self.gcs = None
             self.finder = HeadFinder(self.s, self.reporter, self.signals)
         with self.reporter.step("head_found") as step:
-            self.head = self.finder.locate()
-            self.reporter.say(f"head is {self.head.ip} (from {self.head.how}); "
+            found = self.finder.locate()
+            self.reporter.say(f"head is {', '.join(found.candidates)} (from {found.how}); "
                               f"waiting for its Ray to answer")
-            self.gcs = self.finder.wait_for_gcs(self.head.ip)
+            self.head, self.gcs = self.finder.wait_for_gcs(found)
             self._check_same_ray(self.finder.head_ray_version)
             step.done(f"head's Ray answers at {self.head.ip}:{self.s.ray_port}",
                       head=self.head.ip, how=self.head.how)

@@ -9,6 +9,7 @@ import requests
 
 from podagent import discovery, pod
 from podagent.config import Settings
+from podagent.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.roles import Role
 from podagent.waiting import Signals
@@ -23,7 +24,20 @@ def head_ip(settings: Settings, role: Role, reporter: Reporter) -> str:
         return pod.choose_node_ip(settings, None)[0]
     quick = dataclasses.replace(settings, head_timeout=min(settings.head_timeout,
                                                            LOOKUP_TIMEOUT))
-    return discovery.HeadFinder(quick, reporter, Signals()).locate().ip
+    where = discovery.HeadFinder(quick, reporter, Signals()).locate()
+    if len(where.candidates) == 1:
+        return where.ip
+    # Several DNS records (a stale one beside the head's): the one whose GCS answers now.
+    for ip in where.candidates:
+        gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
+        try:
+            gcs.check_alive(timeout=discovery.GCS_PROBE_TIMEOUT)
+            return ip
+        except GcsUnavailable:
+            continue
+        finally:
+            gcs.close()
+    return where.ip
 
 
 def dashboard(settings: Settings, ip: str) -> str:

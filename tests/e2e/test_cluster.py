@@ -209,9 +209,13 @@ def test_worker_with_a_wrong_token_is_refused_and_never_joins(make_pod, dns_serv
     assert worker.pod.pids() == []
 
 
-def test_flaky_dns_then_answers_worker_joins(make_pod, dns_server, tmp_path, agents):
-    """b) the DNS server answers SERVFAIL, then not at all, then properly: the worker joins,
-    and what it printed told DNS trouble apart from a name that does not exist."""
+def test_flaky_dns_then_answers_with_a_stale_record_first_worker_joins(make_pod, dns_server,
+                                                                      tmp_path, agents):
+    """b) the DNS server answers SERVFAIL, then not at all, then properly but with a stale
+    record (an earlier head pod's address, first) beside the head's: the worker asks both and
+    joins the one that answers, and what it printed told DNS trouble apart from a name that
+    does not exist."""
+    earlier = make_pod("oldhead")  # its address comes first; nothing listens there any more
     # What is tested is finding the head: a trivial job, not the cluster check.
     head, (worker,) = form_cluster(make_pod, dns_server, tmp_path, agents, workers=1,
                                head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
@@ -221,9 +225,12 @@ def test_flaky_dns_then_answers_worker_joins(make_pod, dns_server, tmp_path, age
     worker.wait_output("SERVFAIL (the DNS server failed or refused to answer", timeout=30)
     dns_server.mode = "timeout"
     worker.wait_output("timeout (no DNS server answered in time)", timeout=30)
+    dns_server.set_records(head.pod.dns_name, [earlier.ip, head.pod.ip])
     dns_server.mode = "normal"
     head.start()
     assert [a.wait_exit(FORM_TIMEOUT) for a in (head, worker)] == [0, 0], (
         head.output[-2000:] + "\n\n" + worker.output[-2000:])
     assert f"worker joined: {worker.pod.ip}" in head.output
+    assert (f"the head's name has 2 addresses ({earlier.ip}, {head.pod.ip}): {head.pod.ip} "
+            f"answers") in worker.output
     assert "NXDOMAIN" not in worker.output  # the name existed all along

@@ -223,7 +223,8 @@ def _norm(name: str) -> str:
 class DnsServer:
     """Authoritative DNS server for one zone, running in background threads.
 
-    Serves A records from a mutable map with TTL 1. Unknown names inside the
+    Serves A records (one or several per name) from a mutable map with TTL 1. Unknown names
+    inside the
     zone get NXDOMAIN, names outside it REFUSED. ``mode`` switches failure
     injection at runtime: "normal", "servfail" or "timeout" (no reply).
     """
@@ -238,7 +239,7 @@ class DnsServer:
         self.zone = _norm(zone)
         self.tcp = tcp
         self._lock = threading.Lock()
-        self._records: dict[str, str] = {}
+        self._records: dict[str, tuple[str, ...]] = {}
         self._mode = "normal"
         self._log: list[QueryLogEntry] = []
         self._servers: list[DNSServer] = []
@@ -249,16 +250,22 @@ class DnsServer:
     # -- records and modes --------------------------------------------------
 
     def set_record(self, name: str, ip: str) -> None:
-        ipaddress.IPv4Address(ip)  # validate early, not inside the server thread
+        self.set_records(name, [ip])
+
+    def set_records(self, name: str, ips: Sequence[str]) -> None:
+        """Several A records for one name, answered in this order (a stale record left
+        beside a new one, as a DNS service that lags behind may do)."""
+        for ip in ips:
+            ipaddress.IPv4Address(ip)  # validate early, not inside the server thread
         with self._lock:
-            self._records[_norm(name)] = ip
+            self._records[_norm(name)] = tuple(ips)
 
     def remove_record(self, name: str) -> None:
         with self._lock:
             self._records.pop(_norm(name), None)
 
     @property
-    def records(self) -> dict[str, str]:
+    def records(self) -> dict[str, tuple[str, ...]]:
         with self._lock:
             return dict(self._records)
 
@@ -301,7 +308,7 @@ class DnsServer:
         qtype = QTYPE.get(request.q.qtype, str(request.q.qtype))
         with self._lock:
             mode = self._mode
-            ip = self._records.get(name)
+            ips = self._records.get(name)
         reply = request.reply()
         answers: tuple[str, ...] = ()
         in_zone = name == self.zone or name.endswith("." + self.zone)
@@ -312,12 +319,13 @@ class DnsServer:
             reply.header.rcode = RCODE.SERVFAIL
         elif not in_zone:
             reply.header.rcode = RCODE.REFUSED
-        elif ip is None:
+        elif ips is None:
             reply.header.rcode = RCODE.NXDOMAIN
             reply.add_auth(self._soa())
         elif request.q.qtype == QTYPE.A:
-            reply.add_answer(RR(qname, QTYPE.A, rdata=A(ip), ttl=1))
-            answers = (ip,)
+            for ip in ips:
+                reply.add_answer(RR(qname, QTYPE.A, rdata=A(ip), ttl=1))
+            answers = ips
         else:
             reply.add_auth(self._soa())  # NODATA: name exists, no such type
         self._record(

@@ -62,6 +62,14 @@ def test_answer(dns):
     assert result.describe() == "h1.runpod.internal -> 10.9.8.7"
 
 
+def test_several_records_are_all_given_in_address_order(dns):
+    """As numbers, not strings: 10.65.0.9 before 10.65.0.10 (a string sort put a stale .10
+    first, and the worker then asked only it)."""
+    dns.set_records("h1.runpod.internal", ["10.65.0.10", "10.65.0.9"])
+    result = discovery.resolve("h1.runpod.internal", resolver(dns))
+    assert result.addresses == ("10.65.0.9", "10.65.0.10")
+
+
 def test_nxdomain_for_an_unknown_name(dns):
     dns.set_record("h1.runpod.internal", "10.9.8.7")
     result = discovery.resolve("nobody.runpod.internal", resolver(dns))
