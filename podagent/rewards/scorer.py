@@ -32,7 +32,7 @@ from podagent.rewards import openrlhf_m, verify
 from podagent.rewards import openrlhf_m_verify as seed
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
-from podagent.rewards.settings import RewardSettings
+from podagent.rewards.settings import FIELD_BY_ATTR, RewardSettings
 from podagent.rewards.verify import short
 
 log = logging.getLogger("podagent.rewards")
@@ -46,6 +46,23 @@ _NO_GOLD = ""  # the gold-form cache's entry for a label with no usable answer
 
 class BadRequest(ValueError):
     """The request breaks the protocol; the message says how (it goes back as a 400)."""
+
+
+class OverLimit(BadRequest):
+    """The request is over a per-request limit (it goes back as a 413): the message, and the
+    reply's fields, name the setting, its value, what the request had and how to raise it."""
+
+    def __init__(self, setting: str, limit: int, seen: int | None, subject: str, unit: str):
+        field = FIELD_BY_ATTR[setting]
+        self.setting, self.limit, self.seen = setting, limit, seen
+        self.flag, self.env = field.flag, field.env
+        had = f"{seen} {unit}" if seen is not None else f"over {limit} {unit}"
+        super().__init__(f"{subject} {had}; the limit is {limit} {unit} ({setting}: "
+                         f"{field.flag} or {field.env})")
+
+    def reply(self) -> dict[str, Any]:
+        return {"error": str(self), "setting": self.setting, "limit": self.limit,
+                "seen": self.seen, "flag": self.flag, "env": self.env}
 
 
 @dataclass
@@ -117,8 +134,7 @@ def parse_request(body: bytes, max_items: int) -> tuple[list[str], list[str] | N
     query = _strings(data, "query")
     assert query is not None
     if len(query) > max_items:
-        raise BadRequest(f"'query' has {len(query)} items; the limit is {max_items} "
-                         "(--max-items)")
+        raise OverLimit("max_items", max_items, len(query), "'query' has", "items")
     prompts, labels = _strings(data, "prompts"), _strings(data, "labels")
     for name, values in (("prompts", prompts), ("labels", labels)):
         if values is not None and len(values) != len(query):
@@ -132,7 +148,7 @@ class Scorer:
 
     profile = ""
 
-    def __init__(self, pool: VerifierPool, *, max_items: int = 1024,
+    def __init__(self, pool: VerifierPool, *, max_items: int = RewardSettings.max_items,
                  format_weight: float = verify.FORMAT_WEIGHT, golds: GoldIndex | None = None):
         self.pool, self.max_items, self.format_weight = pool, max_items, format_weight
         self.golds = golds
