@@ -10,6 +10,10 @@ what is wrong; one over a per-request limit (max_body bytes, max_items items) ge
 reply also names the setting, its limit, what the request had and the flag and variable that
 raise it; anything unexpected gets a 500 with {"error": ...} and no traceback (the traceback
 goes to the server's log), and the server keeps serving.
+
+/health is answered on the event loop from counters: it never waits for a request's
+preparation (the prep thread) or verification (the pool). See `scorer.Scorer.score_body` for
+how requests share the prep thread.
 """
 
 from __future__ import annotations
