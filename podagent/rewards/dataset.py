@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from podagent.rewards import similar
+from podagent.rewards.similar import Steps, finish
 from podagent.rewards.verify import LRU, short
 
 log = logging.getLogger("podagent.rewards")
@@ -73,12 +74,16 @@ class GoldIndex:
     def nearest(self, prompt: str) -> tuple[str, str]:
         """(gold, the dataset prompt it was found by): the exact prompt, else the most similar
         one (`similar`), as OpenRLHF-M's server looks up the request's prompt."""
+        return finish(self.nearest_steps(prompt))
+
+    def nearest_steps(self, prompt: str) -> Steps[tuple[str, str]]:
+        """`nearest` in steps (`similar.closest_steps`): the server runs it a slice at a time."""
         gold = self._all.get(prompt)
         if gold is not None:
             return gold, prompt
         index = self._closest.get(prompt)
         if index is None:
-            index = similar.closest(prompt, self._prompts, self._by_length)
+            index = yield from similar.closest_steps(prompt, self._prompts, self._by_length)
             assert index is not None  # a loaded index is never empty
             self._closest.put(prompt, index)
             # Once per prompt (later lookups come from the cache): the seed prints every time.

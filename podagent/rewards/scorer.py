@@ -32,12 +32,16 @@ from podagent.rewards import openrlhf_m, verify
 from podagent.rewards import openrlhf_m_verify as seed
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
-from podagent.rewards.settings import RewardSettings
+from podagent.rewards.settings import FIELD_BY_ATTR, RewardSettings
+from podagent.rewards.similar import Steps
 from podagent.rewards.verify import short
 
 log = logging.getLogger("podagent.rewards")
 
 VERDICT_CACHE_SIZE = 1 << 16
+# Preparing a request (decoding, validation, extraction, gold lookup) runs in slices of about
+# this long on the one prep thread; each slice goes to the back of its queue (`score_body`).
+PREP_SLICE = 0.05
 # Longer pairs are not cached: they are rare, seldom repeat, and would make the cache's memory
 # depend on what clients send.
 MAX_CACHED_PAIR_CHARS = 1024
@@ -46,6 +50,23 @@ _NO_GOLD = ""  # the gold-form cache's entry for a label with no usable answer
 
 class BadRequest(ValueError):
     """The request breaks the protocol; the message says how (it goes back as a 400)."""
+
+
+class OverLimit(BadRequest):
+    """The request is over a per-request limit (it goes back as a 413): the message, and the
+    reply's fields, name the setting, its value, what the request had and how to raise it."""
+
+    def __init__(self, setting: str, limit: int, seen: int | None, subject: str, unit: str):
+        field = FIELD_BY_ATTR[setting]
+        self.setting, self.limit, self.seen = setting, limit, seen
+        self.flag, self.env = field.flag, field.env
+        had = f"{seen} {unit}" if seen is not None else f"over {limit} {unit}"
+        super().__init__(f"{subject} {had}; the limit is {limit} {unit} ({setting}: "
+                         f"{field.flag} or {field.env})")
+
+    def reply(self) -> dict[str, Any]:
+        return {"error": str(self), "setting": self.setting, "limit": self.limit,
+                "seen": self.seen, "flag": self.flag, "env": self.env}
 
 
 @dataclass
@@ -71,6 +92,7 @@ class Item:
     answer: str | None  # canonical final answer
     gold: str | None  # canonical gold
     format: float
+    quick: bool | None = None  # verify.quick_verdict, when it decides (found in prep)
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
@@ -117,8 +139,7 @@ def parse_request(body: bytes, max_items: int) -> tuple[list[str], list[str] | N
     query = _strings(data, "query")
     assert query is not None
     if len(query) > max_items:
-        raise BadRequest(f"'query' has {len(query)} items; the limit is {max_items} "
-                         "(--max-items)")
+        raise OverLimit("max_items", max_items, len(query), "'query' has", "items")
     prompts, labels = _strings(data, "prompts"), _strings(data, "labels")
     for name, values in (("prompts", prompts), ("labels", labels)):
         if values is not None and len(values) != len(query):
@@ -127,21 +148,36 @@ def parse_request(body: bytes, max_items: int) -> tuple[list[str], list[str] | N
     return query, prompts, labels
 
 
+def _run_slice(steps: Steps[list[Any]]) -> tuple[bool, list[Any] | None]:
+    """In the prep thread: `steps` for about PREP_SLICE seconds; (True, items) once done."""
+    deadline = time.monotonic() + PREP_SLICE
+    try:
+        while time.monotonic() < deadline:
+            next(steps)
+    except StopIteration as done:
+        return True, done.value
+    return False, None
+
+
 class Scorer:
     """What both profiles share: request parsing off the loop, counters, /health."""
 
     profile = ""
 
-    def __init__(self, pool: VerifierPool, *, max_items: int = 1024,
+    def __init__(self, pool: VerifierPool, *, max_items: int = RewardSettings.max_items,
                  format_weight: float = verify.FORMAT_WEIGHT, golds: GoldIndex | None = None):
         self.pool, self.max_items, self.format_weight = pool, max_items, format_weight
         self.golds = golds
         self.stats = Stats()
         self.started = time.monotonic()
         self._verdicts = verify.LRU(VERDICT_CACHE_SIZE)
-        # Decoding, validation and extraction are plain Python on up to max_body bytes: one
-        # thread keeps them off the event loop (so /health answers) and owns their caches.
+        # Decoding, validation, extraction and gold lookup are plain Python on up to max_body
+        # bytes: one thread keeps them off the event loop and owns their caches (one thread:
+        # the caches need no locks). Each step is short (extraction is linear in an item, a
+        # closest-prompt lookup yields after every dataset prompt), so the thread hands the
+        # interpreter lock back to the loop within its switch interval and /health answers.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-prep")
+        self.preparing = 0  # requests being prepared
 
     def close(self) -> None:
         self._prep.shutdown(wait=False, cancel_futures=True)
@@ -152,7 +188,8 @@ class Scorer:
     def health(self) -> dict[str, Any]:
         return {
             "status": "ok", **self.settings(), **asdict(self.stats),
-            "in_flight": self.in_flight(), "pool_size": self.pool.workers,
+            "in_flight": self.in_flight(), "preparing": self.preparing,
+            "pool_size": self.pool.workers,
             "item_timeout_s": self.pool.item_timeout, "format_weight": self.format_weight,
             "verdict_cache_entries": len(self._verdicts),
             "dataset_prompts": len(self.golds) if self.golds is not None else None,
@@ -162,7 +199,9 @@ class Scorer:
     def in_flight(self) -> int:
         return 0
 
-    def prepare(self, body: bytes) -> list[Any]:
+    def prepare_steps(self, body: bytes) -> Steps[list[Any]]:
+        """The request's items, prepared in steps (one item, or one dataset prompt compared,
+        per step); raises BadRequest."""
         raise NotImplementedError
 
     async def score(self, items: list[Any]) -> dict[str, list[float]]:
@@ -173,12 +212,23 @@ class Scorer:
         raise NotImplementedError
 
     async def score_body(self, body: bytes) -> dict[str, list[float]]:
+        # A slice at a time, each queued behind the slices of the requests already waiting:
+        # requests take turns, so a small one (the head's health probe is a one-item request,
+        # upstream OpenRLHF sends one item per request) waits for one slice of each request
+        # ahead of it, not for a whole batch to be prepared.
         loop = asyncio.get_running_loop()
+        steps = self.prepare_steps(body)
+        self.preparing += 1
         try:
-            items = await loop.run_in_executor(self._prep, self.prepare, body)
+            done, items = False, None
+            while not done:
+                done, items = await loop.run_in_executor(self._prep, _run_slice, steps)
         except BadRequest:
             self.stats.bad_requests += 1
             raise
+        finally:
+            self.preparing -= 1
+        assert items is not None
         return await self.score(items)
 
 
@@ -210,8 +260,9 @@ class BoxedScorer(Scorer):
             self._gold_forms.put(label, form)
         return form or None
 
-    def prepare(self, body: bytes) -> list[Item]:
+    def prepare_steps(self, body: bytes) -> Steps[list[Item]]:
         query, prompts, labels = parse_request(body, self.max_items)
+        yield
         items = []
         for index, text in enumerate(query):
             prompt = prompts[index] if prompts is not None else None
@@ -223,7 +274,10 @@ class BoxedScorer(Scorer):
             found = verify.extract(verify.split_response(text, prompt))
             answer = verify.canonical(found.answer) if found.answer is not None else None
             gold = self._gold_form(label) if label and label.strip() else None
-            items.append(Item(answer or None, gold, 1.0 if found.well_formed else 0.0))
+            # Here, not on the event loop: plain Python on answers of up to 4,096 characters.
+            quick = verify.quick_verdict(answer, gold) if answer and gold else None
+            items.append(Item(answer or None, gold, 1.0 if found.well_formed else 0.0, quick))
+            yield
         return items
 
     # --- scoring (on the event loop) ------------------------------------------------------------
@@ -241,10 +295,9 @@ class BoxedScorer(Scorer):
             if item.answer is None:
                 stats.no_answer += 1
                 continue
-            quick = verify.quick_verdict(item.answer, item.gold)
-            if quick is not None:
+            if item.quick is not None:
                 stats.fast_path += 1
-                accuracy[index] = float(quick)
+                accuracy[index] = float(item.quick)
                 continue
             key = (item.answer, item.gold)
             cached = self._verdicts.get(key) if _cacheable(key) else None
@@ -312,6 +365,7 @@ class SeedItem:
     response: str
     gold: str | None  # as math-verify gets it ($-wrapped), None when there is none
     format: bool
+    key: bytes  # the verdict cache's key (`_digest`); b"" without a gold
 
 
 def _digest(gold: str, response: str) -> bytes:
@@ -355,23 +409,26 @@ class OpenrlhfMScorer(Scorer):
 
     # --- preparation (in the prep thread) -------------------------------------------------------
 
-    def prepare(self, body: bytes) -> list[SeedItem]:
+    def prepare_steps(self, body: bytes) -> Steps[list[SeedItem]]:
         query, prompts, labels = parse_request(body, self.max_items)
         by_dataset = self.golds is not None and prompts is not None
         if self.golds is not None and prompts is None and labels is None and query:
             raise BadRequest("missing 'prompts': gold answers are looked up in the dataset "
                              "by prompt (or send 'labels')")
+        yield
         items = []
         for index, text in enumerate(query):
             response = openrlhf_m.response_of(text, self.template)
             raw: str | None = None
             if by_dataset:
                 assert self.golds is not None and prompts is not None
-                raw = self.golds.nearest(prompts[index])[0]
+                raw = (yield from self.golds.nearest_steps(prompts[index]))[0]
             elif labels is not None:
                 raw = labels[index]
             gold = openrlhf_m.gold_form(raw) if raw is not None else None
-            items.append(SeedItem(response, gold, openrlhf_m.well_formed(response)))
+            key = _digest(gold, response) if gold is not None else b""  # hashed off the loop
+            items.append(SeedItem(response, gold, openrlhf_m.well_formed(response), key))
+            yield
         return items
 
     # --- scoring (on the event loop) ------------------------------------------------------------
@@ -391,7 +448,7 @@ class OpenrlhfMScorer(Scorer):
                 stats.fast_path += 1
                 verdicts[index] = seed.GOLD_UNPARSED
                 continue
-            key = _digest(item.gold, item.response)
+            key = item.key
             cached = self._verdicts.get(key)
             if cached is not None:
                 stats.cache_hits += 1

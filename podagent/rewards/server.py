@@ -5,10 +5,15 @@
                          (the boxed profile adds "scores": the accuracies)
     GET  /health      -> {"status": "ok", "scoring": profile, counters...}
 
-Every answer is JSON. A request that breaks the protocol gets 400 (413 for a body over
-max_body) with {"error": "..."} saying what is wrong; anything unexpected gets a 500 with
-{"error": ...} and no traceback (the traceback goes to the server's log), and the server keeps
-serving.
+Every answer is JSON. A request that breaks the protocol gets 400 with {"error": "..."} saying
+what is wrong; one over a per-request limit (max_body bytes, max_items items) gets 413, whose
+reply also names the setting, its limit, what the request had and the flag and variable that
+raise it; anything unexpected gets a 500 with {"error": ...} and no traceback (the traceback
+goes to the server's log), and the server keeps serving.
+
+/health is answered on the event loop from counters: it never waits for a request's
+preparation (the prep thread) or verification (the pool). See `scorer.Scorer.score_body` for
+how requests share the prep thread.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from aiohttp import web
 
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
-from podagent.rewards.scorer import BadRequest, Scorer, make_scorer
+from podagent.rewards.scorer import BadRequest, OverLimit, Scorer, make_scorer
 from podagent.rewards.settings import RewardSettings, describe
 
 log = logging.getLogger("podagent.rewards")
@@ -59,9 +64,12 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return _error(500, "internal error in the reward server (details in its log)")
 
 
+def _over(exc: OverLimit) -> web.Response:
+    return web.json_response(exc.reply(), status=413)
+
+
 def _too_large(size: int | None, limit: int) -> web.Response:
-    got = f"{size} bytes" if size is not None else "larger than that"
-    return _error(413, f"body is {got}; the limit is {limit} bytes (--max-body)")
+    return _over(OverLimit("max_body", limit, size, "body is", "bytes"))
 
 
 async def get_reward(request: web.Request) -> web.Response:
@@ -78,6 +86,8 @@ async def get_reward(request: web.Request) -> web.Response:
         return _too_large(None if body is None else len(body), limit)
     try:
         return web.json_response(await scorer.score_body(body))
+    except OverLimit as exc:
+        return _over(exc)
     except BadRequest as exc:
         return _error(400, str(exc))
 

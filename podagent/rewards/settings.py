@@ -108,9 +108,16 @@ FIELDS: tuple[Field, ...] = (
     Field("item_timeout", number(0.1, 600),
           "Seconds one item may take to verify; past it the worker is killed and the item "
           "scores 0.", 5.0),
-    Field("max_items", config.whole(1, 1_000_000), "Most items in one request.", 1024),
-    Field("max_body", size, "Largest request body (bytes, or with KiB/MiB/GiB).", 16 << 20,
-          default_doc="16MiB"),
+    # A request's budget: preparing it takes time linear in its bytes, a slice at a time,
+    # turn about with other requests; the limits bound its memory and its share. The defaults
+    # are four times the batches trainers send (OpenRLHF-M: one batch per call, 256 to 1,024
+    # items of a few KB, say 16 KB at most; upstream OpenRLHF: one item per request).
+    Field("max_items", config.whole(1, 1_000_000),
+          "Most items in one request; a request with more gets HTTP 413 naming this limit.",
+          4096),
+    Field("max_body", size,
+          "Largest request body (bytes, or with KiB/MiB/GiB); a larger one gets HTTP 413 "
+          "naming this limit.", 64 << 20, default_doc="64MiB"),
     Field("format_weight", number(0, 100),
           "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", FORMAT_WEIGHT),
     Field("dataset", existing_file,
@@ -132,8 +139,8 @@ class RewardSettings:
     port: int = 5000
     workers: int = 1
     item_timeout: float = 5.0
-    max_items: int = 1024
-    max_body: int = 16 << 20
+    max_items: int = 4096
+    max_body: int = 64 << 20
     format_weight: float = FORMAT_WEIGHT
     dataset: str | None = None
     prompt_key: str = "prompt"

@@ -97,7 +97,7 @@ def test_flags_win_over_the_environment_and_both_over_defaults():
     env = {"PODAGENT_REWARD_PORT": "6001", "PODAGENT_REWARD_WORKERS": "3"}
     built = settings.build({"port": "6002"}, env)
     assert (built.port, built.workers, built.host, built.max_body) == (6002, 3, "127.0.0.1",
-                                                                       16 << 20)
+                                                                       64 << 20)
     assert built.source_name("port") == "--port"
     assert built.source_name("workers") == "PODAGENT_REWARD_WORKERS"
     assert settings.build({}, {}).workers == settings.cpu_count()

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import requests
 
-from podagent.rewards.settings import RewardSettings
+from podagent.rewards.settings import FIELD_BY_ATTR, RewardSettings
 from podagent.rewards.verify import FORMAT_WEIGHT
 
 from .conftest import Live, live_server, thread_server
@@ -88,26 +88,46 @@ BAD_REQUESTS = {
                       "'labels' has 1 item but 'query' has 2 items"),
     "prompts-length": (dict(json={"query": ["a"], "prompts": ["1", "2", "3"]}), 400,
                        "'prompts' has 3 items but 'query' has 1 item"),
-    "too-many-items": (dict(json={"query": ["x"] * (MAX_ITEMS + 1)}), 400,
-                       f"'query' has {MAX_ITEMS + 1} items; the limit is {MAX_ITEMS}"),
     "too-deep": (dict(data=b"[" * 200_000), 400, "nested too deeply"),
-    "body-too-large": (dict(data=b" " * (MAX_BODY + 1)), 413,
-                       f"body is {MAX_BODY + 1} bytes; the limit is {MAX_BODY} bytes"),
-    "chunked-too-large": (dict(data=_chunks(2 * MAX_BODY)), 413,
-                          f"the limit is {MAX_BODY} bytes (--max-body)"),
 }
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
 def test_bad_request_gets_a_json_error(live: Live, case):
     kwargs, status, message = BAD_REQUESTS[case]
-    if case == "chunked-too-large":
-        kwargs = dict(data=_chunks(2 * MAX_BODY))  # a generator is used up once
     reply = live.post(**kwargs)
     assert reply.status_code == status
     assert reply.headers["Content-Type"].startswith("application/json")
     assert message in reply.json()["error"]
     assert "Traceback" not in reply.text
+
+
+# A request over the budget: (request, the setting, its limit, what the request had: None
+# where the server stops reading a chunked body at the limit).
+OVER_LIMIT = {
+    "items": (lambda: dict(json={"query": ["x"] * (MAX_ITEMS + 1)}), "max_items", MAX_ITEMS,
+              MAX_ITEMS + 1),
+    "body": (lambda: dict(data=b" " * (MAX_BODY + 1)), "max_body", MAX_BODY, MAX_BODY + 1),
+    "chunked-body": (lambda: dict(data=_chunks(2 * MAX_BODY)), "max_body", MAX_BODY, None),
+}
+
+
+@pytest.mark.parametrize("case", OVER_LIMIT, ids=list(OVER_LIMIT))
+def test_a_request_over_the_budget_gets_413_naming_the_limit(live: Live, case):
+    request, setting, limit, seen = OVER_LIMIT[case]
+    before = live.health()["bad_requests"]
+    reply = live.post(**request())
+    assert reply.status_code == 413
+    assert reply.headers["Content-Type"].startswith("application/json")
+    got = reply.json()
+    field = FIELD_BY_ATTR[setting]
+    assert (got["setting"], got["limit"], got["seen"], got["flag"], got["env"]) == (
+        setting, limit, seen, field.flag, field.env)
+    unit = "items" if setting == "max_items" else "bytes"
+    had = f"{seen} {unit}" if seen is not None else f"over {limit} {unit}"
+    assert got["error"].endswith(f"{had}; the limit is {limit} {unit} ({setting}: "
+                                 f"{field.flag} or {field.env})")
+    assert live.health()["bad_requests"] == before + 1
 
 
 def test_unknown_paths_and_methods_get_json(live: Live):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,22 @@ def test_extract_never_fails_and_answers_come_from_the_response(text):
     if found.answer is not None:
         assert found.answer and found.answer in text
     assert found.well_formed is False or found.answer is not None
+
+
+# What math_spans replaced: the same spans, found by rescanning to the end of the text from
+# every opener that has no closer (quadratic).
+_MATH_SPAN_REGEX = re.compile(
+    r"(?<!\\)\$\$?(.+?)(?<!\\)\$\$?|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_SPAN_BITS = st.sampled_from(["$", "$$", "\\", "\\$", "\\(", "\\)", "\\[", "\\]", "(", ")",
+                              "[", "]", "x", "ab", "\n", " "])
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(_SPAN_BITS, max_size=16).map("".join))
+def test_math_spans_are_the_spans_the_regular_expression_found(text):
+    expected = [(m.start(), m.end(), next(g for g in m.groups() if g is not None))
+                for m in _MATH_SPAN_REGEX.finditer(text)]
+    assert verify.math_spans(text) == expected
 
 
 # --- quick verdicts and the caches' building blocks ----------------------------------------------
