@@ -9,8 +9,12 @@ classes from the descriptors in its wheel.
 from __future__ import annotations
 
 import ast
+import gc
 import re
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ import pytest
 from podagent import config, gcs, ray_compat
 from podagent.cluster import ray_node
 from podagent.roles import Role
+from tests.compat import ray_releases
 from tests.compat.ray_releases import Release, all_facts
 from tests.unit.test_gcs_codec import Recorder
 
@@ -38,6 +43,59 @@ def each(releases: list[Release], check: Callable[[Release], list[str]]) -> None
     """Run a check on every release; fail once, listing every release's problems."""
     problems = [f"Ray {r.version}: {p}" for r in releases for p in check(r)]
     assert not problems, "\n".join(problems)
+
+
+# --- reading the wheels ------------------------------------------------------------------------
+
+
+class _Cycle:
+    def __del__(self) -> None:
+        pass  # Python code the collector runs wherever it collects, on whichever thread
+
+
+@contextmanager
+def _busy_interpreter() -> Iterator[None]:
+    """What a long test session is like, only more so: a thread litters garbage that needs
+    finalizing, the collector runs often, and threads switch as often as they can. A
+    collection in the middle of ast.parse then hands the GIL to another thread."""
+    stop = threading.Event()
+
+    def litter() -> None:
+        while not stop.is_set():
+            for _ in range(100):
+                cycle = _Cycle()
+                cycle.me = cycle
+
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(50)
+    thread = threading.Thread(target=litter, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
+
+
+COLD_RELEASES = 4  # enough for every download thread to have a wheel at once
+
+
+def test_an_empty_cache_fills_the_same_way_every_time(tmp_path, monkeypatch):
+    """The first run on a fresh machine reads every wheel: it must not depend on how the
+    threads happen to interleave (CPython 3.11's ast.parse is not safe on two threads)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    some = dict(list(ray_releases.supported_releases().items())[:COLD_RELEASES])
+    monkeypatch.setattr(ray_releases, "supported_releases", lambda: some)
+    with _busy_interpreter():
+        found = all_facts()
+    assert list(found) == list(some)
+    for version, extract in found.items():
+        assert extract["version"] == version
+        assert any(n.endswith("/gcs_service.proto") for n in extract["descriptors"]), version
+        assert (ray_releases.cache_dir() / f"{version}-{ray_releases.SCHEMA}.json").exists()
 
 
 # --- the GCS messages gcs.py encodes and decodes by hand ---------------------------------------
