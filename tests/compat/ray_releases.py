@@ -34,11 +34,12 @@ from podagent import ray_compat
 PYPI = "https://pypi.org/pypi/ray/json"
 HTTP_TIMEOUT = 60.0
 # Source files kept per release: `ray start`'s options, the Jobs SDK, the Jobs API's routes,
-# the scheduling strategy the cluster check places its ranks with, Ray's settable constants.
+# the scheduling strategy the cluster check places its ranks with, Ray's settable constants,
+# ray.init (how the cluster check's driver connects).
 SOURCES = ("ray/scripts/scripts.py", "ray/dashboard/modules/job/sdk.py",
            "ray/dashboard/modules/dashboard_sdk.py", "ray/dashboard/modules/job/job_head.py",
            "ray/util/scheduling_strategies.py", "ray/util/__init__.py",
-           "ray/_private/ray_constants.py")
+           "ray/_private/ray_constants.py", "ray/_private/worker.py")
 GCS_SERVER = "ray/core/src/ray/gcs/gcs_server"
 # Looked up in gcs_server: the health-check config names podagent sets (ray_node), and the
 # names token authentication brought (to prove FEATURES["token_auth"].since).

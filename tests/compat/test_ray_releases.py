@@ -358,3 +358,31 @@ def test_cluster_check_placement_exists_in_every_release(releases):
             [] if "get_node_ip_address" in util else ["ray.util has no get_node_ip_address"])
 
     each(releases, check)
+
+
+def test_cluster_check_driver_can_name_its_node_in_every_release(releases):
+    """clustercheck.main: ray.init(address="auto", _node_ip_address=...)."""
+    def check(r: Release) -> list[str]:
+        init = r.source("ray/_private/worker.py")
+        return [] if re.search(r'kwargs\.pop\(\s*"_node_ip_address"', init) else [
+            "ray.init takes no _node_ip_address"]
+
+    each(releases, check)
+
+
+# Before this release `ray start --temp-dir` is the head's alone: a worker writes its session
+# files under the head's temp dir path (see clustercheck.own_node_address).
+WORKER_TEMP_DIR_SINCE = "2.55.0"
+
+
+def test_workers_keep_their_own_temp_dir_exactly_from_2_55(releases):
+    since = ray_compat.parse(WORKER_TEMP_DIR_SINCE)
+
+    def check(r: Release) -> list[str]:
+        ignored = "temp_dir is only configurable from a head node" in r.source(
+            "ray/scripts/scripts.py")
+        expected = ray_compat.parse(r.version) < since
+        return [] if ignored == expected else [
+            f"a worker's --temp-dir ignored={ignored}, expected {expected}"]
+
+    each(releases, check)
