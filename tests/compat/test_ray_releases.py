@@ -13,6 +13,7 @@ import gc
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +66,7 @@ def _busy_interpreter() -> Iterator[None]:
             for _ in range(100):
                 cycle = _Cycle()
                 cycle.me = cycle
+            time.sleep(1e-4)  # leaves the CPU to the test's own threads: seconds, not tens
 
     interval, threshold = sys.getswitchinterval(), gc.get_threshold()
     sys.setswitchinterval(1e-6)
