@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from podagent import nccl
 from podagent.checks import collectives
 
 # A loaded pod can take minutes to start a Python worker that imports torch; a collective
@@ -428,10 +429,33 @@ def summary(report: Report, seconds: float | None = None) -> dict[str, Any]:
     }
 
 
+# The head's Ray node address, in the job's environment (cluster/job_spec.py).
+HEAD_ADDR_ENV = "PODAGENT_HEAD_ADDR"
+
+
+def own_node_address(environ: Mapping[str, str] = os.environ,
+                     ifaces: Mapping[str, list[str]] | None = None) -> str | None:
+    """The address of this pod's Ray node, for the driver to connect as; None: let Ray find it.
+
+    Ray runs a job's driver on the head, whose node address the head gives the job. Said
+    outright because Ray 2.48 reads it from node_ip_address.json in its session dir, and
+    before Ray 2.55 a worker ignores its own --temp-dir and writes its session under the
+    head's path: on pods that share that directory (one filesystem, as namespaced pods; a
+    shared volume) the file names the node that started last. A driver that takes a worker's
+    address for its own connects to that worker's raylet and gives that address as the owner
+    of its actors; the GCS cannot reach an owner there and cancels every actor at once
+    ("SchedulingCancelled: Actor creation cancelled", ActorDiedError on every rank).
+    """
+    head = environ.get(HEAD_ADDR_ENV)
+    ifaces = nccl.interfaces() if ifaces is None else ifaces
+    return head if head and any(head in addrs for addrs in ifaces.values()) else None
+
+
 def main(argv: Iterable[str] = ()) -> int:
     import ray
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False,
+             _node_ip_address=own_node_address())
     started = time.monotonic()
     report = run_check()
     reward = bool(os.environ.get("REMOTE_RM_URL"))

@@ -54,6 +54,18 @@ def core_floors() -> tuple[str, ...]:
                  re.findall(r'^\s*"([A-Za-z][\w-]*(?:\[[^\]]*\])?)>=([\d.]+)', core, re.M))
 
 
+def from_test_extra(*names: str) -> tuple[str, ...]:
+    """The requirements of pyproject.toml's test extra for these packages, as written there."""
+    text = (ROOT / "pyproject.toml").read_text()
+    extra = text[text.index("\ntest = ["):]
+    extra = extra[:extra.index("\n]")]
+    listed = {canonical(m[2]): m[1] for m in re.finditer(r'^\s*"(([A-Za-z][\w.-]*)[^"]*)"',
+                                                        extra, re.M)}
+    missing = [n for n in names if canonical(n) not in listed]
+    assert not missing, f"the test extra has no {missing}"
+    return tuple(listed[canonical(n)] for n in names)
+
+
 class CommandFailed(AssertionError):
     pass
 

@@ -34,11 +34,12 @@ from podagent import ray_compat
 PYPI = "https://pypi.org/pypi/ray/json"
 HTTP_TIMEOUT = 60.0
 # Source files kept per release: `ray start`'s options, the Jobs SDK, the Jobs API's routes,
-# the scheduling strategy the cluster check places its ranks with, Ray's settable constants.
+# the scheduling strategy the cluster check places its ranks with, Ray's settable constants,
+# ray.init (how the cluster check's driver connects).
 SOURCES = ("ray/scripts/scripts.py", "ray/dashboard/modules/job/sdk.py",
            "ray/dashboard/modules/dashboard_sdk.py", "ray/dashboard/modules/job/job_head.py",
            "ray/util/scheduling_strategies.py", "ray/util/__init__.py",
-           "ray/_private/ray_constants.py")
+           "ray/_private/ray_constants.py", "ray/_private/worker.py")
 GCS_SERVER = "ray/core/src/ray/gcs/gcs_server"
 # Looked up in gcs_server: the health-check config names podagent sets (ray_node), and the
 # names token authentication brought (to prove FEATURES["token_auth"].since).
@@ -90,7 +91,13 @@ def supported_releases() -> dict[str, dict[str, Any]]:
 
 
 def _serialized_descriptor(source: str) -> bytes | None:
-    """The FileDescriptorProto a generated *_pb2.py registers, read without running it."""
+    """The FileDescriptorProto a generated *_pb2.py registers, read without running it.
+
+    Only ever called from one thread at a time (see all_facts): CPython 3.11 keeps ast.parse's
+    recursion counter per interpreter, not per thread, so two threads parsing at once can fail
+    with "SystemError: AST constructor recursion depth mismatch" whenever the collector runs
+    Python code (a finalizer) in the middle of one of them and the other thread gets the GIL.
+    """
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "AddSerializedFile"
                 and node.args and isinstance(node.args[0], ast.Constant)):
@@ -98,30 +105,19 @@ def _serialized_descriptor(source: str) -> bytes | None:
     return None
 
 
-def _extract(wheel_path: Path, version: str) -> dict[str, Any]:
-    with zipfile.ZipFile(wheel_path) as z:
-        names = set(z.namelist())
-        descriptors = {}
-        for name in sorted(n for n in names
-                           if n.startswith("ray/core/generated/") and n.endswith("_pb2.py")):
-            raw = _serialized_descriptor(z.read(name).decode())
-            if raw:
-                proto = descriptor_pb2.FileDescriptorProto.FromString(raw)
-                descriptors[proto.name] = base64.b64encode(raw).decode()
-        sources = {n: z.read(n).decode() for n in SOURCES if n in names}
-        binary = z.read(GCS_SERVER)
-    return {"version": version, "schema": SCHEMA, "descriptors": descriptors,
-            "sources": sources,
-            "gcs_server_strings": {s: s.encode() in binary for s in BINARY_STRINGS}}
+def _cache_path(version: str) -> Path:
+    return cache_dir() / f"{version}-{SCHEMA}.json"
 
 
-def facts(version: str, wheel: dict[str, Any]) -> dict[str, Any]:
-    """The extract of one release, from the cache or from its wheel (downloaded, checked
-    against PyPI's sha256, read, deleted)."""
-    path = cache_dir() / f"{version}-{SCHEMA}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _cached(version: str) -> dict[str, Any] | None:
+    path = _cache_path(version)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _read_wheel(version: str, wheel: dict[str, Any]) -> dict[str, Any]:
+    """What one release's wheel holds for the extract, as text (downloaded, checked against
+    PyPI's sha256, read, deleted). No parsing here: this runs on the download threads, where
+    the network, the hash and the unzipping (all outside the GIL) overlap."""
     with tempfile.TemporaryDirectory(prefix="ray-wheel-") as tmp:
         wheel_path = Path(tmp) / wheel["filename"]
         digest = hashlib.sha256()
@@ -134,7 +130,29 @@ def facts(version: str, wheel: dict[str, Any]) -> dict[str, Any]:
         expected = wheel.get("digests", {}).get("sha256")
         if expected and digest.hexdigest() != expected:
             raise RuntimeError(f"{wheel['filename']}: sha256 differs from PyPI's")
-        extract = _extract(wheel_path, version)
+        with zipfile.ZipFile(wheel_path) as z:
+            names = set(z.namelist())
+            generated = {n: z.read(n).decode() for n in sorted(names)
+                         if n.startswith("ray/core/generated/") and n.endswith("_pb2.py")}
+            sources = {n: z.read(n).decode() for n in SOURCES if n in names}
+            binary = z.read(GCS_SERVER)
+    return {"version": version, "generated": generated, "sources": sources,
+            "gcs_server_strings": {s: s.encode() in binary for s in BINARY_STRINGS}}
+
+
+def _extract(read: dict[str, Any]) -> dict[str, Any]:
+    """The cached extract of a read wheel: its descriptors parsed out of the generated files,
+    on the calling thread (about 20 ms a release); written to the cache whole."""
+    descriptors = {}
+    for text in read["generated"].values():
+        raw = _serialized_descriptor(text)
+        if raw:
+            proto = descriptor_pb2.FileDescriptorProto.FromString(raw)
+            descriptors[proto.name] = base64.b64encode(raw).decode()
+    extract = {"version": read["version"], "schema": SCHEMA, "descriptors": descriptors,
+               "sources": read["sources"], "gcs_server_strings": read["gcs_server_strings"]}
+    path = _cache_path(read["version"])
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
     partial.write_text(json.dumps(extract))
     partial.replace(path)  # never a half-written cache entry
@@ -142,10 +160,16 @@ def facts(version: str, wheel: dict[str, Any]) -> dict[str, Any]:
 
 
 def all_facts(workers: int = 4) -> dict[str, dict[str, Any]]:
+    """Every supported release's extract. Wheels missing from the cache are downloaded and
+    read on `workers` threads; each is parsed on this thread as it arrives, one at a time."""
     releases = supported_releases()
+    found = {v: _cached(v) for v in releases}
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {v: pool.submit(facts, v, w) for v, w in releases.items()}
-        return {v: f.result() for v, f in futures.items()}
+        reading = {pool.submit(_read_wheel, v, w): v for v, w in releases.items()
+                   if found[v] is None}
+        for done in concurrent.futures.as_completed(reading):
+            found[reading[done]] = _extract(done.result())
+    return found
 
 
 def _well_known(name: str) -> descriptor_pb2.FileDescriptorProto:

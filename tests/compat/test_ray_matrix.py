@@ -14,11 +14,13 @@ import subprocess
 import sys
 
 from podagent import ray_compat
-from tests.compat.fieldenv import ROOT, Installed
+from tests.compat.fieldenv import ROOT, Installed, from_test_extra
 from tests.conftest import RAY_MATRIX_ONLY
 
 MATRIX_TIMEOUT = 1200.0
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "dnslib>=0.9.24")
+# Added to the field environment, which keeps its own packages: the test tools, and the torch
+# (with numpy) every trainer's image has, which the cluster check (the default job) runs on.
+MATRIX_NEEDS = ("pytest", "hypothesis", "dnslib", "torch", "numpy")
 
 
 def _collect(python: str) -> set[str]:
@@ -38,9 +40,9 @@ def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
     field: Installed = field_envs["openrlhf"].result()
     assert field.after["ray"] == ray_compat.SUPPORTED_FROM == "2.48.0"
     env = field.env
-    held = env.hold()  # the test tools may add packages, never change the field's
+    held = env.hold()  # what the matrix needs may add packages, never change the field's
     tools = env.run([str(env.bin / "python"), "-m", "pip", "install", "--quiet",
-                     "--constraint", str(held), *TEST_TOOLS])
+                     "--constraint", str(held), *from_test_extra(*MATRIX_NEEDS)])
     assert tools.returncode == 0, tools.stdout[-3000:] + tools.stderr[-3000:]
     assert env.packages()["ray"] == "2.48.0"
 

@@ -9,8 +9,13 @@ classes from the descriptors in its wheel.
 from __future__ import annotations
 
 import ast
+import gc
 import re
-from collections.abc import Callable
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,7 @@ import pytest
 from podagent import config, gcs, ray_compat
 from podagent.cluster import ray_node
 from podagent.roles import Role
+from tests.compat import ray_releases
 from tests.compat.ray_releases import Release, all_facts
 from tests.unit.test_gcs_codec import Recorder
 
@@ -38,6 +44,60 @@ def each(releases: list[Release], check: Callable[[Release], list[str]]) -> None
     """Run a check on every release; fail once, listing every release's problems."""
     problems = [f"Ray {r.version}: {p}" for r in releases for p in check(r)]
     assert not problems, "\n".join(problems)
+
+
+# --- reading the wheels ------------------------------------------------------------------------
+
+
+class _Cycle:
+    def __del__(self) -> None:
+        pass  # Python code the collector runs wherever it collects, on whichever thread
+
+
+@contextmanager
+def _busy_interpreter() -> Iterator[None]:
+    """What a long test session is like, only more so: a thread litters garbage that needs
+    finalizing, the collector runs often, and threads switch as often as they can. A
+    collection in the middle of ast.parse then hands the GIL to another thread."""
+    stop = threading.Event()
+
+    def litter() -> None:
+        while not stop.is_set():
+            for _ in range(100):
+                cycle = _Cycle()
+                cycle.me = cycle
+            time.sleep(1e-4)  # leaves the CPU to the test's own threads: seconds, not tens
+
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(50)
+    thread = threading.Thread(target=litter, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
+
+
+COLD_RELEASES = 4  # enough for every download thread to have a wheel at once
+
+
+def test_an_empty_cache_fills_the_same_way_every_time(tmp_path, monkeypatch):
+    """The first run on a fresh machine reads every wheel: it must not depend on how the
+    threads happen to interleave (CPython 3.11's ast.parse is not safe on two threads)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    some = dict(list(ray_releases.supported_releases().items())[:COLD_RELEASES])
+    monkeypatch.setattr(ray_releases, "supported_releases", lambda: some)
+    with _busy_interpreter():
+        found = all_facts()
+    assert list(found) == list(some)
+    for version, extract in found.items():
+        assert extract["version"] == version
+        assert any(n.endswith("/gcs_service.proto") for n in extract["descriptors"]), version
+        assert (ray_releases.cache_dir() / f"{version}-{ray_releases.SCHEMA}.json").exists()
 
 
 # --- the GCS messages gcs.py encodes and decodes by hand ---------------------------------------
@@ -298,5 +358,33 @@ def test_cluster_check_placement_exists_in_every_release(releases):
         util = r.source("ray/util/__init__.py")
         return ([f"NodeAffinitySchedulingStrategy lacks {sorted(missing)}"] if missing else []) + (
             [] if "get_node_ip_address" in util else ["ray.util has no get_node_ip_address"])
+
+    each(releases, check)
+
+
+def test_cluster_check_driver_can_name_its_node_in_every_release(releases):
+    """clustercheck.main: ray.init(address="auto", _node_ip_address=...)."""
+    def check(r: Release) -> list[str]:
+        init = r.source("ray/_private/worker.py")
+        return [] if re.search(r'kwargs\.pop\(\s*"_node_ip_address"', init) else [
+            "ray.init takes no _node_ip_address"]
+
+    each(releases, check)
+
+
+# Before this release `ray start --temp-dir` is the head's alone: a worker writes its session
+# files under the head's temp dir path (see clustercheck.own_node_address).
+WORKER_TEMP_DIR_SINCE = "2.55.0"
+
+
+def test_workers_keep_their_own_temp_dir_exactly_from_2_55(releases):
+    since = ray_compat.parse(WORKER_TEMP_DIR_SINCE)
+
+    def check(r: Release) -> list[str]:
+        ignored = "temp_dir is only configurable from a head node" in r.source(
+            "ray/scripts/scripts.py")
+        expected = ray_compat.parse(r.version) < since
+        return [] if ignored == expected else [
+            f"a worker's --temp-dir ignored={ignored}, expected {expected}"]
 
     each(releases, check)
