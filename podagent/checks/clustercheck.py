@@ -28,6 +28,7 @@ from typing import Any
 
 from podagent import nccl
 from podagent.checks import collectives
+from podagent.config import FIELD_BY_ATTR
 
 # A loaded pod can take minutes to start a Python worker that imports torch; a collective
 # that does not finish in this time is stuck (a rank that cannot reach another).
@@ -430,7 +431,9 @@ def summary(report: Report, seconds: float | None = None) -> dict[str, Any]:
 
 
 # The head's Ray node address, in the job's environment (cluster/job_spec.py).
-HEAD_ADDR_ENV = "PODAGENT_HEAD_ADDR"
+# The head's address, as the head gives it to the job (job_spec.env): the setting a worker
+# takes it from too.
+HEAD_ADDR_ENV = FIELD_BY_ATTR["head_addr"].env
 
 
 def own_node_address(environ: Mapping[str, str] = os.environ,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from podagent.cluster import checkpoint
-from podagent.config import Settings, is_secret
+from podagent.config import FIELD_BY_ATTR, Settings, is_secret
 from podagent.report import Reporter
 
 CLUSTER_CHECK = (sys.executable, "-m", "podagent.checks.clustercheck")
@@ -35,7 +35,7 @@ def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str
     variables = {
         "PODAGENT_NUM_NODES": str(nodes),
         "PODAGENT_NUM_GPUS": str(gpus),
-        "PODAGENT_HEAD_ADDR": head_ip,
+        FIELD_BY_ATTR["head_addr"].env: head_ip,  # as a worker's own setting names it
         "PODAGENT_RUN_NAME": settings.run_name,
         "PODAGENT_SUBMISSION_ID": submission_id,
         # 1 for the first job of the run, then one more for each submission after a restart.

@@ -155,3 +155,14 @@ def test_the_ddp_step_has_a_column_and_a_line():
         "(0.04 s, after 1.50 s importing torch._dynamo for DDP)"]
     assert clustercheck.summary(report, 1.5)["ddp_step"] == {
         "ok": True, "max_diff": 2e-9, "seconds": 0.04, "import_s": 1.5}
+
+
+def test_the_driver_connects_as_the_heads_node_only_when_that_address_is_its_own():
+    """Ray 2.48 on pods that share Ray's temp dir would otherwise take a worker's address
+    for the driver's own (and cancel every actor of the check)."""
+    ifaces = {"lo": ["127.0.0.1"], "podnet1": ["10.65.0.2"]}
+    here = {clustercheck.HEAD_ADDR_ENV: "10.65.0.2"}
+    assert clustercheck.own_node_address(here, ifaces) == "10.65.0.2"
+    elsewhere = {clustercheck.HEAD_ADDR_ENV: "10.65.0.3"}
+    assert clustercheck.own_node_address(elsewhere, ifaces) is None  # Ray decides
+    assert clustercheck.own_node_address({}, ifaces) is None
