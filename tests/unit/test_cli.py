@@ -289,6 +289,34 @@ def test_dry_run_of_a_head_names_job_and_reward_server(tmp_path: Path) -> None:
     assert not (tmp_path / "logs").exists()
 
 
+TYPO = "PODAGENT_WORKER_WAIT_TIMEOUT is not a podagent setting; did you mean " \
+       "PODAGENT_WORKER_TIMEOUT? (ignored)"
+
+
+def test_a_dry_run_warns_as_a_run_does_and_first(tmp_path: Path) -> None:
+    run = run_cli(tmp_path, ("head", "--dry-run"), {"PODAGENT_WORKER_WAIT_TIMEOUT": "30"})
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"[podagent] WARNING: {TYPO}", lines[:3]
+    assert any(line.startswith("[head] dry run: ") for line in lines[1:])
+
+
+def test_a_misspelt_setting_is_said_before_the_part_it_leaves_missing(tmp_path: Path) -> None:
+    """PODAGENT_REWARDD=none meant no reward server: the missing reward extra is refused (exit
+    2), and the line that explains why is shown too, first."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    # As if the reward extra were not installed: the module is looked up and not found.
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['pebble'] = None\n")
+    run = run_cli(tmp_path, ("head", "--dry-run"),
+                  {"PODAGENT_REWARDD": "none", "PYTHONPATH": str(hide),
+                   "PODAGENT_JOB": "python train.py"})
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert ("PODAGENT_REWARDD is not a podagent setting; did you mean PODAGENT_REWARD? "
+            "(ignored)") in run.stdout.splitlines()[0]
+    assert "needs podagent's reward extra" in run.stderr
+
+
 # --- podagent check and podagent torchrun (dry) ------------------------------------------------
 
 
