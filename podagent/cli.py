@@ -142,7 +142,10 @@ def _dry_run(settings: config.Settings, decision: RoleDecision,
         where = settings.head_addr or settings.head_dns_name or settings.primary_addr
         reporter.say(f"would find the head at {where} within {settings.head_timeout:g} s, "
                      f"then join it (grace {settings.head_grace:g} s once joined)")
-    setup = node.prepare(settings, decision.role, reporter)
+    try:
+        setup = node.prepare(settings, decision.role, reporter)
+    except errors.PodagentError as exc:  # e.g. a head whose only address is public
+        _fail(str(exc), exit_code(exc))
     # A worker learns the head's address only by looking it up, which a dry run does not do.
     plan = ray_node.plan(settings, decision.role, setup.node_ip, setup.gpus,
                          setup.nccl.variables, head_ip="HEAD")

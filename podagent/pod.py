@@ -7,12 +7,14 @@ and the asking commands (control/).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from podagent import nccl
 from podagent.config import Settings
+from podagent.errors import ConfigError
 
 ALL_INTERFACES = "0.0.0.0"
 
@@ -64,9 +66,36 @@ def choose_node_ip(settings: Settings, head_ip: str | None,
     return "127.0.0.1", "no other address on this pod"
 
 
-ALL_INTERFACES = "0.0.0.0"
+# Addresses no one outside the pod's own networks reaches: RFC 1918, carrier-grade NAT
+# (RFC 6598: RunPod's and clouds' private ranges use it too), IPv6 unique local, loopback.
+PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7",
+    "127.0.0.0/8", "::1/128"))
+
+
+def is_private(address: str) -> bool:
+    """Not Python's `is_private`, which counts documentation and reserved ranges (192.0.2.0/24,
+    203.0.113.0/24...) as private although such an address may well be reachable."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in net for net in PRIVATE_NETWORKS if net.version == ip.version)
 
 
 def listen_address(settings: Settings, node_ip: str) -> str:
     """Where the head's dashboard and reward server listen (PODAGENT_LISTEN)."""
     return ALL_INTERFACES if settings.listen == "all" else node_ip
+
+
+def require_private(settings: Settings, node_ip: str, how: str) -> None:
+    """PODAGENT_LISTEN=private is a promise: the dashboard (which runs any job for whoever
+    reaches it) and the reward server listen on a private address, or podagent refuses."""
+    if settings.listen != "private" or is_private(node_ip):
+        return
+    raise ConfigError(
+        settings.source_name("listen"), settings.listen,
+        f"needs a private address to listen on, and this pod's cluster address {node_ip} "
+        f"({how}) is not one (private: 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16, "
+        f"100.64.0.0/10, fc00::/7, loopback): set PODAGENT_NODE_IP to this pod's private "
+        f"address, or PODAGENT_LISTEN=all with a cluster token (PODAGENT_TOKEN)")

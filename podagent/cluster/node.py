@@ -29,6 +29,8 @@ def prepare(settings: Settings, role: Role, reporter: Reporter,
     ifname = settings.environ.get("NCCL_SOCKET_IFNAME",
                                   nccl_env.variables.get("NCCL_SOCKET_IFNAME"))
     node_ip, ip_rule = pod.choose_node_ip(settings, head_ip, nccl_ifname=ifname)
+    if role is Role.HEAD:  # its dashboard and reward server listen there
+        pod.require_private(settings, node_ip, ip_rule)
     gpus, gpu_rule = pod.detect_gpus(settings)
     reporter.say(f"this pod: {node_ip} ({ip_rule}), {gpus} GPU(s) ({gpu_rule})")
     plan = ray_node.plan(settings, role, node_ip, gpus, nccl_env.variables, head_ip)

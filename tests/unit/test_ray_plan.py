@@ -15,7 +15,7 @@ import pytest
 
 from podagent import config, pod
 from podagent.cluster import ray_node
-from podagent.errors import PortInUse
+from podagent.errors import ConfigError, PortInUse
 from podagent.roles import Role
 
 pytestmark = pytest.mark.ray_matrix
@@ -273,3 +273,23 @@ def test_free_port_passes():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     assert ray_node.check_port_free("127.0.0.1", port) is None
+
+
+@pytest.mark.parametrize(("address", "private"), [
+    ("10.65.0.9", True), ("172.16.4.1", True), ("172.32.0.1", False), ("192.168.1.5", True),
+    ("100.64.0.7", True), ("100.128.0.1", False), ("127.0.0.1", True), ("fd12::1", True),
+    ("::1", True), ("203.0.113.5", False), ("192.0.2.2", False), ("8.8.8.8", False),
+    ("2001:db8::1", False), ("not an address", False),
+])
+def test_which_addresses_count_as_private(address, private):
+    """RFC 1918, CGNAT, ULA and loopback; not the documentation ranges Python calls private."""
+    assert pod.is_private(address) is private
+
+
+def test_listen_private_refuses_a_public_address_naming_it_and_how_it_was_chosen():
+    settings = config.build({}, {})
+    with pytest.raises(ConfigError) as refused:
+        pod.require_private(settings, "203.0.113.5", "first non-loopback address (eth0)")
+    assert "203.0.113.5 (first non-loopback address (eth0)) is not one" in str(refused.value)
+    pod.require_private(settings, "10.0.0.2", "address of podnet1")  # private: fine
+    pod.require_private(config.build({}, {"PODAGENT_LISTEN": "all"}), "203.0.113.5", "")
