@@ -42,8 +42,9 @@ ENV PODAGENT_LOG_DIR=/workspace/podagent/logs \
     PYTHONUNBUFFERED=1
 WORKDIR /workspace
 
-# Ray GCS, Ray dashboard and Jobs API, the reward server (podagent's defaults).
-EXPOSE 6379 8265 5000
+# No EXPOSE: the GCS (6379), the dashboard and Jobs API (8265) and the reward server (5000)
+# are for the cluster's private network; `docker run -P` would publish exposed ports, and the
+# Jobs API runs any code it is sent.
 
 # Bring-up can take minutes (the head waits for its workers, a model-backed reward server loads):
 # failures during the start period do not count.

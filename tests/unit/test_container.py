@@ -16,6 +16,7 @@ from packaging.requirements import Requirement
 
 import podagent
 from podagent import config
+from podagent.cluster import ray_node
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -147,12 +148,15 @@ def test_entrypoint_script_only_execs_podagent_with_its_arguments():
     assert commands == ["set -e", 'exec podagent "$@"']
 
 
-def test_exposes_the_ports_podagent_listens_on():
-    exposed = set(only(dockerfile_instructions(), "EXPOSE").args.split())
-    defaults = {str(config.FIELD_BY_ATTR[a].default)
-                for a in ("ray_port", "dashboard_port", "reward_port")}
-    assert defaults == {"6379", "8265", "5000"}
-    assert defaults <= exposed
+SERVICE_PORTS = {str(config.FIELD_BY_ATTR[a].default)
+                 for a in ("ray_port", "dashboard_port", "reward_port")}
+
+
+def test_the_image_exposes_none_of_the_clusters_private_ports():
+    """`docker run -P` publishes every exposed port: the GCS and the Jobs API (which runs any
+    code it is sent) must stay on the cluster's private network."""
+    assert {"6379", "8265", "5000"} == SERVICE_PORTS
+    assert not [i for i in dockerfile_instructions() if i.name == "EXPOSE"]
 
 
 def test_healthcheck_asks_podagent_about_this_pod():
@@ -234,6 +238,14 @@ def test_template_has_only_fields_runpod_accepts(template):
         assert isinstance(template[key], int) and template[key] > 0
 
 
+def test_template_publishes_no_port_of_a_service_without_authentication(template):
+    """RunPod publishes a template's ports to the internet. The GCS and the reward server have
+    no authentication of their own, and the dashboard has one only with a cluster token on Ray
+    2.52 or newer, which the template cannot know of the image: so none is published."""
+    published = {str(p).partition("/")[0] for p in template["ports"]}
+    assert not published & (SERVICE_PORTS | {str(ray_node.DASHBOARD_AGENT_PORT)}), published
+
+
 def test_template_image_is_this_version(template):
     assert template["imageName"].rpartition(":")[2] == podagent.__version__
 
@@ -267,16 +279,6 @@ def test_template_defaults_parse_with_podagents_settings(template):
     # A pod made from it: RunPod adds the pod's own id; HEAD_POD_ID filled in names the head.
     pod = {**given, "RUNPOD_POD_ID": "abc123", "HEAD_POD_ID": "abc123"}
     assert config.build({}, pod).nccl_preset == "runpod-global"
-
-
-def test_template_ports_include_the_ray_and_dashboard_ports(template):
-    ports = set(template["ports"])
-    ray = config.FIELD_BY_ATTR["ray_port"].default
-    dashboard = config.FIELD_BY_ATTR["dashboard_port"].default
-    assert f"{ray}/tcp" in ports
-    assert f"{dashboard}/http" in ports
-    for port in ports:
-        assert re.fullmatch(r"\d{1,5}/(tcp|http)", port), port
 
 
 def test_template_volume_matches_the_images_defaults(template):

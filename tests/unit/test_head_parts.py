@@ -15,7 +15,7 @@ import pytest
 
 from podagent import config, runstate
 from podagent.cluster import census as census_mod
-from podagent.cluster import job_spec
+from podagent.cluster import exposure, job_spec
 from podagent.cluster.census import RECOUNT_EVERY, WorkerCensus
 from podagent.cluster.head import restart_reason
 from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
@@ -347,3 +347,20 @@ def test_own_ray_silent_at_teardown_only_when_started_and_not_answering():
     assert json.loads(runstate.closing("Interrupted", "STOPPED")) == {
         "state": "closing", "outcome": "Interrupted", "job_status": "STOPPED",
         "after_run": "exit"}
+
+
+def test_a_published_port_of_the_head_is_said_loudly_unless_the_token_guards_it():
+    """RunPod sets RUNPOD_TCP_PORT_<port> for each TCP port its template publishes."""
+    out = io.StringIO()
+    env = {"RUNPOD_TCP_PORT_6379": "40123", "RUNPOD_TCP_PORT_5000": "40124"}
+    exposure.warn(config.build({}, env), "10.0.0.2", Reporter("head", "p", None, stream=out))
+    text = out.getvalue()
+    assert "PORT 6379 (RAY'S GCS) IS PUBLISHED TO THE INTERNET (RUNPOD_TCP_PORT_6379=40123)" \
+        in text
+    assert "PORT 5000 (THE REWARD SERVER) IS PUBLISHED" in text
+    out = io.StringIO()
+    exposure.warn(config.build({}, {**env, "PODAGENT_TOKEN": "t" * 32}), "10.0.0.2",
+                  Reporter("head", "p", None, stream=out))
+    assert "port 6379 (Ray's GCS) is published to the internet" in out.getvalue()
+    assert "the cluster token guards it" in out.getvalue()
+    assert "PORT 5000 (THE REWARD SERVER) IS PUBLISHED" in out.getvalue()  # no token there
