@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from podagent import pod, process
+from podagent import config, pod, process
 from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.roles import Role
@@ -123,7 +123,7 @@ class RayNode:
         """Run `ray start` to its end. `watch(seconds so far)` is called every WATCH_EVERY
         while it runs; whatever it raises stops the attempt at once (the caller then stops
         what Ray had started) and is raised again."""
-        env = {**os.environ, **self.plan.env_overrides}
+        env = {**config.child_environ(os.environ), **self.plan.env_overrides}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with open(self.log_path, "ab") as log:

@@ -19,7 +19,7 @@ import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent import pod, process
-from podagent.config import Settings
+from podagent.config import CLUSTER_TOKEN, Settings, child_environ, is_secret
 from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
@@ -71,7 +71,11 @@ class RewardServer:
             "--host", self.listen_host, "--port", str(settings.reward_port))
         # The scoring settings go by name too, so that a flag given to the head reaches the
         # server (a custom PODAGENT_REWARD=cmd server may read them as well).
-        env = {**os.environ, **env, "PODAGENT_REWARD_HOST": self.listen_host,
+        # Built-in: no secret at all (it runs sympy on model output); a server of the user's
+        # own may need theirs (a model hub's token, a judge's key), never the cluster token.
+        drop = is_secret if settings.reward == "builtin" else CLUSTER_TOKEN.__contains__
+        env = {**child_environ(os.environ, drop), **env,
+               "PODAGENT_REWARD_HOST": self.listen_host,
                "PODAGENT_REWARD_PORT": str(settings.reward_port),
                "PODAGENT_REWARD_SCORING": settings.reward_scoring,
                "PODAGENT_REWARD_TEMPLATE": settings.reward_template,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import secrets
 import signal
 import sys
+from typing import Any
 
+import psutil
 import pytest
 import requests
 
@@ -14,20 +16,41 @@ from podagent.gcs import GcsAuthRefused, GcsClient
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 
 LONG_JOB = "import time\nprint('started', flush=True)\ntime.sleep(600)\n"
+RUNPOD_KEY = "rpa_" + "K" * 40
+WANDB_KEY = "w" * 40
+SECRETS = ("RUNPOD_API_KEY", "WANDB_API_KEY", "PODAGENT_TOKEN", "RAY_AUTH_TOKEN")
+
+
+def _environments(run: PodagentRun, job_script: str) -> dict[str, dict[str, str]]:
+    """The secrets each child of podagent has: by role (raylet, gcs_server, dashboard, reward
+    server, job, W&B's service, ...), every process of the run."""
+    found: dict[str, dict[str, str]] = {}
+    for proc in run.processes():
+        try:
+            cmdline, name, environ = " ".join(proc.cmdline()), proc.name(), proc.environ()
+        except psutil.Error:
+            continue
+        role = ("reward server" if "podagent.rewards" in cmdline else
+                "job" if job_script in cmdline else
+                "dashboard" if "dashboard/dashboard.py" in cmdline else name)
+        found[f"{role} {proc.pid}"] = {k: v for k, v in environ.items() if k in SECRETS}
+    return found
 
 
 @pytest.fixture(scope="module")
-def guarded(podagent_runs: Runs) -> tuple[PodagentRun, dict[str, int]]:
+def guarded(podagent_runs: Runs) -> tuple[PodagentRun, dict[str, Any]]:
     run = podagent_runs.new("auth")
     token = secrets.token_hex(32)
     script = run.scratch / "long_job.py"
     script.write_text(LONG_JOB)
-    seen: dict[str, int] = {}
+    seen: dict[str, Any] = {}
     with run.running(["head", "--", sys.executable, str(script)],
                      env={"PODAGENT_TOKEN": token, "PODAGENT_NODE_IP": "127.0.0.1",
-                          "PODAGENT_REWARD": "none"}):
+                          "RUNPOD_API_KEY": RUNPOD_KEY, "WANDB_API_KEY": WANDB_KEY,
+                          "WANDB_MODE": "offline"}):
         wait_for(lambda: run.read("job.log"), lambda log: "started" in log, timeout=180,
                  what="the job's 'started' line (podagent's own clients carry the token)")
+        seen["environ"] = _environments(run, str(script))
         url = f"http://127.0.0.1:{run.dashboard_port}/api/jobs/"
         seen["jobs_without_token"] = requests.get(url, timeout=10).status_code
         seen["jobs_with_wrong_token"] = requests.get(
@@ -69,3 +92,19 @@ def test_token_never_shows_and_no_open_dashboard_warning(guarded) -> None:
     assert seen["token_leaks"] == 0
     assert "NO CLUSTER TOKEN" not in run.stdout
     assert run.leftovers == []
+
+
+def test_each_child_gets_only_the_secrets_it_needs(guarded) -> None:
+    """RUNPOD_API_KEY is podagent's alone: no child has it (Ray, the job, W&B's service, the
+    reward server). The built-in reward server, which runs sympy on untrusted model output,
+    gets no secret at all. The job keeps what it needs: the W&B key and the cluster token."""
+    _, seen = guarded
+    environ = seen["environ"]
+    roles = {name.rsplit(" ", 1)[0] for name in environ}
+    assert {"raylet", "gcs_server", "dashboard", "reward server", "job"} <= roles, roles
+    assert not [name for name, env in environ.items() if "RUNPOD_API_KEY" in env], environ
+    for name, env in environ.items():
+        if name.startswith("reward server"):
+            assert env == {}, (name, sorted(env))
+        if name.startswith("job"):
+            assert env.get("WANDB_API_KEY") == WANDB_KEY and env.get("RAY_AUTH_TOKEN"), name
