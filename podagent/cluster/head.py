@@ -148,6 +148,7 @@ class Head(Lifecycle[HeadState]):
 
     def _prepare(self) -> HeadState:
         self.setup = node.prepare(self.s, Role.HEAD, self.reporter)
+        node.raise_limits(self.s, Role.HEAD, self.reporter)
         self.ray = HeadRay(self.s, self.setup, self.reporter, self.signals,
                            self.ledger.current_submission_id())
         self.census = WorkerCensus(self.ray.nodes, self.reporter, self.ray.registered)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from podagent import nccl, pod, process
+from podagent import limits, nccl, pod, process
 from podagent.cluster import ray_node
 from podagent.config import Settings
 from podagent.report import Reporter
@@ -51,3 +51,15 @@ def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
     how = f", {killed} needed SIGKILL" if killed else ""
     reporter.say(f"stopped a stale Ray on this pod ({termed + killed} processes{how})")
     reporter.event("stale_ray_stopped", processes=termed + killed, killed=killed)
+
+
+def raise_limits(settings: Settings, role: Role, reporter: Reporter) -> None:
+    """Before Ray starts: the soft limits up to the hard ones (Ray inherits them), and a
+    warning where even the hard one is short for the cluster (a run, never a dry run)."""
+    nodes = settings.expected_workers + 1 if role is Role.HEAD else 1
+    raised, warnings = limits.raise_to_hard(nodes)
+    if raised:
+        reporter.say(f"raised this pod's limits to the hard ones for Ray: {', '.join(raised)}")
+    for warning in warnings:
+        reporter.warn(warning)
+    reporter.event("limits", raised=raised, warnings=warnings)

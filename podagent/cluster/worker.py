@@ -96,6 +96,7 @@ class Worker(Lifecycle[WorkerState]):
     def _prepare(self) -> WorkerState:
         assert self.head
         self.setup = node.prepare(self.s, Role.WORKER, self.reporter, head_ip=self.head.ip)
+        node.raise_limits(self.s, Role.WORKER, self.reporter)
         return WorkerState.CLEANING
 
     def _clean(self) -> WorkerState:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -136,6 +137,12 @@ def kill_processes_under(temp_dir: str) -> list[str]:
     return killed
 
 
+def _lower(soft_limits: Mapping[int, int]) -> None:
+    for which, soft in soft_limits.items():
+        hard = resource.getrlimit(which)[1]
+        resource.setrlimit(which, (min(soft, hard), hard))
+
+
 class PodagentRun:
     """One podagent invocation: its settings, its output files and what it left behind."""
 
@@ -167,8 +174,11 @@ class PodagentRun:
     # --- running ----------------------------------------------------------------------------
 
     def start(self, args: Sequence[str], env: Mapping[str, str] | None = None,
-              stdout: int | None = None) -> None:
-        """`stdout`: a file descriptor instead of stdout.txt (a pipe the test holds)."""
+              stdout: int | None = None,
+              soft_limits: Mapping[int, int] | None = None) -> None:
+        """`stdout`: a file descriptor instead of stdout.txt (a pipe the test holds);
+        `soft_limits`: resource -> soft limit podagent starts with (as a container runtime's
+        defaults may set them below the hard limits)."""
         assert self.proc is None, "one process per PodagentRun"
         self.env.update(env or {})
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -179,6 +189,7 @@ class PodagentRun:
                 [sys.executable, "-m", "podagent", *args], env=self.env, cwd=self.scratch,
                 stdin=subprocess.DEVNULL, stdout=out if stdout is None else stdout, stderr=err,
                 start_new_session=True,
+                preexec_fn=(lambda: _lower(soft_limits)) if soft_limits else None,
             )
 
     def wait(self, timeout: float = RUN_TIMEOUT) -> int:
@@ -214,10 +225,11 @@ class PodagentRun:
 
     @contextlib.contextmanager
     def running(self, args: Sequence[str], env: Mapping[str, str] | None = None,
-                stdout: int | None = None) -> Iterator[PodagentRun]:
+                stdout: int | None = None, soft_limits: Mapping[int, int] | None = None
+                ) -> Iterator[PodagentRun]:
         """Start podagent; whatever happens inside, finish() runs at the end."""
         try:
-            self.start(args, env, stdout)
+            self.start(args, env, stdout, soft_limits)
             yield self
         finally:
             self.finish()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import resource
 import shlex
 import signal
 import subprocess
@@ -34,6 +35,8 @@ time.sleep(600)
 """
 
 JOB_VARIABLES = ("RAY_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_LAUNCH_MODE")
+# A container runtime's defaults: soft limits far below the hard ones.
+LOW_SOFT_LIMITS = {resource.RLIMIT_NOFILE: 1024, resource.RLIMIT_NPROC: 4096}
 EXIT_WITHIN = 30.0  # seconds from SIGTERM to podagent's exit
 
 
@@ -44,6 +47,7 @@ class Seen:
     cmdline: dict[str, list[str]] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)
     exit_after: float | None = None  # seconds from SIGTERM to exit
+    limits: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
 
 def _daemons(run: PodagentRun) -> dict[str, psutil.Process]:
@@ -80,13 +84,15 @@ def stopped(podagent_runs: Runs) -> tuple[PodagentRun, Seen]:
     run = podagent_runs.new("sigterm")
     seen = Seen()
     with run.running(["head", "--", *_long_job(run, *JOB_VARIABLES)],
-                     env={"DEBUG_RAY": "1", "PODAGENT_NCCL_PRESET": "runpod-global"}):
+                     env={"DEBUG_RAY": "1", "PODAGENT_NCCL_PRESET": "runpod-global"},
+                     soft_limits=LOW_SOFT_LIMITS):
         _await_started(run)
         daemons = wait_for(lambda: _daemons(run), lambda d: len(d) == 2, timeout=10,
                            what="gcs_server and raylet under the run's temp dir")
         for name, proc in daemons.items():
             seen.environ[name] = proc.environ()
             seen.cmdline[name] = proc.cmdline()
+            seen.limits[name] = {which: proc.rlimit(which) for which in LOW_SOFT_LIMITS}
         seen.names = sorted({_name(p) for p in run.processes()})
         assert run.proc is not None
         run.proc.send_signal(signal.SIGTERM)
@@ -114,6 +120,16 @@ def test_sigterm_leaves_no_process_behind(stopped: tuple[PodagentRun, Seen]) -> 
     run, seen = stopped
     assert "raylet" in seen.names and "gcs_server" in seen.names, seen.names
     assert run.leftovers == []
+
+
+def test_rays_daemons_start_with_the_soft_limits_raised_to_the_hard_ones(
+        stopped: tuple[PodagentRun, Seen]) -> None:
+    run, seen = stopped
+    for name in ("gcs_server", "raylet"):
+        for which, (soft, hard) in seen.limits[name].items():
+            assert soft == hard, (name, which, soft, hard)
+    assert "raised this pod's limits to the hard ones for Ray: open files 1,024 -> " \
+        in run.stdout, run.stdout
 
 
 def test_debug_ray_reaches_rays_daemons_and_the_job(stopped: tuple[PodagentRun, Seen]) -> None:

@@ -10,10 +10,11 @@ import pathlib
 import re
 import socket
 import subprocess
+import sys
 
 import pytest
 
-from podagent import config, pod
+from podagent import config, limits, pod
 from podagent.cluster import ray_node
 from podagent.errors import ConfigError, PortInUse
 from podagent.roles import Role
@@ -293,3 +294,36 @@ def test_listen_private_refuses_a_public_address_naming_it_and_how_it_was_chosen
     assert "203.0.113.5 (first non-loopback address (eth0)) is not one" in str(refused.value)
     pod.require_private(settings, "10.0.0.2", "address of podnet1")  # private: fine
     pod.require_private(config.build({}, {"PODAGENT_LISTEN": "all"}), "203.0.113.5", "")
+
+
+LIMITS_PROBE = """
+import resource, sys
+from podagent import limits
+nofile_hard = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, nofile_hard))
+raised, warnings = limits.raise_to_hard(int(sys.argv[2]))
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+print(raised)
+print(warnings)
+"""
+
+
+def _limits_probe(nofile_hard: int, nodes: int) -> list[str]:
+    # In a child: a process cannot raise its hard limit again once it lowered it.
+    out = subprocess.run([sys.executable, "-c", LIMITS_PROBE, str(nofile_hard), str(nodes)],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return out.splitlines()
+
+
+def test_soft_limits_are_raised_to_the_hard_ones_and_said():
+    soft, raised, warnings = _limits_probe(8192, 4)
+    assert soft == "8192"
+    assert "open files 256 -> 8,192" in raised
+    assert "open files" not in warnings  # 8,192 covers 4 nodes
+
+
+def test_a_hard_limit_short_for_the_cluster_is_warned_with_the_number_needed():
+    needed = limits.OPEN_FILES_BASE + limits.OPEN_FILES_PER_NODE * 1000
+    _, _, warnings = _limits_probe(4096, 1000)
+    assert (f"the open files limit of this pod is 4,096 (hard), and a cluster of 1000 node(s) "
+            f"needs about {needed:,} here") in warnings
