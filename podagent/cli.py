@@ -34,7 +34,8 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                    "(every pod must run the same image)"),
     (errors.JobFailed, 3, "the job failed"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
-    (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time"),
+    (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time (with "
+                               "`podagent torchrun`, the workers that came exit so too)"),
     (errors.HeadUnreachable, 6, "worker: the head could not be found or joined in time"),
     (errors.HeadLost, 7, "worker: the head went away for longer than the grace period"),
     (errors.RayStartError, 8, "Ray failed to start or became unhealthy"),
@@ -565,7 +566,9 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
 
     The head's address comes from the same discovery as the Ray path, --nnodes from the expected
     workers, --nproc-per-node from the GPUs, and torch's c10d rendezvous at the head gives each
-    node its rank. Options you pass win over podagent's.
+    node its rank. torchrun starts once every node came: the head waits up to
+    PODAGENT_WORKER_TIMEOUT for its workers, a worker up to PODAGENT_HEAD_TIMEOUT for the head.
+    Options you pass win over podagent's.
     """
     from podagent import discovery
     from podagent.cluster import node
@@ -583,17 +586,20 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
         decision = detect_role(settings)
     except (errors.ConfigError, errors.RoleConflict) as exc:
         _fail(str(exc), exit_code(exc))
-    reporter = Reporter(decision.role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(settings), log_format=settings.log_format,
-                        quiet=settings.quiet)
+    name = settings.pod_id or socket.gethostname()
+    reporter = Reporter(decision.role.value, name, None, secrets=_secret_values(settings),
+                        log_format=settings.log_format, quiet=settings.quiet)
     reporter.say(f"podagent {__version__} torchrun: this pod is the {decision.role.value} "
                  f"({decision.reason})")
+    signals = Signals()
+    finder = None
     try:
         if decision.role is Role.HEAD:
             setup = node.prepare(settings, Role.HEAD, reporter)
             head_ip = setup.node_ip
         else:
-            where = discovery.HeadFinder(settings, reporter, Signals()).locate()
+            finder = discovery.HeadFinder(settings, reporter, signals)
+            where = finder.locate()
             reporter.say(f"head found at {where.ip} ({where.how})")
             setup = node.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
             head_ip = where.ip
@@ -603,9 +609,21 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
                              setup.nccl.variables, torchrun_args)
     reporter.say(f"rendezvous {plan.rdzv_id} at {head_ip}:{settings.rendezvous_port}, "
                  f"{settings.expected_workers + 1} node(s) x {setup.gpus or 1} process(es)")
-    reporter.say(f"{'would run' if _dry(ctx, dry_run) else 'exec'}: {shlex.join(plan.argv)}")
     if _dry(ctx, dry_run):
+        reporter.say(f"would run: {shlex.join(plan.argv)}")
         sys.exit(EXIT_OK)
+    rendezvous = torchrun_mod.Rendezvous(plan.rdzv_id, head_ip, settings.rendezvous_port,
+                                         settings.expected_workers)
+    me = torchrun_mod.Peer(setup.node_ip, name)
+    try:
+        if finder is not None:
+            torchrun_mod.join_head(rendezvous, me, finder.deadline, settings.head_timeout,
+                                   reporter, signals.sleep)
+        elif rendezvous.workers:
+            torchrun_mod.gather_workers(rendezvous, me, settings.worker_timeout, reporter)
+    except errors.PodagentError as exc:
+        _fail(str(exc), exit_code(exc))
+    reporter.say(f"exec: {shlex.join(plan.argv)}")
     torchrun_mod.execute(plan)
 
 

@@ -347,7 +347,7 @@ def test_torchrun_dry_run_works_out_ranks_without_node_rank(tmp_path):
     assert result.returncode == 0, result.stderr
     (line,) = [x for x in result.stdout.splitlines() if "would run:" in x]
     assert ("--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "
-            "127.0.0.1:29500 --rdzv-id podagent-podh --rdzv-conf is_host=1 "
+            "127.0.0.1:29500 --rdzv-id podagent-podh --rdzv-conf is_host=1,join_timeout=600 "
             "--local-addr 127.0.0.1 --max-restarts 2 train.py --lr 3") in line
     assert "NODE_RANK" not in result.stdout
 
