@@ -684,15 +684,15 @@ TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"  # Ray's own: a file that holds the 
 # the pod); Ray and the job keep every other one (the job's W&B key, the cluster token Ray
 # needs); a reward server never talks to Ray, so never gets the cluster token, and the built-in
 # one, which runs sympy on model output, gets no secret at all.
-PODAGENT_ONLY = (RUNPOD_API_KEY,)
+ONLY_PODAGENTS = (RUNPOD_API_KEY,)
 CLUSTER_TOKEN = (*TOKEN_VARIABLES, TOKEN_PATH_VARIABLE)
 
 
 def child_environ(environ: Mapping[str, str], also_drop: Callable[[str], bool] = lambda _: False
                   ) -> dict[str, str]:
-    """The environment a child of podagent starts with: never PODAGENT_ONLY's secrets, nor
+    """The environment a child of podagent starts with: never ONLY_PODAGENTS's secrets, nor
     the variables `also_drop` names."""
-    return {k: v for k, v in environ.items() if k not in PODAGENT_ONLY and not also_drop(k)}
+    return {k: v for k, v in environ.items() if k not in ONLY_PODAGENTS and not also_drop(k)}
 TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
 
 

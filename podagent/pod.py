@@ -17,6 +17,7 @@ from podagent.config import Settings
 from podagent.errors import ConfigError
 
 ALL_INTERFACES = "0.0.0.0"
+LOOPBACK = "127.0.0.1"
 
 
 def detect_gpus(settings: Settings) -> tuple[int, str]:
@@ -59,11 +60,15 @@ def choose_node_ip(settings: Settings, head_ip: str | None,
         with contextlib.suppress(OSError):
             name, source = nccl.route_to(head_ip, ifaces)
             return source, f"source address of the route to the head via {name or '?'}"
+    elif settings.expected_workers == 0 and not settings.instant_cluster:
+        # The head of a one-node cluster: nobody else needs to reach its Ray, dashboard or
+        # reward server, and this machine's first address may be a public one.
+        return LOOPBACK, "loopback: a one-node cluster (no workers expected)"
     for name, addrs in sorted(ifaces.items()):
         for addr in addrs:
             if not addr.startswith("127."):
                 return addr, f"first non-loopback address ({name})"
-    return "127.0.0.1", "no other address on this pod"
+    return LOOPBACK, "no other address on this pod"
 
 
 # Addresses no one outside the pod's own networks reaches: RFC 1918, carrier-grade NAT

@@ -33,7 +33,7 @@ from typing import BinaryIO
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent import process
-from podagent.config import Settings
+from podagent.config import Settings, child_environ
 from podagent.errors import HeadUnreachable, PortInUse, WorkersTimeout
 from podagent.report import Progress, Reporter
 from podagent.roles import Role
@@ -100,7 +100,7 @@ def plan(settings: Settings, role: Role, node_ip: str, head_ip: str, gpus: int,
 
 def execute(torchrun_plan: TorchrunPlan) -> None:
     """Become torchrun (never returns)."""
-    env = {**os.environ, **torchrun_plan.env_overrides}
+    env = {**child_environ(os.environ), **torchrun_plan.env_overrides}  # not RunPod's key
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(torchrun_plan.argv[0], list(torchrun_plan.argv), env)

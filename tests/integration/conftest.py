@@ -160,10 +160,6 @@ class PodagentRun:
             PODAGENT_RAY_PORT=str(self.ray_port),
             PODAGENT_DASHBOARD_PORT=str(self.dashboard_port),
             PODAGENT_REWARD_PORT=str(self.reward_port),
-            # This machine's own address may be a public one (a plain VM): a head whose
-            # dashboard listens privately (the default) refuses that, so the runs use
-            # loopback unless a test sets the address otherwise.
-            PODAGENT_NODE_IP="127.0.0.1",
         )
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None

@@ -144,7 +144,6 @@ def with_env(podagent_runs: Runs) -> tuple[PodagentRun, str]:
         "PODAGENT_JOB": job,
         "PODAGENT_NCCL_PRESET": "runpod-global",
         "NCCL_SOCKET_IFNAME": "lo",  # the user's own value: must win over the preset's podnet1
-        "PODAGENT_NODE_IP": "",  # unset: the address comes from the user's interface
         "WANDB_API_KEY": secret,
         "WANDB_PROJECT": "demo",
         "WANDB_MODE": "offline",  # no internet here; the bring-up run is logged offline

@@ -219,6 +219,7 @@ def test_detect_gpus_stops_at_an_invalid_index(fake_dev):
 # --- choose_node_ip -----------------------------------------------------------------------------
 
 IFACES = {"lo": ["127.0.0.1"], "eth0": ["172.17.0.2"], "podnet1": ["10.0.0.5"]}
+TWO = {"EXPECTED_WORKERS": "1"}  # a head that waits for a worker: others must reach it
 
 # (environment, head ip, interfaces, NCCL_SOCKET_IFNAME, address, words of the reason)
 NODE_IPS = [
@@ -228,16 +229,19 @@ NODE_IPS = [
     ({}, "127.0.0.1", IFACES, "podnet1", "10.0.0.5", ["podnet1", "NCCL_SOCKET_IFNAME"]),
     ({}, None, {"lo": ["127.0.0.1"], "ens1": [], "ens2": ["10.1.0.2"]}, "ens", "10.1.0.2",
      ["ens2", "NCCL_SOCKET_IFNAME"]),
-    ({}, None, {"lo": ["127.0.0.1"], "eth1": ["192.168.1.2"], "eth0": ["172.17.0.2"]}, "^docker",
-     "172.17.0.2", ["first non-loopback", "eth0"]),
+    (TWO, None, {"lo": ["127.0.0.1"], "eth1": ["192.168.1.2"], "eth0": ["172.17.0.2"]},
+     "^docker", "172.17.0.2", ["first non-loopback", "eth0"]),
     ({}, "127.0.0.1", {"lo": ["127.0.0.1"], "eth0": ["172.17.0.2"]}, "podnet1", "127.0.0.1",
      ["route to the head", "lo"]),
     ({}, "127.0.0.1", {"lo": ["127.0.0.1"], "eth0": ["172.17.0.2"]}, None, "127.0.0.1",
      ["route to the head", "lo"]),
-    ({}, None, {"lo": ["127.0.0.1"], "eth1": ["192.168.1.2"], "eth0": ["172.17.0.2"]}, None,
+    (TWO, None, {"lo": ["127.0.0.1"], "eth1": ["192.168.1.2"], "eth0": ["172.17.0.2"]}, None,
      "172.17.0.2", ["first non-loopback address (eth0)"]),
-    ({}, None, {"lo": ["127.0.0.1"]}, None, "127.0.0.1", ["no other address"]),
-    ({}, None, {}, None, "127.0.0.1", ["no other address"]),
+    (TWO, None, {"lo": ["127.0.0.1"]}, None, "127.0.0.1", ["no other address"]),
+    (TWO, None, {}, None, "127.0.0.1", ["no other address"]),
+    # The head of a one-node cluster: nothing else needs to reach it, whatever this machine has.
+    ({}, None, {"lo": ["127.0.0.1"], "eth0": ["203.0.113.5"]}, None, "127.0.0.1",
+     ["loopback: a one-node cluster"]),
 ]
 
 
