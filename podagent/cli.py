@@ -524,7 +524,8 @@ def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None
 @click.pass_context
 def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     """From any pod: stop the job and bring the whole cluster down in order (workers leave,
-    then the head); every podagent exits 0."""
+    then the head). The run is over: every podagent then exits 0, stays up idle or stops its
+    pod, as PODAGENT_AFTER_RUN says."""
     settings, role, reporter = _asking(ctx, flags)
     _ray()
     from podagent.control import stop as stop_mod

@@ -57,6 +57,9 @@ def job_status(settings: Settings, submission_id: str, dashboard_url: str,
             raise _NoAnswer(str(exc)) from None
         if reply.status_code == 404:
             return "no such job"
+        if reply.status_code >= 500:  # busy, not an answer: the job may well be running
+            last["answer"] = f"the Jobs API answered HTTP {reply.status_code}"
+            raise _NoAnswer(last["answer"])
         if reply.status_code >= 400:
             return f"the Jobs API answered HTTP {reply.status_code}"
         try:
@@ -65,7 +68,8 @@ def job_status(settings: Settings, submission_id: str, dashboard_url: str,
             return "the Jobs API's answer has no status"
 
     try:
-        # A dashboard busy for a moment must not get its job killed: retry a little.
+        # A dashboard busy for a moment (no answer, or a 5xx) must not get its job killed:
+        # ask again for a while.
         return Retrying(stop=stop_after_delay(REATTACH_PROBE_TIMEOUT),
                         wait=wait_exponential(multiplier=0.2, max=2.0),
                         retry=retry_if_exception_type(_NoAnswer), sleep=signals.sleep,

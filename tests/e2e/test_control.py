@@ -4,6 +4,7 @@ three-pod cluster."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 from tests.e2e.test_cluster import FORM_TIMEOUT, LONG_JOB
@@ -12,8 +13,11 @@ from tests.harness.pods import wait_for
 
 
 def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agents):
+    """... and after the stop, every podagent does what PODAGENT_AFTER_RUN says: here `stay`
+    (RunPod's default), so each stays up idle, with no Ray left, until its pod is stopped."""
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
-                                 head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB})
+                                 head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
+                                           "PODAGENT_AFTER_RUN": "stay"})
     for a in (head, *workers):
         a.start()
     head.wait_output("training", timeout=FORM_TIMEOUT)
@@ -55,11 +59,18 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     stopped = ask("stop", timeout=180)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert "the cluster is down" in stopped.stderr
-    codes = [a.wait_exit(60) for a in (head, *workers)]
-    assert codes == [0, 0, 0], "\n\n".join(a.output[-2000:] for a in (head, *workers))
+    for a in (head, *workers):  # the head's announcement carried its policy to the workers
+        a.wait_output("staying up (PODAGENT_AFTER_RUN=stay)", timeout=60)
+        assert a.proc is not None and a.pod.pids() == [a.proc.pid], (
+            f"{a.pod.name}: {a.pod.pids()}")  # podagent alone: no Ray, no job
     assert f"stop requested by {asker.pod.pod_id}" in head.output
-    for a in (head, *workers):
-        assert a.pod.pids() == [], f"{a.pod.name} left processes behind"
     # Nothing answers any more: status says so in one line, with the documented exit code.
     after = ask("status")
     assert after.returncode == 6 and after.stderr.count("\n") == 1, after.stderr
+    for a in (head, *workers):  # the pod is stopped: SIGTERM, and the run's own code
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGTERM)
+    codes = [a.wait_exit(60) for a in (head, *workers)]
+    assert codes == [0, 0, 0], "\n\n".join(a.output[-2000:] for a in (head, *workers))
+    for a in (head, *workers):
+        assert a.pod.pids() == [], f"{a.pod.name} left processes behind"

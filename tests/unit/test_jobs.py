@@ -8,7 +8,8 @@ import io
 
 import pytest
 
-from podagent.cluster import jobs
+from podagent import config
+from podagent.cluster import jobs, reattach
 from podagent.cluster.jobs import JobRunner
 from podagent.errors import DashboardSilent, JobSubmitFailed
 from podagent.report import Reporter
@@ -97,3 +98,12 @@ def test_a_dashboard_silent_while_the_job_runs_ends_the_following(tmp_path, monk
         api.trouble = [("GET /api/jobs/r-1", "drop")] * 1000
         with pytest.raises(DashboardSilent, match="has not answered for"):
             runner.follow(Signals(), poll=0.1)
+
+
+def test_a_busy_dashboard_at_reattach_is_asked_again_not_taken_for_no_job(tmp_path):
+    """A restarted head asks its pod's Jobs API whether the run's job still runs: a 503 is a
+    busy dashboard, not "no job" (which would get the running job's Ray cleaned up)."""
+    with FakeJobsApi([("GET /api/jobs/r-1", "503")] * 3) as api:
+        api.jobs["r-1"] = {"submission_id": "r-1", "status": "RUNNING"}
+        status = reattach.job_status(config.build({}, {}), "r-1", api.url, Signals())
+    assert status == "RUNNING"
