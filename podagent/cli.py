@@ -237,6 +237,10 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
         # A second signal: no more patience. Kill everything we started and leave. This runs
         # in the main thread, which may be anywhere (holding the reporter's lock in a stalled
         # write): so the children go first, and the last line takes no lock and cannot block.
+        # Further signals are ignored from here: a handler run again inside this one (while it
+        # waits for the log) would start over, and never reach the exit.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         for proc in process.descendants():
             with contextlib.suppress(psutil.Error):
                 proc.kill()

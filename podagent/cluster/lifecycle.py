@@ -73,6 +73,7 @@ class Lifecycle(Generic[State]):
             outcome = type(exc).__name__
             raise
         finally:
+            self.reporter.event("teardown_started", outcome=outcome)
             self._teardown(outcome)
 
     def _teardown(self, outcome: str) -> None:

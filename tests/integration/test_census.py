@@ -35,8 +35,11 @@ def joined(podagent_runs: Runs) -> tuple[PodagentRun, tuple, tuple]:
     run = podagent_runs.new("census")
     worker_tmp = short_temp_dir()
     try:
+        # A head that waits for a worker listens on its private address: on this machine that
+        # is loopback (its own address may be public, which a head refuses).
         with run.running(["head"], env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
-                                        "PODAGENT_JOB": LONG_JOB}):
+                                        "PODAGENT_JOB": LONG_JOB,
+                                        "PODAGENT_NODE_IP": "127.0.0.1"}):
             wait_for(lambda: run.stdout, lambda out: "waiting for 1 worker(s)" in out, 180,
                      "the head to wait for its worker")
             (head,) = [e for e in run.events() if e["event"] == "ray_head"]

@@ -54,8 +54,11 @@ def test_builtin_server_is_probed_and_the_job_reads_its_url(called: PodagentRun)
     assert "built-in reward server answers a real request at http://" in run.stdout
     (ready,) = run.events_named("reward_ready")
     url = ready["url"]
-    assert not url.startswith(("http://127.", "http://localhost")), url
-    assert url.endswith(f":{run.reward_port}/get_reward")
+    # The head's own address: a one-node cluster's head takes loopback (nobody else calls it);
+    # with workers it is the cluster address (tests/e2e: the reward server listens there).
+    assert url == f"http://127.0.0.1:{run.reward_port}/get_reward", url
+    assert "this pod: 127.0.0.1 (loopback: a one-node cluster (no workers expected))" \
+        in run.stdout
     job_log = run.read("job.log")
     assert f"URL {url}" in job_log
     # The default openrlhf-m profile: accuracy 1 for the boxed right answer, 0 for the wrong

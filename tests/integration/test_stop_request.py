@@ -69,7 +69,9 @@ def test_a_stop_request_stops_the_job_and_exits_0(stopped_while_running: Podagen
 
 def test_a_stop_request_ends_the_wait_for_workers(podagent_runs: Runs) -> None:
     run = podagent_runs.new("stopwait")
-    with run.running(["head"], env={"EXPECTED_WORKERS": "2", "PODAGENT_REWARD": "none"}):
+    # Loopback: this machine's own address may be public, which a head of workers refuses.
+    with run.running(["head"], env={"EXPECTED_WORKERS": "2", "PODAGENT_REWARD": "none",
+                                    "PODAGENT_NODE_IP": "127.0.0.1"}):
         _await_output(run, lambda: run.stdout, "waiting for 2 worker(s)")
         _request_stop(run, "pod-b")
         run.wait(timeout=60)
