@@ -6,16 +6,22 @@ key-value store (namespace `podagent` in the head's GCS): no extra port, no extr
   run is over, `rejoin` when only this start of it is and the head will be back). Workers read
   it once a second.
 * `stop_request`: `podagent stop` asks the head to end the run in order (JSON: by, at).
+* `head_start`: which start of the head's Ray this is (a random id the head writes once its
+  GCS answers). A head pod restarted at its old address answers again at once, but with a new
+  Ray that knows nothing of the workers that had joined: they notice the id changed (or gone)
+  and join again.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
 KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"
 KV_STOP_REQUEST = "stop_request"
+KV_HEAD_START = "head_start"
 
 
 REJOIN = "rejoin"
@@ -36,6 +42,11 @@ def read_state(raw: bytes | None) -> dict[str, Any]:
     except ValueError:
         return {"state": "unreadable"}
     return state if isinstance(state, dict) else {"state": "unreadable"}
+
+
+def head_start() -> bytes:
+    """A new id for this start of the head's Ray, as stored."""
+    return secrets.token_hex(8).encode()
 
 
 def stop_request(by: str, at: float) -> bytes:

@@ -175,6 +175,7 @@ class Head(Lifecycle[HeadState]):
             ports.append((listen, self.s.reward_port))
         for address, port in ports:
             ray_node.check_port_free(address, port)
+        ray_node.forget_last_cluster(self.s)
         return HeadState.STARTING_RAY
 
     def _start_ray(self) -> HeadState:

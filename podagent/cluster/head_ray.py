@@ -79,8 +79,21 @@ class HeadRay:
             self._ray_start()
             self.gcs = GcsClient(self.address, metadata=self.s.grpc_metadata())
             self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
+            self._mark_start()
             step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
         self._connect_jobs_api_in_background()
+
+    def _mark_start(self) -> None:
+        """This start's id, for the workers to tell this Ray from an earlier one at the same
+        address (runstate.KV_HEAD_START); a worker that joins before it is written takes the
+        first id it sees."""
+        assert self.gcs
+        try:
+            self.gcs.kv_put(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+                            runstate.head_start(), timeout=ANNOUNCE_TIMEOUT * 5)
+        except GcsUnavailable as exc:
+            raise RayStartError(f"this pod's Ray GCS did not take the head's start id: {exc}"
+                                ) from None
 
     def adopt(self, gcs: GcsClient) -> None:
         """Take over the Ray an earlier podagent of this run left running."""

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -90,6 +91,23 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
         env["RAY_DEBUG"] = "legacy"
         argv.append("--ray-debugger-external")
     return RayPlan(tuple(argv), env)
+
+
+# Where `ray start` records the GCS address of the last cluster it started on this machine
+# (in Ray's temp dir; Ray reads it back as its "bootstrap address").
+RAY_ADDRESS_FILE = "ray_current_cluster"
+
+
+def forget_last_cluster(settings: Settings) -> None:
+    """`ray start --head` refuses to start ("already running at ...") when that record names
+    the address it is about to take and any process it can see mentions that GCS address: a
+    worker of the same run that has not left yet where pods share one process table, with Ray's
+    temp dir kept across a restart of the head. The head has checked that its ports are free
+    itself (check_port_free), so the record of an earlier start only stands in its way."""
+    temp = settings.ray_temp_dir or os.path.join(
+        os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray")
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(temp, RAY_ADDRESS_FILE))
 
 
 def check_port_free(address: str, port: int) -> None:

@@ -56,6 +56,9 @@ class Worker(Lifecycle[WorkerState]):
         self.gcs: GcsClient | None = None
         self.setup: node.NodeSetup | None = None
         self.after_run: str | None = None  # what the head's closing announcement asked for
+        # The head's start this pod joined (runstate.KV_HEAD_START): another one at the same
+        # address is a new Ray, which knows nothing of this pod's.
+        self._head_start: bytes | None = None
         self._silent_since: float | None = None
         self._join_progress = 0.0
 
@@ -73,6 +76,7 @@ class Worker(Lifecycle[WorkerState]):
             self.gcs.close()
             self.gcs = None
             self.finder = HeadFinder(self.s, self.reporter, self.signals)
+        self._head_start = None
         with self.reporter.step("head_found") as step:
             found = self.finder.locate()
             self.reporter.say(f"head is {', '.join(found.candidates)} (from {found.how}); "
@@ -191,6 +195,8 @@ class Worker(Lifecycle[WorkerState]):
             try:
                 state = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
                                         timeout=WATCH_INTERVAL)
+                start = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+                                        timeout=WATCH_INTERVAL)
             except GcsUnavailable as exc:
                 last_error = str(exc)
                 gone = time.monotonic() - last_ok
@@ -204,6 +210,12 @@ class Worker(Lifecycle[WorkerState]):
                                   f"{time.monotonic() - last_ok:.1f} s")
                 last_error = ""
             last_ok = time.monotonic()
+            if self._head_start is None:
+                self._head_start = start  # the first id seen (none yet if the head is new)
+            elif start != self._head_start:
+                return self._rejoin(f"the head {self.head.ip} answers with a new Ray (its pod "
+                                    f"was started again): this pod's Ray belongs to the "
+                                    f"earlier one")
             if state:
                 return self._on_closing(runstate.read_state(state))
             if raylet is None or not ray_node.RayNode.running(raylet):
