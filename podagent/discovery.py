@@ -12,7 +12,7 @@ import dns.exception
 import dns.resolver
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import ray_compat
+from podagent import ray_compat, runstate
 from podagent.config import Settings
 from podagent.errors import AuthRefused, HeadUnreachable
 from podagent.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
@@ -202,6 +202,10 @@ class HeadFinder:
                         timeout=GCS_PROBE_TIMEOUT):
                     raise GcsUnavailable("its GCS answers, but the head's own node has not "
                                          "registered yet (Ray is still starting there)")
+                if client.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
+                                 timeout=GCS_PROBE_TIMEOUT):
+                    # Joining it now would end with its Ray in a moment: wait for its next one.
+                    raise GcsUnavailable("its head is closing this start of the run")
             except GcsAuthRefused as exc:
                 which = "a different cluster token" if self.s.auth_token else "no cluster token"
                 raise AuthRefused(

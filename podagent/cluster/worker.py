@@ -87,6 +87,14 @@ class Worker(Lifecycle[WorkerState]):
                       head=self.head.ip, how=self.head.how)
         return WorkerState.PREPARING
 
+    def _read_head_start(self) -> bytes | None:
+        assert self.gcs
+        try:
+            return self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+                                   timeout=WATCH_INTERVAL)
+        except GcsUnavailable:
+            return None  # watched next: the first id seen then
+
     def _check_same_ray(self, head_version: str) -> None:
         """Ray needs one version on every node and in the job: refuse a head of another Ray
         here, in one line, instead of a `ray start` that fails obscurely or a job that breaks."""
@@ -145,6 +153,8 @@ class Worker(Lifecycle[WorkerState]):
                     f"could not join the head's Ray at {self.head.ip}:{self.s.ray_port} in "
                     f"{attempts['n']} attempt(s) within {self.s.head_timeout:g} s; "
                     f"last error: {attempts['last']}") from None
+            # The head's start this pod's Ray joined: another one later is a new Ray.
+            self._head_start = self._read_head_start()
             step.done(f"joined the cluster at {self.head.ip}:{self.s.ray_port} as "
                       f"{self.setup.node_ip} ({self.setup.gpus} GPUs)",
                       node_ip=self.setup.node_ip, gpus=self.setup.gpus, attempts=attempts["n"])
@@ -211,7 +221,7 @@ class Worker(Lifecycle[WorkerState]):
                 last_error = ""
             last_ok = time.monotonic()
             if self._head_start is None:
-                self._head_start = start  # the first id seen (none yet if the head is new)
+                self._head_start = start  # joined before the head wrote it: the first seen
             elif start != self._head_start:
                 return self._rejoin(f"the head {self.head.ip} answers with a new Ray (its pod "
                                     f"was started again): this pod's Ray belongs to the "
