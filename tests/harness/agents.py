@@ -51,6 +51,7 @@ class Agent:
             **env,
         }
         self.argv = (sys.executable, "-m", "podagent", *argv)
+        self.cwd: str | None = None  # where podagent starts (None: this process's own)
         self.proc: subprocess.Popen | None = None
         self._out: BinaryIO | None = None
 
@@ -62,6 +63,7 @@ class Agent:
         again.env = {**self.env, **(env or {})}
         again.ray_tmp = self.ray_tmp
         again.argv = self.argv
+        again.cwd = self.cwd
         again.start_no = self.start_no + 1
         again.out_path = self.out_path.with_name(f"{self.pod.name}.out.{again.start_no}")
         return again
@@ -69,7 +71,7 @@ class Agent:
     def start(self) -> Agent:
         self._out = open(self.out_path, "wb")
         self.proc = self.pod.popen(list(self.argv), env=self.env, stdout=self._out,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, cwd=self.cwd)
         return self
 
     @property

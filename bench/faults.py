@@ -1,0 +1,133 @@
+"""The fault campaign (tests/harness/campaign.py): a head and a worker (network namespaces with a
+real DNS server, the real podagent in each) brought to one state of their lifecycle, one fault
+injected, the run let go to its end, and the invariants checked: (a) every podagent ends (or
+stays, per policy) within the bound, (b) its exit code agrees with the README's table and with
+what it recorded, (c) nothing of the run is left in a pod, (d) never two live jobs of the run,
+(e) checkpoint, logs and ledger intact.
+
+Prints the table fault x state -> the time from the fault to the last podagent's end and the
+verdicts, the worst cell, and the seed; a failing cell runs again exactly with
+`--cells NAME --seed SEED`. Needs root and iproute2 (or pyroute2). Run from the repository root
+with the project's virtual environment:
+
+    python bench/faults.py --cells all [--seed N] [--jobs K] [--podagent DIR] [--out DIR]
+
+--cells: `all` (every fault at every state), `sample` (what CI runs: every fault and every state
+at least once), or cell names as the run prints them (fault[-variant]@state[:target]; what a
+name leaves open, the seed picks). --jobs runs cells side by side (each on a network of its
+own); keep it at 1 on two cores. --podagent runs another checkout's podagent (its directory
+goes first on PYTHONPATH), for a before-and-after comparison with the same harness and seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.harness import campaign
+from tests.harness.benchkit import git_commit, require_root, table
+from tests.harness.pods import cleanup_stale
+
+DEFAULT_SEED = 2126
+
+
+def pick(spec: str, seed: int) -> list[campaign.Cell]:
+    if spec == "all":
+        return campaign.matrix(seed)
+    if spec == "sample":
+        return campaign.sample(seed)
+    try:
+        return [campaign.parse(name.strip(), seed) for name in spec.split(",") if name.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"--cells: {exc}") from None
+
+
+def render(results: list[campaign.CellResult], seed: int, when: str) -> str:
+    """fault x state -> 'seconds verdict' (ok, or the invariants that broke)."""
+    by = {(r.cell.fault, r.cell.state): r for r in results}
+    faults = [f for f in campaign.FAULTS if any(k[0] == f for k in by)]
+    states = [s for s in campaign.STATES if any(k[1] == s for k in by)]
+    rows = []
+    for fault in faults:
+        row = [fault]
+        for state in states:
+            r = by.get((fault, state))
+            if r is None:
+                row.append("")
+                continue
+            end = f"{r.fault_to_end:.0f} s" if r.fault_to_end is not None else "-"
+            if r.error:
+                row.append(f"{end} ERROR")
+            elif r.held:
+                row.append(f"{end} ok")
+            else:
+                broken = "".join(k for k, ok in r.verdicts().items() if not ok)
+                row.append(f"{end} **{broken}**")
+        rows.append(row)
+    held = sum(r.held for r in results)
+    worst = max((r for r in results if r.fault_to_end is not None),
+                key=lambda r: r.fault_to_end or 0, default=None)
+    lines = [table(["fault \\ state", *states], rows), "",
+             f"{held} of {len(results)} cells held every invariant (seed {seed}, {when}, "
+             f"commit {git_commit()})."]
+    if worst:
+        lines.append(f"Worst cell: {worst.cell.name}, {worst.fault_to_end:.0f} s from the fault "
+                     f"to the last podagent's end.")
+    for r in results:
+        if not r.held:
+            lines.append(f"- {r.cell.name}: " + "; ".join(
+                ([r.error] if r.error else []) + r.violations))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", default="sample")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--podagent", default=None,
+                        help="a checkout whose podagent runs in the pods (PYTHONPATH)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/faults"))
+    args = parser.parse_args()
+    require_root(parser)
+    cleanup_stale(campaign.CAMPAIGN_PREFIX)
+    cells = pick(args.cells, args.seed)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    outdir = args.out / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    outdir.mkdir(parents=True, exist_ok=True)
+    podagent = str(Path(args.podagent).resolve()) if args.podagent else None
+    print(f"{len(cells)} cell(s), seed {args.seed}, {args.jobs} at a time; results in {outdir}",
+          flush=True)
+
+    def one(index_cell: tuple[int, campaign.Cell]) -> campaign.CellResult:
+        index, cell = index_cell
+        root = outdir / f"{index:03d}-{cell.name.replace(':', '-').replace('@', '-at-')}"
+        result = campaign.run_cell(cell, root, podagent, say=print if args.jobs == 1 else
+                                   (lambda line: None))
+        verdict = "held" if result.held else "BROKE: " + "; ".join(
+            ([result.error] if result.error else []) + result.violations)
+        print(f"[{index + 1}/{len(cells)}] {cell.name}: {verdict} (state {result.state_seen}, "
+              f"fault->end {result.fault_to_end} s, cell {result.took} s)", flush=True)
+        (root / "result.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(one, enumerate(cells)))
+    report = render(results, args.seed, started)
+    (outdir / "report.md").write_text(report + "\n")
+    (outdir / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1,
+                                                    default=str))
+    print("\n" + report)
+    return 0 if all(r.held for r in results) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
