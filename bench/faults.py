@@ -26,6 +26,7 @@ import concurrent.futures
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +107,17 @@ def main() -> int:
     print(f"{len(cells)} cell(s), seed {args.seed}, {args.jobs} at a time; results in {outdir}",
           flush=True)
 
+    done: list[campaign.CellResult] = []
+    lock = threading.Lock()
+
+    def save() -> None:
+        """After every cell: a run cut short keeps what it found."""
+        with lock:
+            ordered = sorted(done, key=lambda r: cells.index(r.cell))
+            (outdir / "report.md").write_text(render(ordered, args.seed, started) + "\n")
+            (outdir / "results.json").write_text(json.dumps(
+                [r.to_json() for r in ordered], indent=1, default=str))
+
     def one(index_cell: tuple[int, campaign.Cell]) -> campaign.CellResult:
         index, cell = index_cell
         root = outdir / f"{index:03d}-{cell.name.replace(':', '-').replace('@', '-at-')}"
@@ -116,15 +128,14 @@ def main() -> int:
         print(f"[{index + 1}/{len(cells)}] {cell.name}: {verdict} (state {result.state_seen}, "
               f"fault->end {result.fault_to_end} s, cell {result.took} s)", flush=True)
         (root / "result.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+        with lock:
+            done.append(result)
+        save()
         return result
 
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = list(pool.map(one, enumerate(cells)))
-    report = render(results, args.seed, started)
-    (outdir / "report.md").write_text(report + "\n")
-    (outdir / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1,
-                                                    default=str))
-    print("\n" + report)
+    print("\n" + render(results, args.seed, started))
     return 0 if all(r.held for r in results) else 1
 
 
