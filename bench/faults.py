@@ -61,7 +61,7 @@ def render(results: list[campaign.CellResult], seed: int, when: str) -> str:
         for state in states:
             r = by.get((fault, state))
             if r is None:
-                row.append("")
+                row.append("" if campaign.targets(fault, state) else "n/a")
                 continue
             end = f"{r.fault_to_end:.0f} s" if r.fault_to_end is not None else "-"
             if r.error:
@@ -77,7 +77,7 @@ def render(results: list[campaign.CellResult], seed: int, when: str) -> str:
                 key=lambda r: r.fault_to_end or 0, default=None)
     lines = [table(["fault \\ state", *states], rows), "",
              f"{held} of {len(results)} cells held every invariant (seed {seed}, {when}, "
-             f"commit {git_commit()})."]
+             f"commit {git_commit()}); n/a: nothing of the fault's kind runs in that state."]
     if worst:
         lines.append(f"Worst cell: {worst.cell.name}, {worst.fault_to_end:.0f} s from the fault "
                      f"to the last podagent's end.")

@@ -92,8 +92,7 @@ class Head(Lifecycle[HeadState]):
                  signals: Signals):
         self.stop_watch = StopWatch(reporter)
         # Every wait of the head sleeps through this: it also ends on a stop request.
-        super().__init__(settings, decision, reporter,
-                         WatchedSignals(signals, self.stop_watch.look))
+        super().__init__(settings, decision, reporter, WatchedSignals(signals, self._look))
         self.setup: node.NodeSetup | None = None
         self.ray: HeadRay | None = None
         self.census: WorkerCensus | None = None
@@ -103,10 +102,23 @@ class Head(Lifecycle[HeadState]):
         self.ledger = Ledger.load(settings.run_dir, settings.run_name)
         self.finished_earlier: dict[str, Any] | None = None  # the ledger's, when it finished
         self._next_watch = 0.0
+        self._next_own_look = 0.0
         self.follow_running_job = False  # re-attached: the job runs already, follow it
         self.restart: dict[str, Any] | None = None  # the restart under way: why, since when
         self.job_stopped_by_us = False  # the job was stopped for a restart (not ended by itself)
         self._job_ended_at: float | None = None
+
+    def _look(self) -> None:
+        """What every wait of the head looks at: a stop request, and (once it is up) this
+        pod's own Ray, at most once a second. A raylet or dashboard that died is not waited
+        past: joins, the reward server and the submission would each wait out their timeouts
+        for nothing (the job's own watch does the same while it runs)."""
+        self.stop_watch.look()
+        if self.ray and self.ray.up and self.state is not HeadState.RUNNING:
+            now = time.monotonic()
+            if now >= self._next_own_look:
+                self._next_own_look = now + WATCH_INTERVAL
+                self.ray.watch(now)
 
     def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
         return {

@@ -55,6 +55,7 @@ class HeadRay:
         self.submission_id = submission_id or settings.run_name  # the job's id in Ray
         self.gcs: GcsClient | None = None
         self.adopted = False  # an earlier podagent of this run started it (see reattach)
+        self.up = False  # its GCS has answered (started or adopted): it can be watched
         self._jobs_api: concurrent.futures.Future[JobRunner] | None = None
         self._closing = threading.Event()
         self._raylet: psutil.Process | None = None
@@ -80,6 +81,7 @@ class HeadRay:
             self.gcs = GcsClient(self.address, metadata=self.s.grpc_metadata())
             self._probe_until(self._gcs_answers, "the GCS health RPC", self.signals.sleep)
             self._mark_start()
+            self.up = True
             step.done(f"Ray head up at {self.address} (GCS answers)", address=self.address)
         self._connect_jobs_api_in_background()
 
@@ -97,7 +99,7 @@ class HeadRay:
 
     def adopt(self, gcs: GcsClient) -> None:
         """Take over the Ray an earlier podagent of this run left running."""
-        self.gcs, self.adopted = gcs, True
+        self.gcs, self.adopted, self.up = gcs, True, True
         # Ray's modules are imported here, before the Jobs API thread imports them too: two
         # threads importing Ray at once can see a partly initialised module (ImportError).
         preload_ray_clients()
@@ -231,7 +233,7 @@ class HeadRay:
     def watch(self, now: float) -> set[str] | None:
         """One health check of this pod's Ray: the ids of the workers alive, or None when the
         GCS did not answer this time. Raises RayDied (DashboardSilent for the dashboard) once
-        a part has been unwell for the grace."""
+        a part has been unwell for the grace. `now`: successive calls' monotonic time."""
         assert self.gcs
         error: type[RayDied] = RayDied
         try:
