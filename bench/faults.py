@@ -96,10 +96,16 @@ def main() -> int:
     parser.add_argument("--podagent", default=None,
                         help="a checkout whose podagent runs in the pods (PYTHONPATH)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/faults"))
+    parser.add_argument("--skip", type=Path, default=None, metavar="RESULTS",
+                        help="leave out the cells of an earlier run's results.json (a run cut "
+                             "short goes on where it stopped)")
     args = parser.parse_args()
     require_root(parser)
     cleanup_stale(campaign.CAMPAIGN_PREFIX)
     cells = pick(args.cells, args.seed)
+    if args.skip:
+        done = {r["name"] for r in json.loads(args.skip.read_text())}
+        cells = [c for c in cells if c.name not in done]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     outdir = args.out / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     outdir.mkdir(parents=True, exist_ok=True)
