@@ -3,10 +3,12 @@ deadlines that a signal can bring earlier."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from podagent.errors import Interrupted
 
@@ -80,3 +82,25 @@ class Deadline:
         something quick (send SIGKILL, say) when its time is up."""
         floor = time.monotonic() + seconds
         return Deadline(lambda: max(floor, self.at))
+
+
+T = TypeVar("T")
+WAIT_SLICE = 0.05  # how often a wait for another thread's call looks for a signal
+
+
+def interruptible(call: Callable[[], T], signals: Signals) -> T:
+    """`call()`, as a signal does not have to wait for it: a socket read ends only at its own
+    timeout, whatever signal comes meanwhile. It runs on a thread of its own, and this waits for
+    it in short sleeps that a signal ends (the thread is left to its timeout)."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # handed over whole: the caller sorts them out
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="interruptible", daemon=True).start()
+    while not done.done():
+        signals.sleep(WAIT_SLICE)
+    return done.result()

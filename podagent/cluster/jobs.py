@@ -25,7 +25,7 @@ from tenacity import (
 from podagent.checks.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
 from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
-from podagent.waiting import Deadline, Signals
+from podagent.waiting import Deadline, Signals, interruptible
 
 T = TypeVar("T")
 
@@ -71,13 +71,15 @@ class JobRunner:
     """One Ray job through the Jobs API of the head's dashboard."""
 
     def __init__(self, dashboard_url: str, submission_id: str, reporter: Reporter,
-                 job_log: Path, headers: Mapping[str, str] | None = None):
+                 job_log: Path, headers: Mapping[str, str] | None = None,
+                 client: Any = None):
         # Ray's SDK logs its own chatter (websocket closed...) to our stdout; keep it quiet.
         logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
 
         self.url = dashboard_url.rstrip("/")
         self.headers = dict(headers or {})
-        self.client = _client(dashboard_url, self.headers)
+        # Made once (its constructor asks the dashboard for its version) and shared.
+        self.client = client or _client(dashboard_url, self.headers)
         self.submission_id = submission_id
         self.reporter = reporter
         self.job_log = job_log
@@ -90,7 +92,8 @@ class JobRunner:
     def for_submission(self, submission_id: str) -> JobRunner:
         """A runner for another job of the same dashboard (each attempt has its own id, log
         position and stream)."""
-        return JobRunner(self.url, submission_id, self.reporter, self.job_log, self.headers)
+        return JobRunner(self.url, submission_id, self.reporter, self.job_log, self.headers,
+                         self.client)
 
     # --- bounded Jobs API calls ----------------------------------------------------------------
 
@@ -144,10 +147,10 @@ class JobRunner:
                 return posted["yet"]
             posted["yet"] = True
             try:
-                self.client.submit_job(
+                # Ray's client waits in a socket read for up to CLIENT_REQUEST_TIMEOUT.
+                interruptible(lambda: self.client.submit_job(
                     entrypoint=shlex.join(entrypoint), submission_id=self.submission_id,
-                    runtime_env=runtime_env, metadata=dict(metadata),
-                )
+                    runtime_env=runtime_env, metadata=dict(metadata)), signals)
             except requests.RequestException as exc:  # timed out, connection dropped
                 raise JobApiUnreachable(f"POST /api/jobs/: {exc}") from None
             except RuntimeError as exc:  # Ray's client raises RuntimeError for HTTP errors

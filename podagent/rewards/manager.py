@@ -23,7 +23,7 @@ from podagent.config import CLUSTER_TOKEN, Settings, child_environ, is_secret
 from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
-from podagent.waiting import Deadline, Signals
+from podagent.waiting import Deadline, Signals, interruptible
 
 # A request a real trainer could send: one query whose response boxes the right answer.
 PROBE_BODY = {
@@ -198,7 +198,8 @@ class RewardServer:
             if code is not None:
                 raise self.died_error(code, "while starting")
             try:
-                self.probe(timeout=min(PROBE_TIMEOUT, 10.0))
+                # A reward server that hangs must not hold a signal up for the probe's timeout.
+                interruptible(lambda: self.probe(timeout=min(PROBE_TIMEOUT, 10.0)), signals)
             except (requests.RequestException, ValueError) as exc:
                 last["error"] = str(exc)
                 progress(f"waiting for the {self.label} at {self.url}: {exc} "

@@ -799,7 +799,9 @@ class CellRun:
         return found
 
     def _sizes(self) -> dict[str, int]:
-        return {k: p.stat().st_size for k, p in self._files().items()}
+        """Sizes of the files that only grow (the ledger is written whole each time)."""
+        return {k: p.stat().st_size for k, p in self._files().items()
+                if not k.endswith("ledger.json")}
 
     # --- the invariants --------------------------------------------------------------------------
 
@@ -856,15 +858,18 @@ class CellRun:
         """The exit code the ledger holds for this start: on the start's entry, or (a ledger
         that keeps it only there) on the run's end when this start ended the run."""
         ledger = _json(c.run_dir() / "ledger.json") or {}
-        starts = [s for s in ledger.get("starts", []) if s.get("pid") == done.start_pid]
-        if not starts:
+        starts = ledger.get("starts", [])
+        mine = [i for i, s in enumerate(starts) if s.get("pid") == done.start_pid]
+        if not mine:
             return MISSING
-        if "exit_code" in starts[-1]:
-            return starts[-1]["exit_code"]
+        start = starts[mine[-1]]
+        if "exit_code" in start:
+            return start["exit_code"]
         finished = ledger.get("finished")
-        if finished and finished.get("at", 0) >= starts[-1].get("at", 0):
-            return finished.get("exit_code")
-        return MISSING
+        later = starts[mine[-1] + 1:]
+        ended_it = finished and finished.get("at", 0) >= start.get("at", 0) and not [
+            s for s in later if s.get("at", 0) <= finished.get("at", 0)]
+        return finished.get("exit_code") if ended_it else MISSING
 
     def _finished_earlier(self, c: Container) -> bool:
         return any(e.get("event") == "finished_earlier" for e in c.events())
