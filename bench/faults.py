@@ -73,11 +73,14 @@ def render(results: list[campaign.CellResult], seed: int, when: str) -> str:
                 row.append(f"{end} **{broken}**")
         rows.append(row)
     held = sum(r.held for r in results)
+    succeeded = sum(r.run_outcome == "succeeded" for r in results)
     worst = max((r for r in results if r.fault_to_end is not None),
                 key=lambda r: r.fault_to_end or 0, default=None)
     lines = [table(["fault \\ state", *states], rows), "",
              f"{held} of {len(results)} cells held every invariant (seed {seed}, {when}, "
-             f"commit {git_commit()}); n/a: nothing of the fault's kind runs in that state."]
+             f"commit {git_commit()}); n/a: nothing of the fault's kind runs in that state.",
+             f"In {succeeded} of them the run went on to its job's success (the others ended "
+             f"as the fault left them: a stopped pod, a head gone for good)."]
     if worst:
         lines.append(f"Worst cell: {worst.cell.name}, {worst.fault_to_end:.0f} s from the fault "
                      f"to the last podagent's end.")
@@ -99,7 +102,17 @@ def main() -> int:
     parser.add_argument("--skip", type=Path, default=None, metavar="RESULTS",
                         help="leave out the cells of an earlier run's results.json (a run cut "
                              "short goes on where it stopped)")
+    parser.add_argument("--render", type=Path, nargs="+", default=None, metavar="RESULTS",
+                        help="print the report of saved results.json files (merged), run "
+                             "nothing")
     args = parser.parse_args()
+    if args.render:
+        saved = [campaign.CellResult.from_json(r) for path in args.render
+                 for r in json.loads(path.read_text())]
+        order = {c.name: i for i, c in enumerate(campaign.matrix(args.seed))}
+        saved.sort(key=lambda r: order.get(r.cell.name, len(order)))
+        print(render(saved, args.seed, "saved results"))
+        return 0 if all(r.held for r in saved) else 1
     require_root(parser)
     cleanup_stale(campaign.CAMPAIGN_PREFIX)
     cells = pick(args.cells, args.seed)

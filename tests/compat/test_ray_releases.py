@@ -349,6 +349,33 @@ def test_job_sdk_calls_podagent_makes_exist_in_every_release(releases):
     each(releases, check)
 
 
+def _forwards_kwargs_to_requests(source: str, cls: str, method: str) -> bool:
+    """`cls.method` takes **kwargs and hands them to a requests.request(...) call."""
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.ClassDef) and node.name == cls):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and item.name == method and item.args.kwarg:
+                name = item.args.kwarg.arg
+                return any(isinstance(call, ast.Call) and ast.unparse(call.func) ==
+                           "requests.request" and any(k.arg is None and ast.unparse(k.value) ==
+                                                      name for k in call.keywords)
+                           for call in ast.walk(item))
+    return False
+
+
+def test_the_job_clients_requests_take_podagents_timeout_in_every_release(releases):
+    """jobs._client: Ray's job client sends its requests with no timeout; podagent's subclass
+    sets one through SubmissionClient._do_request, whose keyword arguments go to requests."""
+    def check(r: Release) -> list[str]:
+        sdk = r.source("ray/dashboard/modules/dashboard_sdk.py")
+        if _forwards_kwargs_to_requests(sdk, "SubmissionClient", "_do_request"):
+            return []
+        return ["SubmissionClient._do_request does not hand **kwargs to requests.request"]
+
+    each(releases, check)
+
+
 def test_cluster_check_placement_exists_in_every_release(releases):
     """clustercheck pins each rank to its node with NodeAffinitySchedulingStrategy."""
     def check(r: Release) -> list[str]:

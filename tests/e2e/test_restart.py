@@ -282,3 +282,39 @@ def test_sigterm_to_each_role_mid_job_ends_that_pod_within_5_s(make_pod, dns_ser
     assert "finished" not in ledger, ledger
     (submission,) = ledger["submissions"]
     assert submission["id"] == "e2e-1" and submission["status"] is not None, ledger
+
+
+def test_a_head_started_again_at_its_address_before_its_worker_noticed_is_joined_again(
+        make_pod, dns_server, tmp_path, agents):
+    """The head pod dies mid-job and its container is started again at once, at the same
+    address, before the worker's grace ran out (120 s here): the worker must not take the new
+    Ray for the one it joined (its raylet belongs to the old one and would die a minute later,
+    with the run). It sees the head's start id change, joins the new Ray, and the job resumes
+    from its checkpoint and succeeds."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    head, (worker,) = form_cluster(
+        make_pod, dns_server, tmp_path, agents, workers=1,
+        head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
+                  "PODAGENT_CHECKPOINT_DIR": str(checkpoints),
+                  "PODAGENT_JOB": shlex.join([sys.executable, str(SAVE_ONCE)])},
+        worker_env={"PODAGENT_HEAD_GRACE": "120"})
+    for a in (head, worker):
+        a.start()
+    head.wait_output("\nsaved\n", timeout=FORM_TIMEOUT)
+    worker.wait_output("watching the head", timeout=30)
+    head.kill_pod()
+    assert head.proc is not None
+    head.proc.wait(timeout=10)
+    again = head.restarted()
+    agents.append(again)
+    again.start()  # at once: the worker still waits out its grace for the old head
+    assert again.wait_exit(FORM_TIMEOUT) == 0, again.output[-3000:]
+    assert worker.wait_exit(60) == 0, worker.output[-3000:]
+    assert "answers with a new Ray (its pod was started again)" in worker.output, \
+        worker.output[-3000:]
+    assert worker.output.count("joined the cluster at") == 2, worker.output[-3000:]
+    assert "resumed from ['model.txt']" in again.output and "[head] job SUCCEEDED" in \
+        again.output, again.output[-3000:]
+    for a in (again, worker):
+        assert a.pod.pids() == [], f"{a.pod.name} left processes behind"

@@ -414,10 +414,16 @@ class CellResult:
     took: float = 0.0
     error: str = ""  # the cell could not be run as planned (a harness failure)
     timeline: list[tuple[float, str]] = field(default_factory=list)  # what happened, when
+    run_outcome: str | None = None  # how the run ended for good (the head's ledger), if it did
 
     @property
     def held(self) -> bool:
         return not self.violations and not self.error
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> CellResult:
+        fields_ = {k: v for k, v in saved.items() if k in cls.__dataclass_fields__}
+        return cls(**{**fields_, "cell": Cell(**saved["cell"])})
 
     def verdicts(self) -> dict[str, bool]:
         return {k: not [v for v in self.violations if v.startswith(f"({k})")] for k in "abcde"}
@@ -809,6 +815,8 @@ class CellRun:
         violations, result = self.result.violations, self.result
         codes = documented_codes()
         result.most_jobs_at_once = max(self._jobs_seen, default=0)
+        finished = (_json(self.head.run_dir() / "ledger.json") or {}).get("finished") or {}
+        result.run_outcome = finished.get("outcome")
         result.exits = [(e.pod, e.code) for c in self.containers for e in c.exits]
         disk_full = self.cell.fault == "disk-full"
         for c in self.containers:
