@@ -679,6 +679,7 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
 RUNPOD_API_KEY = "RUNPOD_API_KEY"  # RunPod's own name; a secret, read from the environment
 TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN")
 TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"  # Ray's own: a file that holds the token
+TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
 
 # Which child gets which secret (docs/secrets.md). RUNPOD_API_KEY is podagent's alone (it stops
 # the pod); Ray and the job keep every other one (the job's W&B key, the cluster token Ray
@@ -693,7 +694,6 @@ def child_environ(environ: Mapping[str, str], also_drop: Callable[[str], bool] =
     """The environment a child of podagent starts with: never ONLY_PODAGENTS's secrets, nor
     the variables `also_drop` names."""
     return {k: v for k, v in environ.items() if k not in ONLY_PODAGENTS and not also_drop(k)}
-TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
 
 
 def _valid_token(value: str) -> bool:

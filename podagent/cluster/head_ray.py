@@ -253,7 +253,8 @@ class HeadRay:
         else:
             self._unhealthy_since = self._unhealthy_since or now
             if now - self._unhealthy_since > OWN_RAY_GRACE:
-                raise error(f"this pod's Ray stopped working while the job ran: {problem}")
+                raise error(f"this pod's Ray stopped working (for over {OWN_RAY_GRACE:g} s): "
+                            f"{problem}")
         return alive
 
     # --- the end -------------------------------------------------------------------------------
