@@ -14,11 +14,12 @@ order). Every POST /api/jobs/ body is checked against the fields of Ray's JobSub
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.fakes.served import ServedFake
 
 RAY_VERSION = "2.60.0"
 # JobSubmitRequest's fields and the types a dashboard accepts (None: not sent when unset).
@@ -35,27 +36,25 @@ class Request:
     answered: str  # the status sent, or the trouble that replaced it
 
 
-class FakeJobsApi:
+class FakeJobsApi(ServedFake):
+    name = "fake-jobs-api"
+
     def __init__(self, trouble: list[tuple[str, str]] | None = None, hang_for: float = 3.0):
+        super().__init__()
         for _route, kind in trouble or []:
             assert kind in TROUBLE, kind
         self.trouble = list(trouble or [])
         self.hang_for = hang_for  # how long a "hang" holds its request before dropping it
         self.jobs: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
         self._requests: list[Request] = []
-        self._server: ThreadingHTTPServer | None = None
 
     @property
     def requests(self) -> list[Request]:
-        with self._lock:
-            return list(self._requests)
+        return self._copy(self._requests)
 
     @property
     def url(self) -> str:
-        assert self._server is not None, "FakeJobsApi is not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.origin
 
     def _take_trouble(self, route: str) -> str | None:
         with self._lock:
@@ -146,12 +145,5 @@ class FakeJobsApi:
                                                              f"already exists."})
                 self._reply(route, 200, {"job_id": sid, "submission_id": sid})
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._serve(Handler)
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.fakes.served import ServedFake
 
 _STOP = re.compile(r"^/v1/pods/([^/]+)/stop$")
 
@@ -31,32 +31,26 @@ class Call:
     status: int  # what the fake answered
 
 
-class FakeRunPodApi:
+class FakeRunPodApi(ServedFake):
+    name = "fake-runpod-api"
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, expected_key: str,
                  fail_first: int = 0, fail_status: int = 500) -> None:
-        self.host, self.port = host, port
+        super().__init__(host, port)
         self.expected_key = expected_key
         self.fail_first = fail_first  # answer this many calls with fail_status first
         self.fail_status = fail_status
-        self._lock = threading.Lock()
         self._calls: list[Call] = []
         self.stopped: list[str] = []
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def calls(self) -> list[Call]:
-        with self._lock:
-            return list(self._calls)
+        return self._copy(self._calls)
 
     @property
     def url(self) -> str:
         """The base URL to give stop_pod: http://HOST:PORT/v1."""
-        if self._server is None:
-            raise RuntimeError("FakeRunPodApi is not started")
-        host, port = self._server.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
-        return f"http://{host}:{port}/v1"
+        return f"{self.origin}/v1"
 
     def _answer(self, method: str, path: str, authorization: str | None) -> tuple[int, Any]:
         found = _STOP.match(path)
@@ -98,22 +92,5 @@ class FakeRunPodApi:
             def log_message(self, format: str, *args: Any) -> None:  # quiet: no stderr lines
                 pass
 
-        server_class = ThreadingHTTPServer
-        if ":" in self.host:
-            class V6(ThreadingHTTPServer):
-                address_family = socket.AF_INET6
-
-            server_class = V6
-        self._server = server_class((self.host, self.port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
-                                        name="fake-runpod-api", daemon=True)
-        self._thread.start()
+        self._serve(Handler)
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)

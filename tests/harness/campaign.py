@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 
 from podagent import cli
+from tests.fakes import reward_cmd
 from tests.harness.agents import Agent
 from tests.harness.pods import DnsServer, Pod, PodNetwork, _ip, _kill_netns_processes
 
@@ -92,31 +93,10 @@ while not os.path.exists(marker):
 print("done", flush=True)
 """
 # The reward server (PODAGENT_REWARD=cmd): listens once its marker file is there.
-REWARD = """
-import http.server, json, os, sys, time
-while not os.path.exists(sys.argv[1]):
-    time.sleep(0.1)
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        reply = json.dumps({"rewards": [1.0] * len(body["query"])}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-host, port = os.environ["PODAGENT_REWARD_HOST"], int(os.environ["PODAGENT_REWARD_PORT"])
-http.server.ThreadingHTTPServer((host, port), Handler).serve_forever()
-"""
+REWARD = reward_cmd.script(before="""
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.1)
+""")
 
 
 # --- the catalogue ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.fakes import reward_cmd
 from tests.integration.conftest import JOB_ENV_SCRIPT, PodagentRun, Runs, wait_for
 
 # Prints the variables it sees, then says it started and stays until stopped.
@@ -306,26 +307,7 @@ def _answering_server(run: PodagentRun) -> list[str]:
     return [sys.executable, str(script)]
 
 
-STUBBORN_SERVER = """
-import http.server, json, os, signal
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        reply = json.dumps({"rewards": [1.0] * len(body["query"])}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        pass
-
-host, port = os.environ["PODAGENT_REWARD_HOST"], int(os.environ["PODAGENT_REWARD_PORT"])
-http.server.HTTPServer((host, port), Handler).serve_forever()
-"""
+STUBBORN_SERVER = reward_cmd.script(before="signal.signal(signal.SIGTERM, signal.SIG_IGN)")
 SLOW_STEP = 120  # PODAGENT_STOP_TIMEOUT: the reward server's stop would take this long
 CUT_SHORT_WITHIN = 20.0  # TERM_BUDGET (4 s) and Ray's stop, with room for a loaded machine
 
