@@ -430,7 +430,6 @@ def summary(report: Report, seconds: float | None = None) -> dict[str, Any]:
     }
 
 
-# The head's Ray node address, in the job's environment (cluster/job_spec.py).
 # The head's address, as the head gives it to the job (job_spec.env): the setting a worker
 # takes it from too.
 HEAD_ADDR_ENV = FIELD_BY_ATTR["head_addr"].env
