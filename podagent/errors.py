@@ -116,3 +116,17 @@ class Interrupted(PodagentError):
 class RunPodApiError(PodagentError):
     """RunPod's API did not do what podagent asked (e.g. stop this pod). The message names the
     request's path, the status and RunPod's reason; never the API key."""
+
+
+class RunPodAuthError(RunPodApiError):
+    """RunPod refused the API key (401) or what it allows (403)."""
+
+
+class NoCapacity(RunPodApiError):
+    """RunPod could not place what was asked (400 on a create: no capacity for the GPU type in
+    the data centers asked for, or a rule of the request; RunPod gives only a detail)."""
+
+
+class PodsNotReady(PodagentError):
+    """`podagent up`: a pod did not reach RUNNING, or the run did not start, in time; or a
+    pod went into ERROR. Whatever was created has been terminated."""

@@ -1,13 +1,17 @@
-"""RunPod's REST API: what podagent asks of it, which is to stop the pod it runs on.
+"""RunPod's REST API: the one module that talks to it.
 
-Why: RunPod restarts a pod's container whenever its main process exits, so a pod whose run is
-over would start the run again (or sit there billing for its GPUs). Stopping the pod through
-the API ends the billing for its GPUs (a volume stays, and stays billed); this is what
-PODAGENT_AFTER_RUN=stop-pod does. Documented at docs.runpod.io as
-POST https://rest.runpod.io/v1/pods/{podId}/stop with `Authorization: Bearer <key>`.
+Two users: a pod stops itself when its run is over (v1: POST /v1/pods/{podId}/stop, what
+PODAGENT_AFTER_RUN=stop-pod does: RunPod restarts a container whose process exits, so a pod
+whose run is over would run it again or sit there billing), and `podagent up/down/ls` on the
+user's machine creates, watches and terminates pods and clusters (v2, documented in RunPod's
+api-reference-v2/openapi.json: server https://api.runpod.io, paths /v2/...).
 
-The API key goes in that header only: never in a URL, a message, a log line, or an exception
-chain (a requests exception holds the request, and so the header).
+Every request: `Authorization: Bearer <key>`, no redirects (one could send the key elsewhere,
+or turn a POST into a GET), a deadline. No connection, a timeout, 429 (after its Retry-After)
+and 5xx are tried again with backoff until the deadline; any other answer outside 2xx fails at
+once, in one line naming the request, the status and RunPod's reason. The key goes in that
+header only: never in a URL, a message, a log line, or an exception chain (a requests
+exception holds the request, and so the header).
 """
 
 from __future__ import annotations
@@ -15,23 +19,34 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 import requests
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from podagent import __version__
-from podagent.errors import RunPodApiError
+from podagent.errors import NoCapacity, RunPodApiError, RunPodAuthError
 
-DEFAULT_BASE_URL = "https://rest.runpod.io/v1"
+DEFAULT_BASE_URL = "https://rest.runpod.io/v1"  # v1, which the pod's stop-pod uses
+DEFAULT_V2_URL = "https://api.runpod.io"  # the v2 document's server; paths add /v2/...
 _CONNECT_TIMEOUT = 10.0  # seconds one attempt may take to connect
 _BACKOFF = wait_exponential(multiplier=0.5, min=0.5, max=8)
+_RETRY_AFTER_MAX = 60.0  # a Retry-After beyond this is not waited for in one go
 _REASON_MAX = 200
+# RunPod's statuses for a pod (PodStatus); billing stops only in the last two.
+POD_STATUSES = ("PROVISIONING", "STARTING", "RUNNING", "EXITED", "ERROR", "TERMINATED")
+BILLING_STATUSES = frozenset({"PROVISIONING", "STARTING", "RUNNING"})
 
 
 class _Retry(Exception):
     """An attempt that may succeed later: no connection, a timeout, 429 or 5xx."""
+
+    def __init__(self, message: str, wait: float | None = None):
+        super().__init__(message)
+        self.wait = wait  # what the server asked for (Retry-After), if anything
 
 
 def _retryable(status: int) -> bool:
@@ -44,17 +59,21 @@ def _one_line(text: str, limit: int = _REASON_MAX) -> str:
 
 
 def _reason(response: requests.Response) -> str:
-    """RunPod's short reason: the error field of a JSON body, else the body's start, else the
-    HTTP reason phrase."""
+    """RunPod's short reason: an ErrorResponse's detail (with its validation errors), else the
+    error field of a JSON body, else the body's start, else the HTTP reason phrase."""
     body = response.text[:4096] if response.content else ""
     try:
         data = json.loads(body)
     except ValueError:
         data = None
     if isinstance(data, dict):
-        for key in ("error", "message", "detail", "title"):
+        for key in ("detail", "error", "message", "title"):
             if isinstance(data.get(key), str) and data[key].strip():
-                return _one_line(data[key])
+                found = data[key]
+                listed = data.get("errors")
+                if isinstance(listed, list) and listed:
+                    found += ": " + "; ".join(str(e) for e in listed[:3])
+                return _one_line(found)
     return _one_line(body) or _one_line(response.reason or "") or "no reason given"
 
 
@@ -72,72 +91,254 @@ def _redact(text: str, secret: str) -> str:
     return text.replace(secret, "<redacted>") if secret else text
 
 
+def _retry_after(response: requests.Response) -> float | None:
+    value = response.headers.get("Retry-After", "")
+    try:
+        return min(max(float(value), 0.0), _RETRY_AFTER_MAX)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    data: Any  # the parsed JSON body, or None (204, or not JSON)
+
+
+class Client:
+    """Requests to one RunPod API root with one key, each within `timeout` seconds (retries
+    included). `say` (optional) hears each retry in one line; `on_call` (optional) hears every
+    answer (method, path, status), e.g. to count the calls a run made."""
+
+    def __init__(self, api_key: str, base_url: str, timeout: float = 60.0,
+                 say: Callable[[str], None] | None = None,
+                 on_call: Callable[[str, str, int], None] | None = None):
+        if not api_key or not api_key.strip():
+            raise RunPodApiError("RunPod API: no API key (RUNPOD_API_KEY is not set)")
+        self._key = api_key.strip()
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.say = say
+        self.on_call = on_call
+        self._session = requests.Session()
+        self._session.trust_env = False  # no netrc: the key is ours to send, and only ours
+        self._session.headers.update({
+            "Authorization": f"Bearer {self._key}", "Accept": "application/json",
+            "User-Agent": f"podagent/{__version__}"})
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _error(self, text: str, status: int | None = None) -> RunPodApiError:
+        text = _redact(text, self._key)
+        if status in (401, 403):
+            return RunPodAuthError(text)
+        return RunPodApiError(text)
+
+    def call(self, method: str, path: str, *, body: Any = None,
+             params: Mapping[str, Any] | None = None, missing_ok: bool = False,
+             timeout: float | None = None,
+             before_retry: Callable[[], Any] | None = None) -> Answer:
+        """One request, tried again while that may help. `missing_ok`: a 404 is an answer
+        (the thing is gone), not an error. `before_retry` runs before each retry: a create that
+        may have happened despite the failure looks first (see create_pod); what it returns,
+        when not None, is the answer."""
+        url = f"{self.base_url}{path}"
+        what = f"{method} {url}"
+        started = time.monotonic()
+        deadline = started + (self.timeout if timeout is None else timeout)
+        ambiguous = False  # the last failure may have done what was asked (not a 429)
+
+        def attempt() -> Answer:
+            nonlocal ambiguous
+            if ambiguous and before_retry is not None:
+                found = before_retry()
+                if found is not None:
+                    return Answer(200, found)
+            remaining = max(deadline - time.monotonic(), 0.1)
+            failure = None
+            try:
+                response = self._session.request(
+                    method, url, json=body, params=params, allow_redirects=False,
+                    timeout=(min(_CONNECT_TIMEOUT, remaining), remaining))
+            except requests.RequestException as exc:
+                failure = _why(exc)
+            if failure is not None:  # raised here, not in the handler: nothing chained
+                ambiguous = True
+                raise _Retry(f"{what}: {failure}")
+            status = response.status_code
+            if self.on_call:
+                self.on_call(method, path, status)
+            if 200 <= status < 300 or (missing_ok and status == 404):
+                try:
+                    data = response.json() if response.content else None
+                except ValueError:
+                    data = None
+                return Answer(status, data)
+            message = f"{what} answered {status} {_reason(response)}"
+            if _retryable(status):
+                ambiguous = status != 429  # RunPod refuses a rate-limited call before acting
+                raise _Retry(message, _retry_after(response) if status == 429 else None)
+            raise self._error(f"RunPod API: {message}", status)
+
+        def wait(state: RetryCallState) -> float:
+            asked = getattr(state.outcome.exception(), "wait", None) if state.outcome else None
+            pause = asked if asked is not None else _BACKOFF(state)
+            return min(pause, max(deadline - time.monotonic(), 0.0))
+
+        def before_sleep(state: RetryCallState) -> None:
+            if self.say and state.outcome is not None and state.next_action is not None:
+                self.say(_redact(f"RunPod API: {state.outcome.exception()}; trying again in "
+                                 f"{state.next_action.sleep:.1f} s", self._key))
+
+        retrying = Retrying(retry=retry_if_exception_type(_Retry),
+                            stop=lambda state: time.monotonic() >= deadline,
+                            wait=wait, before_sleep=before_sleep, reraise=True)
+        # Raised after the handlers, not in them: the error carries no context that could
+        # lead to a request and its headers.
+        last = refused = None
+        try:
+            return retrying(attempt)
+        except _Retry as exc:
+            last = str(exc)
+        except RunPodApiError as exc:
+            refused = exc
+        if refused is not None:
+            raise type(refused)(str(refused)) from None
+        attempts = retrying.statistics.get("attempt_number", 1)
+        elapsed = time.monotonic() - started
+        raise self._error(
+            f"RunPod API: {last}; gave up after {attempts} attempt{'s' if attempts != 1 else ''}"
+            f" in {elapsed:.1f} s") from None
+
+    # --- v2 ----------------------------------------------------------------------------------
+
+    def gpu_types(self) -> list[dict[str, Any]]:
+        return list((self.call("GET", "/v2/catalog/gpus").data or {}).get("gpus", []))
+
+    def create_pod(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /v2/pods. A create is not idempotent: after a failure that may have created
+        the pod anyway (no answer, 5xx), the pod is looked up by its name before trying again,
+        so a retry never makes a second one."""
+        return self._create("/v2/pods", body, lambda: self.find_pod(body["name"]))
+
+    def create_cluster(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self._create("/v2/clusters", body, lambda: self.find_cluster(body["name"]))
+
+    def _create(self, path: str, body: Mapping[str, Any],
+                find: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+        try:
+            answer = self.call("POST", path, body=dict(body), before_retry=find)
+        except RunPodApiError as exc:
+            if isinstance(exc, RunPodAuthError) or " answered 400 " not in str(exc):
+                raise
+            # 400 is both "breaks a rule" and "no capacity" (RunPod: capacity has no code of
+            # its own, only a detail); the caller names the GPU type and data centers.
+            raise NoCapacity(str(exc)) from None
+        return answer.data
+
+    def list_pods(self, include_cluster_pods: bool = False) -> list[dict[str, Any]]:
+        params = {"includeClusterPods": "true"} if include_cluster_pods else None
+        return list((self.call("GET", "/v2/pods", params=params).data or {}).get("pods", []))
+
+    def find_pod(self, name: str) -> dict[str, Any] | None:
+        return next((p for p in self.list_pods() if p.get("name") == name), None)
+
+    def get_pod(self, pod_id: str) -> dict[str, Any] | None:
+        """None when RunPod no longer knows it (terminated)."""
+        answer = self.call("GET", f"/v2/pods/{quote(pod_id, safe='')}", missing_ok=True)
+        return None if answer.status == 404 else answer.data
+
+    def terminate_pod(self, pod_id: str) -> bool:
+        """DELETE /v2/pods/{id}: True when it was there, False when already gone."""
+        answer = self.call("DELETE", f"/v2/pods/{quote(pod_id, safe='')}", missing_ok=True)
+        return answer.status != 404
+
+    def list_clusters(self) -> list[dict[str, Any]]:
+        return list((self.call("GET", "/v2/clusters").data or {}).get("clusters", []))
+
+    def find_cluster(self, name: str) -> dict[str, Any] | None:
+        return next((c for c in self.list_clusters() if c.get("name") == name), None)
+
+    def cluster_pods(self, cluster_id: str) -> list[dict[str, Any]] | None:
+        """None when the cluster is gone."""
+        answer = self.call("GET", f"/v2/clusters/{quote(cluster_id, safe='')}/pods",
+                           missing_ok=True)
+        return None if answer.status == 404 else list((answer.data or {}).get("pods", []))
+
+    def delete_cluster(self, cluster_id: str) -> bool:
+        answer = self.call("DELETE", f"/v2/clusters/{quote(cluster_id, safe='')}",
+                           missing_ok=True)
+        return answer.status != 404
+
+    def stream_logs(self, pod_id: str, last_event_id: str | None = None,
+                    idle: float = 60.0) -> Iterator[tuple[str, dict[str, Any]]]:
+        """GET /v2/pods/{id}/logs, Server-Sent Events: (event id, {ts, source, line}) as they
+        come. Ends when the server closes the stream or is silent for `idle` seconds; the
+        caller reconnects with the last id (Last-Event-ID: RunPod resumes after it)."""
+        url = f"{self.base_url}/v2/pods/{quote(pod_id, safe='')}/logs"
+        headers = {"Accept": "text/event-stream"}
+        params: dict[str, Any] = {"source": "container"}
+        if last_event_id:
+            headers["Last-Event-ID"] = last_event_id
+        else:
+            params["tail"] = 5000  # the document's maximum: the run's start, when we are late
+        failure = None
+        try:
+            response = self._session.get(url, params=params, headers=headers, stream=True,
+                                         allow_redirects=False,
+                                         timeout=(_CONNECT_TIMEOUT, idle))
+        except requests.RequestException as exc:
+            failure = _why(exc)
+        if failure is not None:
+            raise RunPodApiError(f"RunPod API: GET {url}: {failure}")
+        with response:
+            if self.on_call:
+                self.on_call("GET", f"/v2/pods/{pod_id}/logs", response.status_code)
+            if response.status_code != 200:
+                raise self._error(f"RunPod API: GET {url} answered {response.status_code} "
+                                  f"{_reason(response)}", response.status_code)
+            yield from _events(response)
+
+
+def _events(response: requests.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Server-Sent Events: `id:` and `data:` lines, an empty line ends an event."""
+    event_id, data = "", []
+    try:
+        for raw in response.iter_lines(decode_unicode=True):
+            if raw is None:
+                continue
+            if raw == "":
+                if data:
+                    try:
+                        payload = json.loads("\n".join(data))
+                    except ValueError:
+                        payload = {"line": "\n".join(data)}
+                    if isinstance(payload, dict):
+                        yield event_id, payload
+                event_id, data = event_id, []
+                continue
+            field, _, value = raw.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "id":
+                event_id = value
+            elif field == "data":
+                data.append(value)
+    except requests.RequestException:
+        return  # a dropped or silent stream: the caller reconnects
+
+
 def stop_pod(pod_id: str, api_key: str, base_url: str = DEFAULT_BASE_URL,
              timeout: float = 30.0, say: Callable[[str], None] | None = None) -> None:
-    """Ask RunPod to stop pod `pod_id`: POST {base_url}/pods/{pod_id}/stop.
+    """Ask RunPod to stop pod `pod_id`: POST {base_url}/pods/{pod_id}/stop (v1).
 
-    No connection, a timeout, 429 and 5xx are tried again with backoff until `timeout`
-    seconds have passed; any other answer outside 2xx fails at once. `say` (optional) hears
-    each retry in one line. Raises RunPodApiError naming the request, the status and RunPod's
-    reason, never the key, with no exception chained to it.
+    Raises RunPodApiError naming the request, the status and RunPod's reason, never the key,
+    with no exception chained to it.
     """
     if not pod_id:
         raise RunPodApiError("RunPod API: no pod id to stop (RUNPOD_POD_ID is not set)")
-    if not api_key or not api_key.strip():
-        raise RunPodApiError("RunPod API: no API key (RUNPOD_API_KEY is not set)")
-    api_key = api_key.strip()
-    url = f"{base_url.rstrip('/')}/pods/{quote(pod_id, safe='')}/stop"
-    what = f"POST {url}"
-    headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json",
-               "User-Agent": f"podagent/{__version__}"}
-    started = time.monotonic()
-    deadline = started + timeout
-
-    def attempt() -> None:
-        remaining = max(deadline - time.monotonic(), 0.1)
-        failure = None
-        try:
-            # No redirects: one could send the key elsewhere, or turn the POST into a GET.
-            response = requests.post(url, headers=headers, allow_redirects=False,
-                                     timeout=(min(_CONNECT_TIMEOUT, remaining), remaining))
-        except requests.RequestException as exc:
-            failure = _why(exc)
-        if failure is not None:  # raised here, not in the handler: nothing chained
-            raise _Retry(f"{what}: {failure}")
-        status = response.status_code
-        if 200 <= status < 300:
-            return
-        message = f"{what} answered {status} {_reason(response)}"
-        if _retryable(status):
-            raise _Retry(message)
-        raise RunPodApiError(_redact(f"RunPod API: {message}", api_key))
-
-    def wait(state: RetryCallState) -> float:
-        return min(_BACKOFF(state), max(deadline - time.monotonic(), 0.0))
-
-    def before_sleep(state: RetryCallState) -> None:
-        if say and state.outcome is not None and state.next_action is not None:
-            say(_redact(f"RunPod API: {state.outcome.exception()}; trying again in "
-                        f"{state.next_action.sleep:.1f} s", api_key))
-
-    retrying = Retrying(retry=retry_if_exception_type(_Retry),
-                        stop=lambda state: time.monotonic() >= deadline,
-                        wait=wait, before_sleep=before_sleep, reraise=True)
-    # Raised after the handlers, not in them: the error carries no context that could lead
-    # to a request and its headers.
-    last = refused = None
+    client = Client(api_key, base_url, timeout=timeout, say=say)
     try:
-        retrying(attempt)
-    except _Retry as exc:
-        last = str(exc)
-    except RunPodApiError as exc:
-        refused = str(exc)
-    if refused is not None:
-        raise RunPodApiError(refused) from None
-    if last is None:
-        return
-    attempts = retrying.statistics.get("attempt_number", 1)
-    elapsed = time.monotonic() - started
-    raise RunPodApiError(_redact(
-        f"RunPod API: {last}; gave up after {attempts} attempt{'s' if attempts != 1 else ''} "
-        f"in {elapsed:.1f} s", api_key)) from None
+        client.call("POST", f"/pods/{quote(pod_id, safe='')}/stop")
+    finally:
+        client.close()
