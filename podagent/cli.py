@@ -53,6 +53,14 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                    "lost nodes and lost another (logs and checkpoints are kept)"),
     (errors.LedgerError, 17, "head: the run's ledger on the volume could not be written "
                              "(full or read-only), so no job was submitted"),
+    (errors.RunPodAuthError, 18, "`podagent up/down/ls`: RunPod refused the API key (401) or "
+                                 "what it may do (403)"),
+    (errors.NoCapacity, 19, "`podagent up`: RunPod could not place the pods (no capacity for "
+                            "the GPU type in the data centers asked for; the line names both)"),
+    (errors.RunPodApiError, 20, "`podagent up/down/ls`: RunPod's API refused a request or did "
+                                "not answer in time (the line names the request)"),
+    (errors.PodsNotReady, 21, "`podagent up`: a pod did not start (RUNNING) in time or failed; "
+                              "what was created has been terminated"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -639,6 +647,152 @@ def token() -> None:
     import secrets
 
     click.echo(secrets.token_hex(32))
+
+
+# --- from the user's machine: up, down, ls -------------------------------------------------
+
+def _meaning(code: int) -> str:
+    """An exit code in words, from the table (the run's code, as the head gave it)."""
+    if code == EXIT_INTERNAL:
+        return "internal error in podagent"
+    if code > 128:
+        return f"stopped by {signal.Signals(code - 128).name}"
+    return next((meaning for _, c, meaning in EXIT_CODES if c == code), f"exit {code}")
+
+
+def _launch_key(key_file: str | None) -> str:
+    from podagent.launch import commands
+
+    try:
+        return commands.api_key(os.environ, key_file)
+    except errors.ConfigError as exc:
+        _fail(str(exc), exit_code(exc))
+    raise AssertionError("unreachable")
+
+
+def _launched(action: Callable[[], int]) -> None:
+    """Runs up/down/ls: their errors are one line and the table's code; SIGTERM (a closed
+    terminal, a CI job cancelled) is a Ctrl-C: the pods are terminated, not left billing."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signum)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        code = action()
+    except errors.PodagentError as exc:
+        if not isinstance(exc, errors.Interrupted):
+            click.echo(f"podagent: error: {exc}", err=True)
+        sys.exit(exit_code(exc))
+    except KeyboardInterrupt as exc:  # before anything was created, or a second Ctrl-C
+        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
+        sys.exit(128 + signum)
+    sys.exit(code)
+
+
+key_file_option = click.option(
+    "--api-key-file", "key_file", default=None, metavar="FILE",
+    help="A file holding the RunPod API key (else RUNPOD_API_KEY, or RUNPOD_API_KEY_FILE); "
+         "never the key itself on the command line.")
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
+@click.option("--name", "run", default=None, metavar="RUN",
+              help="The run's name (its pods are podagent-RUN-head, -w1, ...); again with the "
+                   "same name re-attaches. Default: up-YYYYmmdd-HHMMSS.")
+@click.option("--image", default=None, help="The container image of every pod (your trainer's "
+                                            "image with podagent).")
+@click.option("--template", default=None, metavar="TEMPLATE_ID",
+              help="A RunPod pod template instead of --image.")
+@click.option("--gpu", "gpu_type", default="", metavar="TYPE",
+              help="RunPod's GPU type id, e.g. 'NVIDIA H100 80GB HBM3' (--list-gpus).")
+@click.option("--gpus", "gpus_per_pod", type=int, default=1, show_default=True,
+              help="GPUs per pod.")
+@click.option("--pods", type=int, default=2, show_default=True,
+              help="Pods in all: the head and pods-1 workers.")
+@click.option("--cluster", is_flag=True, help="One RunPod Instant Cluster (fast interconnect, "
+                                              "one data center) instead of pods on Global "
+                                              "Networking.")
+@click.option("--cloud", default="SECURE", show_default=True, help="SECURE or COMMUNITY.")
+@click.option("--data-center", "data_centers", multiple=True, metavar="ID",
+              help="A data center to place the pods in (repeat for several; default any).")
+@click.option("--volume", "volume_gb", type=int, default=None, metavar="GB",
+              help="A volume of this size on each pod at /workspace (logs, checkpoints).")
+@click.option("--network-volume", default=None, metavar="ID",
+              help="A network volume mounted at /workspace instead.")
+@click.option("--disk", "disk_gb", type=int, default=None, metavar="GB",
+              help="Container disk per pod.")
+@click.option("-e", "--env", "env", multiple=True, metavar="NAME=VALUE",
+              help="A variable for every pod (repeat). Secrets only with --secret.")
+@click.option("--secret", "secrets", multiple=True, metavar="NAME=SECRET",
+              help="Variable NAME from the RunPod secret SECRET (RunPod puts the value in).")
+@click.option("--keep", is_flag=True, help="Leave the pods up after the run (they bill).")
+@click.option("--timeout", type=float, default=900.0, show_default=True, metavar="SECONDS",
+              help="Every pod must be RUNNING within this.")
+@click.option("--list-gpus", is_flag=True, help="List RunPod's GPU types and exit.")
+@key_file_option
+@click.argument("job", nargs=-1, type=click.UNPROCESSED)
+def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any) -> None:
+    """From this machine: create the pods at RunPod, bring the cluster up, follow the run, and
+    terminate the pods at the end. The job's command goes after --.
+
+    \b
+    RUNPOD_API_KEY=... podagent up --image ghcr.io/me/trainer:1 --gpu 'NVIDIA H100 80GB HBM3' \\
+        --gpus 8 --pods 2 -- python -m openrlhf.cli.train_ppo_ray ...
+    """
+    from podagent.launch import commands
+    from podagent.launch import spec as specs
+
+    key = _launch_key(key_file)
+    url = commands.api_url(os.environ)
+    if list_gpus:
+        def listing() -> int:
+            api, _ = commands.client(key, url, lambda line: click.echo(line, err=True))
+            for gpu in sorted(api.gpu_types(), key=lambda g: str(g.get("id"))):
+                price = (gpu.get("price") or {}).get("secure")
+                click.echo(f"{gpu.get('id')!s:40} {gpu.get('memory')!s:>4} GB  "
+                           f"max {(gpu.get('maxCount') or {}).get('secure')}/pod  "
+                           f"${price}/GPU/h")
+            return EXIT_OK
+        _launched(listing)
+    try:
+        spec = specs.build(**shape, job=job, api_url=url, state_dir=None)
+    except errors.ConfigError as exc:
+        _fail(str(exc), exit_code(exc))
+    _launched(lambda: commands.up(spec, key, _meaning))
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run")
+@click.option("--timeout", type=float, default=120.0, show_default=True, metavar="SECONDS",
+              help="How long RunPod gets to have every pod gone.")
+@key_file_option
+def down(run: str, timeout: float, key_file: str | None) -> None:
+    """Terminate every pod of run RUN (found by this machine's record, their names and their
+    label, so also after a crash mid-create)."""
+    from podagent.launch import commands
+    from podagent.launch import spec as specs
+
+    try:
+        config.run_name(run)
+    except ValueError as exc:
+        _fail(f"RUN={run!r}: {exc}", 2)
+    key = _launch_key(key_file)
+    _launched(lambda: commands.down(
+        run, key, commands.api_url(os.environ), specs.default_state_dir(os.environ),
+        lambda line: click.echo(f"[down] {line}"), timeout) and EXIT_OK)
+
+
+@main.command(name="ls", context_settings=CONTEXT)
+@key_file_option
+def ls_command(key_file: str | None) -> None:
+    """The runs `podagent up` started and their pods at RunPod, with their cost per hour."""
+    from podagent.launch import commands
+    from podagent.launch import spec as specs
+
+    key = _launch_key(key_file)
+    _launched(lambda: commands.ls(key, commands.api_url(os.environ),
+                                  specs.default_state_dir(os.environ)) and EXIT_OK)
 
 
 def _register_reward_server() -> None:

@@ -641,6 +641,8 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_CHECK_START_TIMEOUT": "seconds the cluster check gives its ranks to start",
     "PODAGENT_CHECK_RUN_TIMEOUT": "seconds the cluster check gives a collective to finish",
     "PODAGENT_RAY_MATRIX_ONLY": "set by the test suite when it runs itself under another Ray",
+    "PODAGENT_UP_RUN": "set by `podagent up` on the pods it creates: the run they belong to "
+                       "(how `podagent down` finds them)",
 })
 
 

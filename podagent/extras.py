@@ -25,6 +25,7 @@ EXTRAS = {
     "reward": Extra("reward", ("aiohttp", "pebble", "math_verify"),
                     "aiohttp, pebble and math-verify"),
     "wandb": Extra("wandb", ("wandb",), "wandb"),
+    "up": Extra("up", ("rich",), "rich"),
 }
 
 

@@ -275,12 +275,17 @@ class Reporter:
             self._listeners.append(listener)
 
     def event(self, event: str, **fields: Any) -> None:
-        if not self._events and not self._listeners:
+        # JSON output carries the events too, one record per line beside the messages: what
+        # reads a pod's log stream (`podagent up`, a log collector) follows the run by them.
+        shown = self.log_format == "json"
+        if not self._events and not self._listeners and not shown:
             return
         record = {"ts": round(time.time(), 3), "pod": self.pod, "role": self.role,
                   "event": event, **fields}
         line = json.dumps(self._redact_values(record), default=str)
         with self._lock:
+            if shown:
+                self._screen(self.stream).write(line + "\n")
             self._to_file("events", line + "\n")
             listeners = list(self._listeners)
         for listener in listeners:

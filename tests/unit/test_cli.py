@@ -231,6 +231,10 @@ EXIT_CODES = [
     (errors.StopTimeout("still up"), 15),
     (errors.RestartsExhausted("lost again"), 16),
     (errors.LedgerError("volume full"), 17),
+    (errors.RunPodAuthError("401"), 18),
+    (errors.NoCapacity("no capacity"), 19),
+    (errors.RunPodApiError("gave up"), 20),
+    (errors.PodsNotReady("PROVISIONING"), 21),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),
@@ -363,7 +367,10 @@ def test_log_format_json_and_quiet_through_the_cli(tmp_path):
     shown = run_cli(tmp_path, ("--log-format", "json", "head", "--dry-run"), {})
     assert shown.returncode == 0, shown.stderr
     records = [json.loads(line) for line in shown.stdout.splitlines()]
-    assert records and all(r["level"] == "info" and r["role"] == "head" for r in records)
+    # Messages and events, one object per line: events carry their name instead of a level.
+    messages = [r for r in records if "event" not in r]
+    assert messages and all(r["level"] == "info" and r["role"] == "head" for r in messages)
+    assert all(r["role"] == "head" and r["event"] for r in records if "event" in r)
     quiet = run_cli(tmp_path, ("head", "--dry-run", "--quiet"), {})
     assert quiet.returncode == 0 and quiet.stdout == "", quiet.stdout
     bad = run_cli(tmp_path, ("--dry-run",), {"PODAGENT_LOG_FORMAT": "xml"})

@@ -1,0 +1,150 @@
+"""What `podagent up` shows: at a terminal, a live board (the run's phase and a table of its
+pods: status, for how long, cost) redrawn in place under the scrolling output; elsewhere
+(a pipe, a file, CI) plain lines, one per change. Both read the same Board."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+
+@dataclass
+class PodRow:
+    name: str
+    id: str = ""
+    status: str = "ASKING"  # before RunPod answered the create
+    since: float = field(default_factory=time.monotonic)
+    cost: float | None = None  # USD per hour, as RunPod reports it
+    joined: bool = False
+
+
+@dataclass
+class Board:
+    run: str
+    shape: str
+    phase: str = "checking"
+    started: float = field(default_factory=time.monotonic)
+    phase_since: float = field(default_factory=time.monotonic)
+    pods: dict[str, PodRow] = field(default_factory=dict)
+    joined: int = 0
+    expected: int = 0
+
+    def row(self, name: str) -> PodRow:
+        if name not in self.pods:
+            self.pods[name] = PodRow(name)
+        return self.pods[name]
+
+    def set_phase(self, phase: str) -> bool:
+        if phase == self.phase:
+            return False
+        self.phase, self.phase_since = phase, time.monotonic()
+        return True
+
+    def cost(self) -> float:
+        return sum(p.cost or 0.0 for p in self.pods.values())
+
+
+def _ago(since: float) -> str:
+    seconds = int(time.monotonic() - since)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class PlainView:
+    """One line per change: a pod's status, the phase, a worker joining; output as it is."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream or sys.stdout
+        self._seen: dict[str, str] = {}
+        self._phase = ""
+        self._joined = -1
+
+    def _put(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def update(self, board: Board) -> None:
+        for row in board.pods.values():
+            if self._seen.get(row.name) != row.status:
+                before = self._seen.get(row.name)
+                was = f" (was {before})" if before else ""
+                ident = f" {row.id}" if row.id else ""
+                self._put(f"[up] pod {row.name}{ident}: {row.status}{was} "
+                          f"at {_ago(board.started)}")
+                self._seen[row.name] = row.status
+        if board.expected and board.joined != self._joined and board.joined:
+            self._put(f"[up] workers joined: {board.joined}/{board.expected}")
+        self._joined = board.joined
+        if board.phase != self._phase:
+            self._phase = board.phase
+            self._put(f"[up] run {board.run}: {board.phase} at {_ago(board.started)}")
+
+    def line(self, text: str) -> None:
+        self._put(text)
+
+    def close(self) -> None:
+        self.stream.flush()
+
+
+class LiveView:
+    """The board redrawn in place four times a second (rich's Live); lines scroll above it."""
+
+    def __init__(self, stream: TextIO | None = None):
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(file=stream or sys.stdout)
+        self._board: Board | None = None
+        self._live = Live(console=self.console, refresh_per_second=4, transient=False,
+                          get_renderable=self._render)
+        self._live.start()
+
+    def _render(self):  # -> rich renderable
+        from rich.table import Table
+        from rich.text import Text
+
+        board = self._board
+        if board is None:
+            return Text("")
+        table = Table(title=None, box=None, pad_edge=False, expand=False)
+        for column in ("pod", "id", "status", "for", "$/h"):
+            table.add_column(column, no_wrap=True)
+        colour = {"RUNNING": "green", "ERROR": "red", "TERMINATED": "dim", "EXITED": "yellow"}
+        for row in board.pods.values():
+            status = row.status + (" · joined" if row.joined else "")
+            table.add_row(row.name, row.id or "-",
+                          Text(status, style=colour.get(row.status, "cyan")),
+                          _ago(row.since), "-" if row.cost is None else f"{row.cost:.2f}")
+        joined = f" · workers {board.joined}/{board.expected}" if board.expected else ""
+        head = Text(f"run {board.run} · {board.shape} · {board.phase} for "
+                    f"{_ago(board.phase_since)} · {_ago(board.started)} in all{joined} · "
+                    f"${board.cost():.2f}/h", style="bold")
+        from rich.console import Group
+
+        return Group(head, table)
+
+    def update(self, board: Board) -> None:
+        self._board = board
+
+    def line(self, text: str) -> None:
+        from rich.text import Text
+
+        self._live.console.print(Text(text), soft_wrap=True)
+
+    def close(self) -> None:
+        self._live.refresh()
+        self._live.stop()
+
+
+def choose(stream: TextIO | None = None) -> PlainView | LiveView:
+    stream = stream or sys.stdout
+    try:
+        live = stream.isatty()
+    except (AttributeError, ValueError):
+        live = False
+    import os
+
+    if live and os.environ.get("TERM", "") not in ("", "dumb"):
+        return LiveView(stream)
+    return PlainView(stream)
