@@ -16,6 +16,15 @@ class ConfigError(PodagentError):
         super().__init__(f"{name}={shown} {rule}")
 
 
+class InputError(ConfigError):
+    """Bad input that is not one setting's value (two options that exclude each other, a
+    missing key): the message says it all."""
+
+    def __init__(self, message: str):
+        self.name, self.value, self.rule = "", None, message
+        PodagentError.__init__(self, message)
+
+
 class MissingDependency(PodagentError):
     """An optional part of podagent (an extra, or the image's torch) is not installed; raised
     before podagent touches anything. The message names what to install."""

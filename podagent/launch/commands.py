@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from podagent import extras
-from podagent.errors import ConfigError
+from podagent.errors import InputError
 from podagent.launch import down as downs
 from podagent.launch import spec as specs
 from podagent.launch import state
@@ -37,15 +37,15 @@ def api_key(environ: Mapping[str, str], key_file: str | None) -> str:
         return key
     path = key_file or environ.get(API_KEY_FILE, "").strip()
     if not path:
-        raise ConfigError(f"no RunPod API key: set {API_KEY}, or give --api-key-file FILE "
+        raise InputError(f"no RunPod API key: set {API_KEY}, or give --api-key-file FILE "
                           f"(a key is never taken from the command line)")
     try:
         key = Path(path).expanduser().read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"--api-key-file {path!r}: cannot be read "
+        raise InputError(f"--api-key-file {path!r}: cannot be read "
                           f"({exc.strerror or exc})") from None
     if not key:
-        raise ConfigError(f"--api-key-file {path!r}: is empty (it should hold the key)")
+        raise InputError(f"--api-key-file {path!r}: is empty (it should hold the key)")
     return key
 
 

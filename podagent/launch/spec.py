@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from podagent import config
-from podagent.errors import ConfigError
+from podagent.errors import ConfigError, InputError
 
 PREFIX = "podagent"
 LABEL = "PODAGENT_UP_RUN"  # the env label every pod of a run carries
@@ -102,7 +102,7 @@ class UpSpec:
 
 
 def _fail(name: str, value: Any, rule: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r}: {rule}")
+    return ConfigError(name, value, rule)
 
 
 def default_run_name() -> str:
@@ -133,7 +133,7 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
         raise _fail("--gpu", gpu_type, "must name a RunPod GPU type, e.g. 'NVIDIA H100 80GB "
                                        "HBM3' (see `podagent up --list-gpus`)")
     if bool(image) == bool(template):
-        raise ConfigError("give exactly one of --image IMAGE or --template TEMPLATE_ID "
+        raise InputError("give exactly one of --image IMAGE or --template TEMPLATE_ID "
                           "(the image podagent runs in, on every pod)")
     if image and (len(image) > 255 or not _IMAGE.fullmatch(image)):
         raise _fail("--image", image, "is not a container image reference such as "
@@ -147,7 +147,7 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     if volume_gb is not None and volume_gb < 10:
         raise _fail("--volume", volume_gb, "must be at least 10 (GB; RunPod's floor)")
     if volume_gb is not None and network_volume:
-        raise ConfigError("give at most one of --volume GB and --network-volume ID (RunPod "
+        raise InputError("give at most one of --volume GB and --network-volume ID (RunPod "
                           "mounts one volume at /workspace)")
     if disk_gb is not None and disk_gb < 1:
         raise _fail("--disk", disk_gb, "must be at least 1 (GB of container disk)")
@@ -180,7 +180,7 @@ def _environment(pairs: tuple[str, ...], secrets: tuple[str, ...]) -> tuple[tupl
                                        "--, the run's name with --name)")
         if config.is_secret(name) and not _SECRET_REF.fullmatch(value.strip()):
             # The value is not echoed: it may be the secret itself.
-            raise ConfigError(f"--env {name}=...: a secret is passed by RunPod secret "
+            raise InputError(f"--env {name}=...: a secret is passed by RunPod secret "
                               f"reference, never by value: --secret {name}=<name of a RunPod "
                               f"secret>")
         found[name] = value

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from podagent.errors import ConfigError
+from podagent.errors import ConfigError, InputError
 
 # A run's life as the record tells it.
 CREATING, RUNNING, FINISHED, DOWN = "creating", "running", "finished", "down"
@@ -115,7 +115,7 @@ def load(state_dir: Path, run: str) -> RunRecord | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"the record of run {run} ({path}) cannot be read ({exc}): "
+        raise InputError(f"the record of run {run} ({path}) cannot be read ({exc}): "
                           f"`podagent down {run}` still finds its pods by name") from None
     resources = [Resource(**r) for r in data.pop("resources", [])]
     known = {k: v for k, v in data.items() if k in RunRecord.__dataclass_fields__}

@@ -1,0 +1,192 @@
+"""podagent up's parts that need no RunPod: the run's spec and its bad inputs, the create
+bodies, the local record, the policy, the head's records, the plain view."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from podagent.errors import ConfigError
+from podagent.launch import spec as specs
+from podagent.launch import state
+from podagent.launch.follow import parse
+from podagent.launch.up import judge
+from podagent.launch.view import Board, PlainView
+
+H100 = "NVIDIA H100 80GB HBM3"
+CATALOG = [{"id": H100, "name": "H100 SXM", "maxCount": {"secure": 8, "community": 0},
+            "price": {"secure": 2.99, "community": 0.0}}]
+
+
+def build(**over):
+    args = dict(run="demo", gpu_type=H100, gpus_per_pod=8, pods=3, image="ghcr.io/me/trainer:1",
+                template=None, cluster=False, cloud="SECURE", data_centers=(), volume_gb=None,
+                network_volume=None, disk_gb=None, env=(), secrets=(), job=(), keep=False,
+                timeout=900.0, api_url="https://api.runpod.io", state_dir=None)
+    args.update(over)
+    return specs.build(**args)
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    ({"pods": 0}, "--pods=0 must be at least 1"),
+    ({"pods": 1, "cluster": True}, "--pods=1 must be at least 2 with --cluster"),
+    ({"pods": 251}, "at most 250"),
+    ({"gpus_per_pod": 0}, "--gpus=0 must be at least 1"),
+    ({"image": "Trainer:latest"}, "--image='Trainer:latest' is not a container image"),
+    ({"image": "ghcr.io/me/trainer:1 --privileged"}, "is not a container image"),
+    ({"image": None}, "give exactly one of --image IMAGE or --template"),
+    ({"template": "tpl1"}, "give exactly one of --image IMAGE or --template"),
+    ({"image": None, "template": "tpl1", "cluster": True}, "cannot be used with --cluster"),
+    ({"run": "a b"}, "--name='a b' must be 1-64 characters"),
+    ({"cloud": "CHEAP"}, "--cloud='CHEAP' must be one of SECURE, COMMUNITY"),
+    ({"volume_gb": 5}, "--volume=5 must be at least 10"),
+    ({"env": ("NOEQUALS",)}, "--env='NOEQUALS' must be NAME=VALUE"),
+    ({"env": ("EXPECTED_WORKERS=3",)}, "is set by `podagent up` itself"),
+    ({"secrets": ("HF_TOKEN=has space",)}, "--secret='HF_TOKEN=has space'"),
+    ({"api_url": "ftp://x"}, "RUNPOD_API_URL='ftp://x' must be an http"),
+])
+def test_bad_input_is_one_line_naming_it(over, says):
+    with pytest.raises(ConfigError) as caught:
+        build(**over)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_secret_by_value_is_refused_without_echoing_it():
+    with pytest.raises(ConfigError) as caught:
+        build(env=("WANDB_API_KEY=abc123secretvalue",))
+    assert "abc123secretvalue" not in str(caught.value)
+    assert "--secret WANDB_API_KEY=" in str(caught.value)
+
+
+def test_a_secret_goes_by_runpod_reference():
+    spec = build(secrets=("WANDB_API_KEY=wandb_key",),
+                 env=("HF_TOKEN={{ RUNPOD_SECRET_hf }}", "LR=1e-5"))
+    env = dict(spec.env)
+    assert env == {"WANDB_API_KEY": "{{ RUNPOD_SECRET_wandb_key }}",
+                   "HF_TOKEN": "{{ RUNPOD_SECRET_hf }}", "LR": "1e-5"}
+
+
+@pytest.mark.parametrize("image", ["trainer", "ghcr.io/me/trainer:1.2", "localhost:5000/a/b",
+                                   "me/trainer@sha256:" + "a" * 64, "a.b/c_d/e-f:T_1"])
+def test_image_references_that_are_fine(image):
+    assert build(image=image).image == image
+
+
+def test_the_head_and_workers_get_their_roles_and_the_run():
+    spec = build(job=("python", "-m", "train", "--lr", "1e-5 x"), volume_gb=50,
+                 data_centers=("US-TX-3",))
+    head, worker = specs.pod_body(spec, 0), specs.pod_body(spec, 2, head_id="abc")
+    assert head["name"] == "podagent-demo-head" and worker["name"] == "podagent-demo-w2"
+    assert head["env"]["EXPECTED_WORKERS"] == "2" and "RAY_WORKER" not in head["env"]
+    assert head["env"]["PODAGENT_JOB"] == "python -m train --lr '1e-5 x'"
+    assert head["env"]["PODAGENT_LOG_FORMAT"] == "json"
+    assert worker["env"]["RAY_WORKER"] == "1" and worker["env"]["HEAD_POD_ID"] == "abc"
+    for body in (head, worker):
+        assert body["env"][specs.LABEL] == "demo" and body["env"]["PODAGENT_RUN_NAME"] == "demo"
+        assert body["env"]["PODAGENT_AFTER_RUN"] == "stay"
+        assert body["gpu"] == {"id": H100, "count": 8} and body["globalNetworking"] is True
+        assert body["mounts"] == {"persistent": {"size": 50, "path": "/workspace"}}
+        assert body["dataCenterIds"] == ["US-TX-3"]
+    cluster = specs.cluster_body(build(cluster=True))
+    assert cluster["type"] == "TRAINING" and cluster["compute"] == {
+        "gpuTypeId": H100, "gpuCountPerPod": 8, "podCount": 3}
+    assert "RAY_WORKER" not in cluster["env"] and cluster["env"]["EXPECTED_WORKERS"] == "2"
+
+
+def test_a_runs_pods_are_known_by_label_or_exact_name():
+    assert specs.belongs({"name": "podagent-demo-w12"}, "demo")
+    assert specs.belongs({"name": "x", "env": {specs.LABEL: "demo"}}, "demo")
+    assert not specs.belongs({"name": "podagent-demo-x-head"}, "demo")  # run demo-x's
+    assert not specs.belongs({"name": "podagent-demo-w0"}, "demo")
+
+
+def test_the_gpu_type_is_checked_against_the_catalog():
+    assert specs.check_gpu(build(), CATALOG)["id"] == H100
+    assert specs.check_gpu(build(gpu_type="H100 SXM"), CATALOG)["id"] == H100
+    with pytest.raises(ConfigError, match="not a GPU type RunPod offers; did you mean "
+                                          "'NVIDIA H100 80GB HBM3'"):
+        specs.check_gpu(build(gpu_type="NVIDIA H100 80GB"), CATALOG)
+    with pytest.raises(ConfigError, match=r"--gpus=8 is more than .* COMMUNITY cloud \(0\)"):
+        specs.check_gpu(build(cloud="COMMUNITY"), CATALOG)
+
+
+def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_path):
+    record = state.new(tmp_path, "demo", "https://api.runpod.io", "3 x 8 H100")
+    asked = record.asking("pod", "podagent-demo-head", 0)
+    on_disk = json.loads(state.path_of(tmp_path, "demo").read_text())
+    assert on_disk["resources"][0] == {"kind": "pod", "name": "podagent-demo-head", "rank": 0,
+                                       "id": None, "asked_at": asked.asked_at}
+    record.got(asked, "pod123")
+    again = state.load(tmp_path, "demo")
+    assert again is not None and again.ids("pod") == ["pod123"]
+    assert [r.run for r in state.all_records(tmp_path)] == ["demo"]
+    assert not list(tmp_path.glob(".*"))  # no temporary file left beside it
+
+
+def test_the_policy():
+    t0, shape = 100.0, "3 x H100"
+    running = {"a": "RUNNING", "b": "RUNNING"}
+    assert judge(running, t0, t0 + 5000, 900, None, shape).action == "wait"
+    assert judge(running, t0, t0 + 1, 900, 3, shape).action == "done"
+    slow = judge({"a": "RUNNING", "b": "PROVISIONING"}, t0, t0 + 901, 900, None, shape)
+    assert slow.action == "fail" and "b PROVISIONING" in slow.why and "900 s" in slow.why
+    assert judge({"a": "RUNNING", "b": "PROVISIONING"}, t0, t0 + 899, 900, None,
+                 shape).action == "wait"
+    assert "ERROR" in judge({"a": "ERROR"}, t0, t0, 900, None, shape).why
+    assert "terminated outside" in judge({"a": None}, t0, t0, 900, None, shape).why
+
+
+def test_the_heads_records():
+    assert parse('{"ts": 1, "event": "exit", "code": 3}').kind == "event"
+    job = parse('{"ts": "t", "level": "job", "role": "head", "message": "step 1"}')
+    assert job.kind == "job" and job.text == "step 1"
+    assert parse('{"level": "info", "message": "hi"}').kind == "message"
+    assert parse("Traceback (most recent call last):").kind == "text"
+    assert parse("[1, 2]").kind == "text"
+
+
+def test_the_plain_view_says_each_change_once():
+    out = io.StringIO()
+    view, board = PlainView(out), Board("demo", "2 x H100", expected=1)
+    board.row("podagent-demo-head").status = "PROVISIONING"
+    view.update(board)
+    view.update(board)
+    board.row("podagent-demo-head").status = "RUNNING"
+    board.joined = 1
+    board.set_phase("running the job")
+    view.update(board)
+    lines = out.getvalue().splitlines()
+    assert [line.split(" at ")[0] for line in lines] == [
+        "[up] pod podagent-demo-head: PROVISIONING", "[up] run demo: checking",
+        "[up] pod podagent-demo-head: RUNNING (was PROVISIONING)", "[up] workers joined: 1/1",
+        "[up] run demo: running the job"]
+
+
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
+    return subprocess.run([sys.executable, "-m", "podagent", *argv], capture_output=True,
+                          text=True, env={**clean, **(env or {})}, timeout=60)
+
+
+def test_no_key_is_one_line_and_exit_2():
+    result = _cli("up", "--image", "a/b:1", "--gpu", H100)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "podagent: error: no RunPod API key: set RUNPOD_API_KEY, or give --api-key-file FILE "
+        "(a key is never taken from the command line)"]
+
+
+def test_the_key_from_a_file_and_bad_input_before_any_call(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("k" * 32 + "\n")
+    # An address nothing answers at: a call would fail differently (exit 20, not 2).
+    env = {"RUNPOD_API_URL": "http://127.0.0.1:9"}
+    result = _cli("up", "--api-key-file", str(key), "--image", "a/b:1", "--gpu", H100,
+                  "--pods", "0", env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--pods=0 must be at least 1" in result.stderr
