@@ -21,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -83,9 +83,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def install_missing() -> list[str]:
-    """apt-get install what is missing (Debian's packages); returns the packages installed."""
-    wanted = sorted({pkg for tool, pkg in PACKAGES.items() if shutil.which(tool) is None})
+def install_missing(packages: Mapping[str, str] = PACKAGES) -> list[str]:
+    """apt-get install what is missing (tool -> Debian's package); returns those installed."""
+    wanted = sorted({pkg for tool, pkg in packages.items() if shutil.which(tool) is None})
     if not wanted:
         return []
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
