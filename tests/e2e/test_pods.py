@@ -247,6 +247,28 @@ def test_close_removes_everything_and_kills_pod_processes(
     assert all(p.returncode is not None for p in procs)
 
 
+def test_remove_pod_kills_and_deletes_that_pod_only(
+    pod_network: PodNetwork, tmp_path: Path
+) -> None:
+    gone, kept = pod_network.add_pod("gone"), pod_network.add_pod("kept")
+    pidfile = tmp_path / "gone.pids"
+    proc = gone.popen([sys.executable, "-c", SLEEPER, str(pidfile)])
+    pids = [int(x) for x in wait_for(lambda: pidfile.exists() and pidfile.read_text(), 5,
+                                     what=str(pidfile)).split()]
+
+    pod_network.remove_pod(gone)
+    assert all(_dead(pid) for pid in pids) and proc.returncode is not None
+    assert gone.netns not in list_netns() and kept.netns in list_netns()
+    assert gone.host_veth not in [n for _, n in socket.if_nameindex()]
+    assert pod_network.pods == [kept]
+    with pytest.raises(ValueError):
+        pod_network.remove_pod(gone)
+    # Its address is reused last; the next pod gets a fresh one.
+    assert pod_network.add_pod("next").ip not in (gone.ip, kept.ip)
+    pod_network.close()
+    assert _resources(pod_network.token) == []
+
+
 def test_cleanup_stale_removes_crashed_run_only(pod_network: PodNetwork) -> None:
     live = pod_network.add_pod("live")
     out = subprocess.run(

@@ -769,6 +769,24 @@ class PodNetwork:
                 return p
         raise KeyError(name)
 
+    def remove_pod(self, pod: Pod) -> None:
+        """Kill a pod's processes and delete its namespace and veth, as a pod that is gone.
+
+        Its address goes to the back of the free list, so a pod made right after does not
+        inherit it (peers may still hold the old pod's ARP entry). On a failure what is left
+        stays registered for close() to retry.
+        """
+        if pod not in self.pods:
+            raise ValueError(f"{pod!r} is not a pod of this network")
+        errors = _teardown([pod.netns], [pod.host_veth], self.kill_timeout)
+        pod._reap(timeout=1.0)
+        if errors:
+            raise RuntimeError(f"removing pod {pod.name!r} incomplete:\n  " + "\n  ".join(errors))
+        self.pods.remove(pod)
+        self._netns.remove(pod.netns)
+        self._links.remove(pod.host_veth)
+        self._free_ips.append(pod.ip)
+
     def close(self) -> None:
         """Kill every process in every pod and delete all we created. Idempotent."""
         if self.closed:

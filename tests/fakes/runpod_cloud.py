@@ -1,0 +1,1475 @@
+"""FakeRunPodCloud: RunPod's REST API v2 control plane over real HTTP, whose pods are real test
+pods (network namespaces of tests/harness/pods.py running the container's real process), so that
+a client creating pods and clusters through the API can be tested end to end.
+
+    images = {"podagent:test": [sys.executable, "-m", "podagent"]}
+    with FakeRunPodCloud(net, dns, tmp_path, api_key=KEY, images=images) as cloud:
+        env = {**os.environ, "RUNPOD_API_KEY": KEY, "RUNPOD_API_URL": cloud.url}
+        subprocess.run([sys.executable, "-m", "podagent", "up", ...], env=env, check=True)
+        assert cloud.invalid_requests() == [] and cloud.fake_errors == []
+        assert cloud.billing() == []
+
+`cloud.url` is the server root (http://127.0.0.1:PORT), as RunPod's document names
+https://api.runpod.io: the client appends /v2/....
+
+Faithful to RunPod's published v2 document (runpod_v2_schema.json holds its schemas):
+- the endpoints for the GPU catalog, pods (create, list, get, terminate, actions, the SSE log
+  stream) and clusters (create, list, get, their pods, delete), with Bearer auth, the status
+  codes the document gives (201, 204, 400, 401, 404, 409, 422, 429 with Retry-After) and
+  application/problem+json ErrorResponse bodies;
+- every request body and query parameter is checked against the schemas (unknown fields are
+  refused with 422, each violation listed in `errors` as RunPod words it:
+  "$: additional properties 'bogus' not allowed"), and so is every answer of the fake's own;
+- pods go PROVISIONING, STARTING, RUNNING; stop is EXITED with cost 0.0; the actions valid in
+  each status are those the document lists (409 otherwise); cluster members are refused (409)
+  by the pod endpoints and excluded from GET /v2/pods unless includeClusterPods=true;
+- a pod's container is started again when its process exits (as RunPod's runtime does), what was
+  left in the pod is killed then, and a stop or terminate sends SIGTERM to the container's main
+  process (as `docker stop` does to PID 1) and SIGKILL to everything after the grace;
+- the environment RunPod injects (RUNPOD_* with a pod-scoped RUNPOD_API_KEY, and on cluster
+  members PRIMARY_ADDR/MASTER_ADDR, PRIMARY_PORT/MASTER_PORT, NODE_ADDR, NODE_RANK, NUM_NODES,
+  NUM_TRAINERS, HOST_NODE_ADDR, WORLD_SIZE); Global Networking pods answer in DNS as
+  <id>.runpod.internal on interface podnet1, cluster members talk over ens1.
+
+Simplified (the fake's own choices):
+- one data center (`data_center`, or the first of the request's dataCenterIds), capacity is
+  unlimited unless `no_capacity()` says otherwise; no templates (templateId is 400), no PATCH
+  (501), RAY and SLURM clusters are 400; a pod-scoped key is refused everywhere (403);
+- a terminated pod leaves the API at once: it is no longer listed and GET answers 404, while its
+  processes are stopped and its namespace deleted in the background (`pods[id].torn_down` says
+  when that is over, `wait_torn_down()` waits for it); log streams already open end only then,
+  so they carry the container's last lines;
+- ERROR costs 0.0 and does not bill; after `max_restarts` automatic restarts in a row the pod is
+  ERROR; an image missing from `images` fails to pull (ERROR);
+- volumes: a persistent mount is a directory of its own per pod under `root`, a network volume
+  one per volumeId shared by the pods that mount it; there is no mount namespace, so request env
+  values under the mount path are rewritten to that directory, and with the volume at /workspace
+  (where podagent looks) PODAGENT_LOG_DIR and PODAGENT_CHECKPOINT_DIR point into it unless the
+  request sets them;
+- what a test pod needs on this machine is added to the environment: PODAGENT_DNS_SERVER, a short
+  PODAGENT_RAY_TEMP_DIR, PYTHONUNBUFFERED, PYTHONPATH (this repository); the process starts in a
+  directory of its own under `root`; no GPUs exist (RUNPOD_GPU_COUNT is what was asked for).
+
+Not thread-safe towards the PodNetwork it is given: while it provisions, add no pods to that
+network from other threads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import dataclasses
+import datetime as dt
+import http
+import json
+import os
+import re
+import secrets
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import psutil
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
+
+from tests.fakes.served import ServedFake
+from tests.harness.agents import clean_environ
+from tests.harness.pods import (
+    RUNPOD_ZONE,
+    DnsServer,
+    Pod,
+    PodNetwork,
+    _kill_netns_processes,
+    netns_pids,
+    random_pod_id,
+    wait_for,
+)
+
+__all__ = [
+    "BILLING",
+    "DEFAULT_GPUS",
+    "SCHEMAS",
+    "Exit",
+    "FakeRunPodCloud",
+    "Leftover",
+    "LogLine",
+    "PodView",
+    "RequestRecord",
+    "Schemas",
+]
+
+SCHEMA_FILE = Path(__file__).with_name("runpod_v2_schema.json")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_DOC_URI = "urn:runpod:api-v2"
+_REF_PREFIX = "#/components/schemas/"
+
+BILLING = ("PROVISIONING", "STARTING", "RUNNING")
+# The actions the document allows in each status.
+ACTIONS = {
+    "PROVISIONING": ["stop", "terminate"],
+    "STARTING": ["stop", "terminate"],
+    "RUNNING": ["stop", "restart", "terminate"],
+    "EXITED": ["start", "terminate"],
+    "ERROR": ["start", "terminate"],
+    "TERMINATED": [],
+}
+PRIMARY_PORT = "29500"  # RunPod's documentation uses it; "all ports are available"
+CPUS_PER_GPU = 16
+CPU_PRICE_PER_VCPU = 0.03
+DEFAULT_DISK_GB = 20
+CUDA_VERSION = "12.8"
+_HEARTBEAT_S = 5.0  # an idle log stream writes an SSE comment this often (finds gone clients)
+
+DEFAULT_GPUS: tuple[dict[str, Any], ...] = (
+    {"id": "NVIDIA H100 80GB HBM3", "name": "H100 SXM", "pool": "ADA_80_PRO",
+     "manufacturer": "NVIDIA", "memory": 80, "secure": True, "community": True,
+     "price": {"secure": 2.99, "community": 2.69}, "maxCount": {"secure": 8, "community": 8}},
+    {"id": "NVIDIA A100 80GB PCIe", "name": "A100 PCIe", "pool": "AMPERE_80",
+     "manufacturer": "NVIDIA", "memory": 80, "secure": True, "community": True,
+     "price": {"secure": 1.64, "community": 1.19}, "maxCount": {"secure": 8, "community": 8}},
+    {"id": "NVIDIA GeForce RTX 4090", "name": "RTX 4090", "pool": "ADA_24",
+     "manufacturer": "NVIDIA", "memory": 24, "secure": True, "community": True,
+     "price": {"secure": 0.44, "community": 0.31}, "maxCount": {"secure": 8, "community": 4}},
+)
+
+
+# --------------------------------------------------------------------------------------------
+# schemas
+
+
+class Schemas:
+    """RunPod's v2 component schemas as validators; messages name the place and the field."""
+
+    def __init__(self, path: Path = SCHEMA_FILE) -> None:
+        doc = json.loads(path.read_text())
+        self.schemas: dict[str, Any] = doc["schemas"]
+        self.parameters: dict[str, dict[str, Any]] = {
+            p["name"]: p for p in doc["parameters"].values()}
+        resource = DRAFT202012.create_resource({"components": {"schemas": self.schemas}})
+        self._registry = Registry().with_resource(_DOC_URI, resource)
+        self._validators: dict[str, Draft202012Validator] = {}
+        self._lock = threading.Lock()
+
+    def _validator(self, key: str, schema: Any) -> Draft202012Validator:
+        with self._lock:
+            if key not in self._validators:
+                self._validators[key] = Draft202012Validator(
+                    _absolute_refs(schema), registry=self._registry)
+            return self._validators[key]
+
+    def errors(self, name: str, instance: Any) -> list[str]:
+        """Every violation of schema `name` by `instance`, "<json path>: <what>"; [] if valid."""
+        if name not in self.schemas:
+            raise KeyError(f"no schema {name!r}")
+        ref = {"$ref": _REF_PREFIX + name}
+        found = self._validator(name, ref).iter_errors(instance)
+        return sorted({m for e in found if (m := self._message(ref, e)) is not None})
+
+    def parameter_errors(self, name: str, value: Any) -> list[str]:
+        """A query or header parameter of the document (e.g. "tail") against its schema."""
+        schema = self.parameters[name]["schema"]
+        found = self._validator("parameter:" + name, schema).iter_errors(value)
+        out = []
+        for e in found:
+            m = self._message(schema, e)
+            if m is not None:
+                out.append(m.replace("$", f"$.{name}", 1))
+        return sorted(out)
+
+    def _message(self, root: Any, error: ValidationError) -> str | None:
+        where = error.json_path
+        if error.validator in ("unevaluatedProperties", "additionalProperties"):
+            names = re.findall(r"'((?:[^'\\]|\\.)*)'", error.message.partition("(")[2])
+            # A field whose own value is wrong makes its branch fail, and 2020-12 then counts
+            # every field of that branch as unevaluated: those were reported at their place.
+            declared = self._declared(root, list(error.absolute_path))
+            names = [n for n in names if n not in declared]
+            if not names:
+                return None
+            return f"{where}: additional properties {', '.join(repr(n) for n in names)} not allowed"
+        if error.validator == "required":
+            name = error.message.split("'")[1] if "'" in error.message else error.message
+            return f"{where}: missing property '{name}'"
+        return f"{where}: {error.message}"
+
+    def _resolve(self, schema: Any) -> Any:
+        while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and \
+                schema["$ref"].startswith(_REF_PREFIX):
+            schema = self.schemas[schema["$ref"][len(_REF_PREFIX):]]
+        return schema
+
+    def _branches(self, schema: Any) -> list[dict[str, Any]]:
+        """The schema and every subschema that applies to the same instance."""
+        schema = self._resolve(schema)
+        if not isinstance(schema, dict):
+            return []
+        out = [schema]
+        for key in ("allOf", "anyOf", "oneOf"):
+            for sub in schema.get(key, []):
+                out += self._branches(sub)
+        for key in ("then", "else"):
+            if key in schema:
+                out += self._branches(schema[key])
+        return out
+
+    def _declared(self, schema: Any, path: list[Any]) -> set[str]:
+        branches = self._branches(schema)
+        for part in path:
+            subs: list[Any] = []
+            for b in branches:
+                if isinstance(part, int):
+                    if isinstance(b.get("items"), dict):
+                        subs.append(b["items"])
+                elif part in b.get("properties", {}):
+                    subs.append(b["properties"][part])
+                elif isinstance(b.get("additionalProperties"), dict):
+                    subs.append(b["additionalProperties"])
+            branches = [x for s in subs for x in self._branches(s)]
+        return {name for b in branches for name in b.get("properties", {})}
+
+
+def _absolute_refs(schema: Any) -> Any:
+    """Refs of the document ("#/components/...") made to point into the registered resource."""
+    if isinstance(schema, dict):
+        return {k: (_DOC_URI + v if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _absolute_refs(v)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_absolute_refs(x) for x in schema]
+    return schema
+
+
+SCHEMAS = Schemas()
+
+
+# --------------------------------------------------------------------------------------------
+# what tests see
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    method: str
+    path: str
+    query: dict[str, str]
+    body: Any  # parsed JSON, or None (no body, or not JSON)
+    status: int  # what the fake answered
+    schema_errors: list[str]  # the request against the document; [] when valid
+    time: float  # time.time() when it arrived
+    fault: bool = False  # answered by fail_next
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    start: int  # the how-manieth container start of its pod (1, 2, ...)
+    code: int  # as a container runtime reports it: 128 + n for a signal n
+    time: float  # time.time()
+    output: Path  # that start's stdout and stderr
+    stopped_by: str | None  # None: it exited by itself; else "stop", "restart" or "terminate"
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLine:
+    seq: int
+    ts: float
+    source: str  # "container" or "system"
+    line: str
+
+    @property
+    def event_id(self) -> str:
+        return f"{_rfc3339(self.ts)}/{self.seq:012d}"
+
+    def sse(self) -> bytes:
+        data = json.dumps({"ts": _rfc3339(self.ts), "source": self.source, "line": self.line},
+                          separators=(",", ":"))
+        return f"id: {self.event_id}\ndata: {data}\n\n".encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class PodView:
+    id: str
+    name: str
+    status: str
+    env: dict[str, str]  # the request's env, as the API echoes it
+    process_env: dict[str, str]  # what the latest container start got ({} before the first)
+    cluster: dict[str, Any] | None  # {"id", "rank"[, "ip"]} for a cluster member
+    exits: tuple[Exit, ...]
+    harness: Pod | None  # its network namespace, once provisioned (None again once torn down)
+    api_key: str  # its pod-scoped RUNPOD_API_KEY
+    volume: Path | None  # the directory its mount path stands for
+    starts: int
+    torn_down: bool  # terminated and its namespace deleted
+    ip: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+    pod_id: str
+    pid: int
+    cmdline: str
+
+
+def _rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_rfc3339(text: str) -> float | None:
+    """Seconds since the epoch, or None when `text` is no RFC 3339 date-time."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\d)[Tt ](\d\d:\d\d:\d\d)(\.\d+)?([Zz]|[+-]\d\d:\d\d)", text)
+    if not m:
+        return None
+    frac = (m.group(3) or ".0")[1:7].ljust(6, "0")
+    zone = "+00:00" if m.group(4) in ("Z", "z") else m.group(4)
+    try:
+        return dt.datetime.fromisoformat(f"{m.group(1)}T{m.group(2)}.{frac}{zone}").timestamp()
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# internal state
+
+
+@dataclasses.dataclass(eq=False)
+class _PodState:
+    id: str
+    name: str
+    created: float
+    image: str
+    args: str
+    env: dict[str, str]
+    ports: list[str]
+    disk: int
+    mounts: dict[str, Any]
+    gpu: dict[str, Any] | None
+    cpu: dict[str, Any] | None
+    cloud: str
+    dc: str
+    price: float  # per hour while billing
+    global_networking: bool = False
+    cluster: dict[str, Any] | None = None
+    start_jupyter: bool = False
+    status: str = "PROVISIONING"
+    want: str = "run"  # run | stop | terminate: what the API last asked for
+    generation: int = 0  # bumped by start and restart: the container to run is a new one
+    gone: bool = False  # terminated: no longer in the API
+    torn_down: bool = False
+    started_at: float | None = None
+    harness: Pod | None = None
+    ip: str | None = None
+    pulled: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    pump: threading.Thread | None = None
+    out_path: Path | None = None
+    stopping: str | None = None  # why the running container is being stopped
+    starts: int = 0
+    auto_restarts: int = 0
+    exits: list[Exit] = dataclasses.field(default_factory=list)
+    logs: list[LogLine] = dataclasses.field(default_factory=list)
+    api_key: str = ""
+    hostname: str = ""
+    ray_tmp: str = ""
+    home: Path | None = None
+    volume: Path | None = None
+    mount_path: str | None = None
+    process_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    thread: threading.Thread | None = None
+
+    @property
+    def gpu_count(self) -> int:
+        return int(self.gpu.get("count", 1)) if self.gpu else 0
+
+    @property
+    def vcpus(self) -> int:
+        return int(self.cpu["vcpuCount"]) if self.cpu else CPUS_PER_GPU * self.gpu_count
+
+    def view(self) -> PodView:
+        return PodView(self.id, self.name, self.status, dict(self.env), dict(self.process_env),
+                       dict(self.cluster) if self.cluster else None, tuple(self.exits),
+                       self.harness, self.api_key, self.volume, self.starts, self.torn_down,
+                       self.ip)
+
+
+@dataclasses.dataclass(eq=False)
+class _ClusterState:
+    id: str
+    name: str
+    type: str
+    compute: dict[str, Any]
+    dc: str
+    created: float
+    members: list[_PodState]
+    gone: bool = False
+
+
+def pod_json(pod: _PodState, now: float | None = None) -> dict[str, Any]:
+    """The Pod object the API answers with (a pure function of the state: tests render any)."""
+    now = time.time() if now is None else now
+    out: dict[str, Any] = {
+        "id": pod.id,
+        "name": pod.name,
+        "image": pod.image,
+        "args": pod.args,
+        "disk": pod.disk,
+        "ports": list(pod.ports),
+        "env": dict(pod.env),
+        "registry": None,
+        "status": pod.status,
+        "actions": list(ACTIONS[pod.status]),
+        "mounts": json.loads(json.dumps(pod.mounts)),
+        "cloud": pod.cloud,
+        "dataCenterId": pod.dc,
+        "cudaVersion": CUDA_VERSION if pod.gpu else None,
+        "ssh": {"proxy": {"host": "ssh.runpod.io", "port": 22,
+                          "username": f"{pod.id}-{pod.hostname[-8:]}",
+                          "command": f"ssh {pod.id}-{pod.hostname[-8:]}@ssh.runpod.io"},
+                "direct": None},
+        "template": None,
+        "cost": round(pod.price, 4) if pod.status in BILLING else 0.0,
+        "locked": False,
+        "globalNetworking": {"enabled": False},
+        "runtime": ({"uptime": int(now - pod.started_at)}
+                    if pod.status == "RUNNING" and pod.started_at else None),
+        "createdAt": _rfc3339(pod.created),
+        "startedAt": _rfc3339(pod.started_at) if pod.started_at else None,
+    }
+    if pod.gpu:
+        out["gpu"] = {"id": pod.gpu["id"], "count": pod.gpu_count}
+    if pod.cpu:
+        out["cpu"] = {"id": pod.cpu["id"], "vcpuCount": pod.vcpus, "memory": 4 * pod.vcpus}
+    if pod.global_networking:
+        out["globalNetworking"] = {"enabled": True, "internalDns": f"{pod.id}.{RUNPOD_ZONE}"}
+        if pod.ip:
+            out["globalNetworking"]["ip"] = pod.ip
+    if pod.cluster:
+        out["cluster"] = dict(pod.cluster)
+    return out
+
+
+def cluster_json(cluster: _ClusterState, cidr: str | None) -> dict[str, Any]:
+    members = [p for p in cluster.members if not p.gone]
+    out: dict[str, Any] = {
+        "id": cluster.id,
+        "name": cluster.name,
+        "type": cluster.type,
+        "compute": dict(cluster.compute),
+        "dataCenterId": cluster.dc,
+        "pods": {"total": len(members),
+                 "byStatus": dict(collections.Counter(p.status for p in members))},
+        "createdAt": _rfc3339(cluster.created),
+    }
+    primary = next((p for p in members if p.cluster and p.cluster["rank"] == 0), None)
+    if primary is not None:
+        out["primary"] = {"podId": primary.id, "status": primary.status}
+    if cidr and any(p.ip for p in members):
+        out["network"] = {"cidr": cidr}
+    return out
+
+
+@dataclasses.dataclass
+class _Reply:
+    status: int
+    body: Any = None
+    schema: str | None = None  # what body must match (errors: ErrorResponse)
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    stream: Callable[[BaseHTTPRequestHandler], None] | None = None
+
+
+def _problem(status: int, detail: str, errors: Sequence[str] | None = None,
+             headers: Mapping[str, str] | None = None) -> _Reply:
+    body: dict[str, Any] = {"title": http.HTTPStatus(status).phrase, "status": status,
+                            "detail": detail}
+    if errors:
+        body["errors"] = list(errors)
+    return _Reply(status, body, "ErrorResponse", dict(headers or {}))
+
+
+class _Refused(Exception):
+    """A handler's way out with an error answer."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.reply = _problem(status, detail)
+
+
+@dataclasses.dataclass
+class _Fault:
+    remaining: int
+    status: int
+    retry_after: int | None
+    match: re.Pattern[str] | None
+
+
+# The v2 document's endpoints the fake knows: path pattern, then per method the handler, the
+# schema of the request body and the query parameters it takes. A handler of None: in the
+# document but not served by the fake (501).
+_CATALOG_PARAMS = {"include", "product", "count", "cloud", "countryCodes", "cudaVersions",
+                   "minCudaVersion"}
+_ROUTES: list[tuple[re.Pattern[str], dict[str, tuple[str | None, str | None, set[str]]]]] = [
+    (re.compile(r"/v2/catalog/gpus"), {"GET": ("_list_gpus", None, _CATALOG_PARAMS)}),
+    (re.compile(r"/v2/catalog/gpus/(?P<id>[^/]+)"),
+     {"GET": ("_get_gpu", None, _CATALOG_PARAMS)}),
+    (re.compile(r"/v2/pods"), {"GET": ("_list_pods", None, {"includeClusterPods"}),
+                               "POST": ("_create_pod", "CreatePodRequest", set())}),
+    (re.compile(r"/v2/pods/(?P<id>[^/]+)"), {"GET": ("_get_pod", None, set()),
+                                              "DELETE": ("_delete_pod", None, set()),
+                                              "PATCH": (None, None, set())}),
+    (re.compile(r"/v2/pods/(?P<id>[^/]+)/action"),
+     {"POST": ("_pod_action", "PodActionRequest", set())}),
+    (re.compile(r"/v2/pods/(?P<id>[^/]+)/logs"),
+     {"GET": ("_pod_logs", None, {"source", "tail", "since"})}),
+    (re.compile(r"/v2/clusters"), {"GET": ("_list_clusters", None, set()),
+                                   "POST": ("_create_cluster", "CreateClusterRequest", set())}),
+    (re.compile(r"/v2/clusters/(?P<id>[^/]+)"), {"GET": ("_get_cluster", None, set()),
+                                                  "DELETE": ("_delete_cluster", None, set()),
+                                                  "PATCH": (None, None, set())}),
+    (re.compile(r"/v2/clusters/(?P<id>[^/]+)/pods"), {"GET": ("_cluster_pods", None, set())}),
+]
+_SCHEMA_OF_ANSWER = {"_list_gpus": "ListGpuTypesResponse", "_get_gpu": "GpuType",
+                     "_list_pods": "ListPodsResponse", "_create_pod": "Pod", "_get_pod": "Pod",
+                     "_pod_action": "Pod", "_list_clusters": "ListClustersResponse",
+                     "_create_cluster": "Cluster", "_get_cluster": "Cluster",
+                     "_cluster_pods": "ListPodsResponse"}
+
+
+@dataclasses.dataclass
+class _Call:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: Any
+    body: Any
+    params: dict[str, str]
+
+
+# --------------------------------------------------------------------------------------------
+# the fake
+
+
+class FakeRunPodCloud(ServedFake):
+    """RunPod's v2 REST API whose pods really run; use as a context manager."""
+
+    name = "fake-runpod-cloud"
+
+    def __init__(self, net: PodNetwork, dns: DnsServer, root: Path, *, api_key: str,
+                 images: Mapping[str, Sequence[str]],
+                 gpus: Sequence[Mapping[str, Any]] | None = None,
+                 provision_delay: float = 0.0, max_restarts: int = 3, stop_grace: float = 5.0,
+                 data_center: str = "US-KS-2", host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
+        self.net, self.dns, self.root = net, dns, Path(root)
+        self.api_key = api_key
+        self.images = {k: list(v) for k, v in images.items()}
+        self.gpus = [json.loads(json.dumps(g)) for g in (DEFAULT_GPUS if gpus is None else gpus)]
+        for g in self.gpus:
+            errors = SCHEMAS.errors("GpuType", g)
+            if errors:
+                raise ValueError(f"GPU type {g.get('id')!r} is no GpuType: {errors}")
+        self.provision_delay = provision_delay
+        self.max_restarts = max_restarts
+        self.stop_grace = stop_grace
+        self.data_center = data_center
+        self._cond = threading.Condition()  # guards pods, clusters and their logs
+        self._net_lock = threading.Lock()  # PodNetwork is not thread-safe
+        self._pods: dict[str, _PodState] = {}
+        self._clusters: dict[str, _ClusterState] = {}
+        self._records: list[RequestRecord] = []
+        self._errors: list[str] = []
+        self._faults: list[_Fault] = []
+        self._no_capacity: set[str] = set()
+        self._holds: list[re.Pattern[str]] = []
+        self._callbacks: list[Callable[[RequestRecord], None]] = []
+        self._harness_names = 0
+        self._closing = False
+
+    # -- what tests read ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The base URL for the client (RUNPOD_API_URL): the server root; it appends /v2/...."""
+        return self.origin
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        return self._copy(self._records)
+
+    def invalid_requests(self) -> list[RequestRecord]:
+        """Requests that broke the document (a client bug), whatever was answered."""
+        return [r for r in self.requests if r.schema_errors]
+
+    @property
+    def fake_errors(self) -> list[str]:
+        """Bugs of the fake itself (an answer that broke the schema, a supervisor that failed);
+        `__exit__` raises when there are any."""
+        return self._copy(self._errors)
+
+    @property
+    def pods(self) -> dict[str, PodView]:
+        """Every pod ever created, terminated ones included (status TERMINATED)."""
+        with self._cond:
+            return {p.id: p.view() for p in self._pods.values()}
+
+    def billing(self) -> list[PodView]:
+        """Pods that still cost money (PROVISIONING, STARTING, RUNNING)."""
+        return [p for p in self.pods.values() if p.status in BILLING]
+
+    def leftover_processes(self) -> list[Leftover]:
+        """Every process alive in a network namespace of any of the fake's pods (running ones
+        included, and terminated ones not torn down yet)."""
+        with self._cond:
+            harnesses = [(p.id, p.harness) for p in self._pods.values() if p.harness]
+        out = []
+        for pod_id, harness in harnesses:
+            for pid in netns_pids(harness.netns):
+                with contextlib.suppress(psutil.Error):
+                    out.append(Leftover(pod_id, pid, " ".join(psutil.Process(pid).cmdline())))
+        return out
+
+    def logs(self, pod_id: str) -> list[LogLine]:
+        with self._cond:
+            return list(self._pods[pod_id].logs)
+
+    def wait_status(self, pod_id: str, *statuses: str, timeout: float = 30.0) -> PodView:
+        def reached() -> PodView | None:
+            view = self.pods[pod_id]
+            return view if view.status in statuses else None
+
+        return wait_for(reached, timeout=timeout, interval=0.05,
+                        what=f"pod {pod_id} to be {' or '.join(statuses)}")
+
+    def wait_torn_down(self, timeout: float = 30.0) -> None:
+        """Until every terminated pod's processes are gone and its namespace deleted."""
+        wait_for(lambda: all(p.torn_down for p in self.pods.values() if p.status ==
+                             "TERMINATED"), timeout=timeout, interval=0.05,
+                 what="terminated pods to be torn down")
+
+    # -- fault injection -----------------------------------------------------------------------
+
+    def fail_next(self, n: int, status: int, retry_after: int | None = None,
+                  match: str | None = None) -> None:
+        """Answer the next `n` requests (only those whose "METHOD /path" matches the regex
+        `match`, if given) with `status` and an ErrorResponse; a 429 carries Retry-After
+        (`retry_after` seconds, default 1), another status only when `retry_after` is given."""
+        if status < 400:
+            raise ValueError("a fault answers with an error status")
+        with self._lock:
+            self._faults.append(_Fault(n, status, retry_after,
+                                       re.compile(match) if match else None))
+
+    def no_capacity(self, gpu_type_id: str, on: bool = True) -> None:
+        """Creates of pods and clusters with this GPU type are refused (400), until off."""
+        with self._lock:
+            (self._no_capacity.add if on else self._no_capacity.discard)(gpu_type_id)
+
+    def hold_provisioning(self, name_regex: str) -> None:
+        """Pods whose name matches stay PROVISIONING (and billing) until released, stopped or
+        terminated."""
+        with self._cond:
+            self._holds.append(re.compile(name_regex))
+
+    def release_provisioning(self, name_regex: str | None = None) -> None:
+        """Drop that hold (every hold when None)."""
+        with self._cond:
+            self._holds = [h for h in self._holds
+                           if name_regex is not None and h.pattern != name_regex]
+            self._cond.notify_all()
+
+    def after_response(self, callback: Callable[[RequestRecord], None]) -> None:
+        """Call `callback(record)` after each response's last byte was written (for a log
+        stream: once it ended), on the server's thread; exceptions land in fake_errors."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> FakeRunPodCloud:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _handle(self) -> None:
+                fake._handle(self)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: no stderr lines
+                pass
+
+        self._serve(Handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.terminate_all()
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            super().__exit__(*exc)
+        errors = self.fake_errors
+        if errors and exc[0] is None:
+            raise AssertionError("the fake RunPod cloud failed itself:\n  " + "\n  ".join(errors))
+
+    def terminate_all(self, timeout: float | None = None) -> None:
+        """Terminate every pod still there (a test's leftovers) and wait until all are torn
+        down."""
+        with self._cond:
+            for cluster in self._clusters.values():
+                cluster.gone = True
+            for pod in self._pods.values():
+                self._terminate_locked(pod)
+            threads = [p.thread for p in self._pods.values() if p.thread]
+        deadline = time.monotonic() + (timeout or self.stop_grace + 60)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            self._fake_error(f"pods not torn down in time: {stuck}")
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _handle(self, h: BaseHTTPRequestHandler) -> None:
+        arrived = time.time()
+        url = urlsplit(h.path)
+        path, method = url.path, h.command
+        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        length = int(h.headers.get("Content-Length") or 0)
+        raw = h.rfile.read(length) if length else b""
+        body: Any = None
+        errors: list[str] = []
+        malformed = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                malformed = f"$: the body is not JSON ({exc})"
+                errors.append(malformed)
+
+        op: str | None = None
+        params: dict[str, str] = {}
+        route_reply: _Reply | None = None
+        methods = None
+        for pattern, table in _ROUTES:
+            m = pattern.fullmatch(path)
+            if m:
+                methods, params = table, m.groupdict()
+                break
+        if methods is None:
+            errors.append(f"no endpoint {path} in the v2 document")
+            route_reply = _problem(404, f"no route for {method} {path}")
+        elif method not in methods:
+            errors.append(f"{method} is not a method of {path} in the v2 document")
+            route_reply = _problem(405, f"method {method} not allowed for {path}",
+                                   headers={"Allow": ", ".join(methods)})
+        else:
+            op, body_schema, known = methods[method]
+            if op is None:
+                route_reply = _problem(501, f"{method} {path} is not supported by the fake")
+            for name in sorted(set(query) - known):
+                errors.append(f"unknown query parameter {name!r} for {method} {path}")
+            if body_schema and malformed is None:
+                errors += (SCHEMAS.errors(body_schema, body) if body is not None
+                           else ["$: a JSON body is required"])
+            errors += self._query_errors(op, query, h.headers)
+
+        fault = self._take_fault(method, path)
+        reply = fault or self._auth(h.headers.get("Authorization")) or route_reply
+        if reply is None and malformed:
+            reply = _problem(400, malformed)
+        if reply is None and errors:
+            reply = _problem(422, "Request validation failed.", errors)
+        if reply is None:
+            assert op is not None
+            call = _Call(method, path, query, h.headers, body, params)
+            try:
+                reply = getattr(self, op)(call)
+            except _Refused as refused:
+                reply = refused.reply
+            except Exception as exc:  # a bug of the fake: say so, loudly
+                self._fake_error(f"{method} {path}: {exc!r}")
+                reply = _problem(500, f"the fake failed: {exc!r}")
+            if reply.stream is None and reply.body is not None and reply.status < 400:
+                reply.schema = _SCHEMA_OF_ANSWER.get(op)
+        self._check_answer(method, path, reply)
+
+        record = RequestRecord(method, path, query, body, reply.status, errors, arrived,
+                               fault is not None)
+        with self._lock:
+            self._records.append(record)  # before answering: a client's next look sees it
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left
+            self._send(h, reply)
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            try:
+                callback(record)
+            except Exception as exc:
+                self._fake_error(f"after_response callback {callback!r}: {exc!r}")
+
+    def _send(self, h: BaseHTTPRequestHandler, reply: _Reply) -> None:
+        h.send_response(reply.status)
+        for k, v in reply.headers.items():
+            h.send_header(k, v)
+        if reply.stream is not None:
+            h.send_header("Content-Type", "text/event-stream")
+            h.send_header("Cache-Control", "no-cache")
+            h.send_header("Connection", "keep-alive")
+            h.send_header("X-Accel-Buffering", "no")
+            h.end_headers()
+            h.wfile.flush()
+            reply.stream(h)
+            return
+        data = b"" if reply.body is None else json.dumps(reply.body).encode()
+        if data:
+            kind = "application/problem+json" if reply.status >= 400 else "application/json"
+            h.send_header("Content-Type", kind)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+        h.wfile.flush()
+
+    def _check_answer(self, method: str, path: str, reply: _Reply) -> None:
+        schema = reply.schema or ("ErrorResponse" if reply.status >= 400 else None)
+        if reply.body is None or schema is None:
+            return
+        errors = SCHEMAS.errors(schema, reply.body)
+        if errors:
+            self._fake_error(f"{method} {path}: the answer is no {schema}: {errors}")
+            replacement = _problem(500, f"the fake's answer broke the {schema} schema")
+            reply.status, reply.body, reply.schema = (replacement.status, replacement.body,
+                                                      "ErrorResponse")
+
+    def _take_fault(self, method: str, path: str) -> _Reply | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.remaining > 0 and (fault.match is None or
+                                            fault.match.search(f"{method} {path}")):
+                    fault.remaining -= 1
+                    break
+            else:
+                return None
+        headers = {}
+        retry = fault.retry_after if fault.retry_after is not None else (
+            1 if fault.status == 429 else None)
+        if retry is not None:
+            headers["Retry-After"] = str(int(retry))
+        detail = ("rate limit exceeded for the minute window" if fault.status == 429
+                  else "injected fault")
+        return _problem(fault.status, detail, headers=headers)
+
+    def _auth(self, authorization: str | None) -> _Reply | None:
+        if not authorization or not authorization.startswith("Bearer "):
+            return _problem(401, "missing bearer token")
+        key = authorization[len("Bearer "):]
+        if secrets.compare_digest(key.encode(), self.api_key.encode()):
+            return None
+        with self._cond:
+            pod_keys = {p.api_key for p in self._pods.values()}
+        if key in pod_keys:
+            return _problem(403, "access denied: a pod-scoped key")
+        return _problem(401, "invalid api key")
+
+    def _query_errors(self, op: str | None, query: dict[str, str], headers: Any) -> list[str]:
+        errors = []
+        if op == "_list_pods" and "includeClusterPods" in query and \
+                query["includeClusterPods"] not in ("true", "false"):
+            errors.append(f"$.includeClusterPods: {query['includeClusterPods']!r} is not of "
+                          "type 'boolean'")
+        if op == "_pod_logs":
+            if "source" in query:
+                errors += SCHEMAS.parameter_errors("source", query["source"])
+            if "tail" in query:
+                tail = query["tail"]
+                errors += SCHEMAS.parameter_errors(
+                    "tail", int(tail) if re.fullmatch(r"-?\d+", tail) else tail)
+            if "since" in query and parse_rfc3339(query["since"]) is None:
+                errors.append(f"$.since: {query['since']!r} is not a 'date-time'")
+            last = headers.get("Last-Event-ID")
+            if last is not None and _parse_event_id(last) is None:
+                errors.append(f"$.Last-Event-ID: {last!r} is neither an event id nor a "
+                              "'date-time'")
+        return errors
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    def _gpu_type(self, gpu_id: str) -> dict[str, Any]:
+        for g in self.gpus:
+            if g["id"] == gpu_id:
+                return g
+        raise _Refused(400, f"unknown GPU type {gpu_id!r} (see GET /v2/catalog/gpus)")
+
+    def _gpu_json(self, g: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+        out = json.loads(json.dumps(g))
+        if query.get("include") == "AVAILABILITY":
+            with self._lock:
+                level = "NONE" if g["id"] in self._no_capacity else "HIGH"
+            out["availability"] = level
+            if level != "NONE":
+                out["dataCenters"] = [{"id": self.data_center, "name": self.data_center,
+                                       "availability": level}]
+        return out
+
+    def _check_catalog_query(self, query: dict[str, str]) -> None:
+        if ("include" in query) != ("product" in query):
+            raise _Refused(400, "product is required with include=AVAILABILITY, and valid "
+                                "only with it")
+
+    def _list_gpus(self, call: _Call) -> _Reply:
+        self._check_catalog_query(call.query)
+        return _Reply(200, {"gpus": [self._gpu_json(g, call.query) for g in self.gpus]})
+
+    def _get_gpu(self, call: _Call) -> _Reply:
+        self._check_catalog_query(call.query)
+        for g in self.gpus:
+            if g["id"] == call.params["id"]:
+                return _Reply(200, self._gpu_json(g, call.query))
+        raise _Refused(404, "GPU type not found")
+
+    def _list_pods(self, call: _Call) -> _Reply:
+        members = call.query.get("includeClusterPods") == "true"
+        with self._cond:
+            pods = [pod_json(p) for p in self._pods.values()
+                    if not p.gone and (members or p.cluster is None)]
+        return _Reply(200, {"pods": pods})
+
+    def _pod(self, pod_id: str) -> _PodState:
+        pod = self._pods.get(pod_id)
+        if pod is None or pod.gone:
+            raise _Refused(404, "pod not found")
+        return pod
+
+    def _get_pod(self, call: _Call) -> _Reply:
+        with self._cond:
+            return _Reply(200, pod_json(self._pod(call.params["id"])))
+
+    def _create_pod(self, call: _Call) -> _Reply:
+        b = call.body
+        if "templateId" in b:
+            raise _Refused(400, "templates are not supported by the fake: send image")
+        if ("gpu" in b) == ("cpu" in b):
+            raise _Refused(400, "supply exactly one of gpu or cpu")
+        mounts = self._check_mounts(b.get("mounts") or {})
+        cloud = b.get("cloud", "SECURE")
+        where = self._where(b.get("dataCenterIds"))
+        if "gpu" in b:
+            gpu = {"id": b["gpu"]["id"], "count": b["gpu"].get("count", 1)}
+            price = self._gpu_price(gpu["id"], gpu["count"], cloud, where)
+        else:
+            gpu = None
+            if mounts.get("persistent"):
+                raise _Refused(400, "persistent mounts are not allowed on CPU pods")
+            if b.get("globalNetworking"):
+                raise _Refused(400, "global networking requires an NVIDIA GPU")
+            price = CPU_PRICE_PER_VCPU * b["cpu"]["vcpuCount"]
+        with self._cond:
+            pod = self._new_pod(b["name"], b, gpu=gpu, cpu=b.get("cpu"), cloud=cloud,
+                                dc=(b.get("dataCenterIds") or [self.data_center])[0],
+                                price=price, global_networking=bool(b.get("globalNetworking")))
+            self._launch(pod)
+            return _Reply(201, pod_json(pod))
+
+    def _check_mounts(self, mounts: dict[str, Any]) -> dict[str, Any]:
+        if mounts.get("persistent") and mounts.get("network"):
+            raise _Refused(400, "mounts: at most one of persistent or network may be set")
+        return mounts
+
+    def _where(self, dcs: list[str] | None) -> str:
+        return f"data center {', '.join(dcs)}" if dcs else "any data center"
+
+    def _gpu_price(self, gpu_id: str, count: int, cloud: str, where: str,
+                   pods: int | None = None) -> float:
+        g = self._gpu_type(gpu_id)
+        tier = cloud.lower()
+        if not g[tier]:
+            raise _Refused(400, f"{gpu_id} is not offered on {cloud} cloud")
+        if count > g["maxCount"][tier]:
+            raise _Refused(400, f"gpu count {count} exceeds the maximum of "
+                                f"{g['maxCount'][tier]} for {gpu_id} on {cloud} cloud")
+        with self._lock:
+            none = gpu_id in self._no_capacity
+        if none:
+            what = f"{count} x {gpu_id}" if pods is None else f"{pods} pods of {count} x {gpu_id}"
+            raise _Refused(400, f"no capacity for {what} in {where}")
+        return float(g["price"][tier]) * count
+
+    def _delete_pod(self, call: _Call) -> _Reply:
+        with self._cond:
+            pod = self._pod(call.params["id"])
+            self._refuse_member(pod, "terminated")
+            self._terminate_locked(pod)
+        return _Reply(204)
+
+    def _refuse_member(self, pod: _PodState, what: str) -> None:
+        if pod.cluster is not None:
+            raise _Refused(409, f"pod {pod.id} belongs to cluster {pod.cluster['id']} and "
+                                f"cannot be {what} via the pod endpoints: use "
+                                f"/v2/clusters/{pod.cluster['id']}")
+
+    def _pod_action(self, call: _Call) -> _Reply:
+        action = call.body["action"]
+        with self._cond:
+            pod = self._pod(call.params["id"])
+            self._refuse_member(pod, "modified")
+            if action not in ACTIONS[pod.status]:
+                raise _Refused(409, f"action {action} is not valid for a pod that is "
+                                    f"{pod.status} (valid: {', '.join(ACTIONS[pod.status])})")
+            if action == "terminate":
+                self._terminate_locked(pod)
+                return _Reply(204)
+            if action == "stop":
+                pod.want, pod.status = "stop", "EXITED"
+            else:  # start, restart: a new container
+                pod.want = "run"
+                pod.generation += 1
+                pod.status = "STARTING" if pod.harness else "PROVISIONING"
+            self._cond.notify_all()
+            return _Reply(200, pod_json(pod))
+
+    def _pod_logs(self, call: _Call) -> _Reply:
+        source = call.query.get("source")
+        with self._cond:
+            pod = self._pod(call.params["id"])
+            logs = pod.logs
+            last = call.headers.get("Last-Event-ID")
+            if last is not None:
+                ts, seq = _parse_event_id(last)  # type: ignore[misc]  # checked before
+                if seq is not None:
+                    start = bisect.bisect_right([x.seq for x in logs], seq)
+                else:
+                    start = bisect.bisect_right([x.ts for x in logs], ts)
+            elif "since" in call.query:
+                since = parse_rfc3339(call.query["since"])
+                start = bisect.bisect_left([x.ts for x in logs], since)
+            else:
+                tail = int(call.query.get("tail", "100"))
+                start, seen = len(logs), 0
+                while start > 0 and seen < tail:
+                    start -= 1
+                    seen += source is None or logs[start].source == source
+        return _Reply(200, stream=lambda h: self._stream(h, pod, start, source))
+
+    def _stream(self, h: BaseHTTPRequestHandler, pod: _PodState, index: int,
+                source: str | None) -> None:
+        last_write = time.monotonic()
+        while True:
+            if _hung_up(h.connection):
+                return
+            with self._cond:
+                if len(pod.logs) == index and not (pod.torn_down or self._closing):
+                    self._cond.wait(0.25)
+                batch = pod.logs[index:]
+                index += len(batch)
+                ended = pod.torn_down or self._closing
+            data = b"".join(x.sse() for x in batch if source is None or x.source == source)
+            try:
+                if data:
+                    h.wfile.write(data)
+                    h.wfile.flush()
+                    last_write = time.monotonic()
+                elif time.monotonic() - last_write > _HEARTBEAT_S:
+                    h.wfile.write(b": keep-alive\n\n")
+                    h.wfile.flush()
+                    last_write = time.monotonic()
+            except OSError:  # the client went away
+                return
+            if ended and not batch:
+                return
+
+    def _list_clusters(self, call: _Call) -> _Reply:
+        with self._cond:
+            return _Reply(200, {"clusters": [cluster_json(c, str(self.net.subnet))
+                                             for c in self._clusters.values() if not c.gone]})
+
+    def _cluster(self, cluster_id: str) -> _ClusterState:
+        cluster = self._clusters.get(cluster_id)
+        if cluster is None or cluster.gone:
+            raise _Refused(404, "cluster not found")
+        return cluster
+
+    def _get_cluster(self, call: _Call) -> _Reply:
+        with self._cond:
+            return _Reply(200, cluster_json(self._cluster(call.params["id"]),
+                                            str(self.net.subnet)))
+
+    def _cluster_pods(self, call: _Call) -> _Reply:
+        with self._cond:
+            cluster = self._cluster(call.params["id"])
+            return _Reply(200, {"pods": [pod_json(p) for p in cluster.members if not p.gone]})
+
+    def _create_cluster(self, call: _Call) -> _Reply:
+        b = call.body
+        if b["type"] not in ("TRAINING", "APPLICATION"):
+            raise _Refused(400, f"cluster type {b['type']} is not supported by the fake")
+        if "image" not in b:
+            raise _Refused(400, "image is required (the fake has no templates)")
+        self._check_mounts(b.get("mounts") or {})
+        compute = b["compute"]
+        count, pods = compute["gpuCountPerPod"], compute["podCount"]
+        price = self._gpu_price(compute["gpuTypeId"], count, "SECURE",
+                                self._where(b.get("dataCenterIds")), pods=pods)
+        dc = (b.get("dataCenterIds") or [self.data_center])[0]
+        with self._cond:
+            cluster = _ClusterState(random_pod_id(), b["name"], b["type"], dict(compute), dc,
+                                    time.time(), [])
+            for rank in range(pods):
+                pod = self._new_pod(f"{b['name']}-{rank}", b,
+                                    gpu={"id": compute["gpuTypeId"], "count": count}, cpu=None,
+                                    cloud="SECURE", dc=dc, price=price,
+                                    global_networking=False)
+                pod.cluster = {"id": cluster.id, "rank": rank}
+                cluster.members.append(pod)
+            self._clusters[cluster.id] = cluster
+            for pod in cluster.members:
+                self._launch(pod)
+            return _Reply(201, cluster_json(cluster, str(self.net.subnet)))
+
+    def _delete_cluster(self, call: _Call) -> _Reply:
+        with self._cond:
+            cluster = self._cluster(call.params["id"])
+            cluster.gone = True
+            for pod in cluster.members:
+                self._terminate_locked(pod)
+        return _Reply(204)
+
+    # -- pods ------------------------------------------------------------------------------------
+
+    def _new_pod(self, name: str, b: dict[str, Any], *, gpu: dict[str, Any] | None,
+                 cpu: dict[str, Any] | None, cloud: str, dc: str, price: float,
+                 global_networking: bool) -> _PodState:
+        pod_id = random_pod_id()
+        while pod_id in self._pods:
+            pod_id = random_pod_id()
+        pod = _PodState(
+            id=pod_id, name=name, created=time.time(), image=b["image"],
+            args=b.get("args", ""), env=dict(b.get("env") or {}), ports=list(b.get("ports", [])),
+            disk=b.get("disk", DEFAULT_DISK_GB), mounts=json.loads(json.dumps(b.get("mounts")
+                                                                               or {})),
+            gpu=gpu, cpu=dict(cpu) if cpu else None, cloud=cloud, dc=dc, price=price,
+            global_networking=global_networking, start_jupyter=bool(b.get("startJupyter")),
+            api_key="rpa_pod_" + secrets.token_hex(16),
+            hostname=f"{pod_id}-{secrets.token_hex(4)}",
+            ray_tmp=f"/tmp/prc-{uuid.uuid4().hex[:8]}")
+        home = self.root / "pods" / pod_id
+        pod.home = home / "cwd"
+        pod.home.mkdir(parents=True)
+        if "persistent" in pod.mounts:
+            pod.volume, pod.mount_path = home / "volume", pod.mounts["persistent"]["path"]
+        elif pod.mounts.get("network"):
+            net_mount = pod.mounts["network"][0]
+            pod.volume = self.root / "network-volumes" / net_mount["volumeId"]
+            pod.mount_path = net_mount["path"]
+        if pod.volume is not None:
+            pod.volume.mkdir(parents=True, exist_ok=True)
+        self._pods[pod_id] = pod
+        return pod
+
+    def _launch(self, pod: _PodState) -> None:
+        pod.thread = threading.Thread(target=self._supervise, args=(pod,),
+                                      name=f"pod-{pod.id}", daemon=True)
+        pod.thread.start()
+
+    def _terminate_locked(self, pod: _PodState) -> None:
+        if pod.want == "terminate":
+            return
+        pod.want, pod.status, pod.gone = "terminate", "TERMINATED", True
+        self._cond.notify_all()
+
+    def _log(self, pod: _PodState, source: str, line: str) -> None:
+        with self._cond:
+            pod.logs.append(LogLine(len(pod.logs) + 1, time.time(), source, line))
+            self._cond.notify_all()
+
+    def _fake_error(self, text: str) -> None:
+        with self._lock:
+            self._errors.append(text)
+
+    def _supervise(self, pod: _PodState) -> None:
+        """The pod's runtime: the only thread that starts and stops its processes; the API only
+        says what it wants (want, generation) and this follows."""
+        done = -1  # the generation whose container was started last
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        want, gen = pod.want, pod.generation
+                        exited = pod.proc is not None and pod.proc.poll() is not None
+                        stopping = want == "stop" and pod.proc is not None
+                        if want == "terminate" or exited or stopping or \
+                                (want == "run" and gen != done):
+                            break
+                        self._cond.wait(0.05)
+                if want == "terminate":
+                    self._stop_container(pod, "terminate")
+                    return
+                if want == "stop":
+                    self._stop_container(pod, "stop")
+                    continue
+                if gen != done:
+                    done = gen
+                    if pod.proc is not None:
+                        self._stop_container(pod, "restart")
+                    with self._cond:
+                        pod.auto_restarts = 0
+                    if self._provision(pod, gen) and self._pull(pod, gen):
+                        self._start_container(pod, gen)
+                    continue
+                self._finish_container(pod, None)
+                with self._cond:
+                    current = pod.want == "run" and pod.generation == gen
+                    again = current and pod.auto_restarts < self.max_restarts
+                    if again:
+                        pod.auto_restarts += 1
+                    elif current:
+                        pod.status = "ERROR"
+                if again:
+                    self._start_container(pod, gen)
+                elif current:
+                    self._log(pod, "system", f"container exited {self.max_restarts + 1} times "
+                                             "in a row: not started again")
+        except Exception as exc:
+            self._fake_error(f"pod {pod.id}: {exc!r}")
+            with self._cond:
+                if pod.status != "TERMINATED":
+                    pod.status = "ERROR"
+            with contextlib.suppress(Exception):
+                self._stop_container(pod, "terminate")
+        finally:
+            with self._cond:
+                terminate = pod.want == "terminate"
+            if terminate:
+                self._teardown(pod)
+
+    def _provision(self, pod: _PodState, gen: int) -> bool:
+        """A machine for the pod: its network namespace, after the delay and any hold."""
+        if pod.harness is not None:
+            return True
+        deadline = time.monotonic() + self.provision_delay
+        with self._cond:
+            while True:
+                if pod.want != "run" or pod.generation != gen:
+                    return False
+                held = any(h.search(pod.name) for h in self._holds)
+                if not held and time.monotonic() >= deadline:
+                    break
+                self._cond.wait(0.05)
+            self._harness_names += 1
+            short = f"rp{self._harness_names}"
+        ifname = "ens1" if pod.cluster else ("podnet1" if pod.global_networking else "eth0")
+        with self._net_lock:
+            harness = self.net.add_pod(short, ifname=ifname, pod_id=pod.id)
+        if pod.global_networking:
+            self.dns.set_record(harness.dns_name, harness.ip)
+        with self._cond:
+            pod.harness, pod.ip = harness, harness.ip
+            if pod.cluster is not None:
+                pod.cluster["ip"] = harness.ip
+            if pod.status == "PROVISIONING":
+                pod.status = "STARTING"
+            self._cond.notify_all()
+        self._log(pod, "system", f"pod placed in {pod.dc}")
+        return True
+
+    def _pull(self, pod: _PodState, gen: int) -> bool:
+        if pod.pulled:
+            return True
+        self._log(pod, "system", f"pulling image {pod.image}")
+        if pod.image not in self.images:
+            self._log(pod, "system", f"failed to pull image {pod.image}: manifest unknown")
+            with self._cond:
+                if pod.want == "run" and pod.generation == gen:
+                    pod.status = "ERROR"
+            return False
+        pod.pulled = True
+        self._log(pod, "system", f"image {pod.image} pulled")
+        return True
+
+    def _primary_ip(self, pod: _PodState, gen: int) -> str | None:
+        """Rank 0's address (members start only once it has one); None if no longer wanted."""
+        assert pod.cluster is not None
+        cluster = self._clusters.get(pod.cluster["id"])
+        with self._cond:
+            while True:
+                if pod.want != "run" or pod.generation != gen:
+                    return None
+                primary = cluster.members[0] if cluster else pod
+                if primary.ip:
+                    return primary.ip
+                self._cond.wait(0.05)
+
+    def _container_env(self, pod: _PodState, primary_ip: str | None) -> dict[str, str]:
+        assert pod.harness is not None
+        env = clean_environ()
+        env.update({
+            "RUNPOD_POD_ID": pod.id,
+            "RUNPOD_POD_HOSTNAME": pod.hostname,
+            "RUNPOD_DC_ID": pod.dc,
+            "RUNPOD_GPU_COUNT": str(pod.gpu_count),
+            "RUNPOD_CPU_COUNT": str(pod.vcpus),
+            "RUNPOD_API_KEY": pod.api_key,  # pod-scoped: never the account's key
+        })
+        if pod.mounts.get("network"):
+            env["RUNPOD_VOLUME_ID"] = pod.mounts["network"][0]["volumeId"]
+        if pod.start_jupyter:
+            env["JUPYTER_PASSWORD"] = secrets.token_hex(8)
+        if pod.cluster is not None and primary_ip is not None:
+            cluster = self._clusters[pod.cluster["id"]]
+            nodes, per_node = len(cluster.members), pod.gpu_count
+            env.update({
+                "PRIMARY_ADDR": primary_ip, "MASTER_ADDR": primary_ip,
+                "PRIMARY_PORT": PRIMARY_PORT, "MASTER_PORT": PRIMARY_PORT,
+                "HOST_NODE_ADDR": f"{primary_ip}:{PRIMARY_PORT}",
+                "NODE_ADDR": pod.harness.ip, "NODE_RANK": str(pod.cluster["rank"]),
+                "NUM_NODES": str(nodes), "NUM_TRAINERS": str(per_node),
+                "WORLD_SIZE": str(nodes * per_node),
+            })
+        # What a test pod needs on this machine (not RunPod's).
+        env.update({
+            "PODAGENT_DNS_SERVER": f"{self.dns.address}:{self.dns.port}",
+            "PODAGENT_RAY_TEMP_DIR": pod.ray_tmp,  # short: Ray's unix sockets (108 bytes)
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]),
+        })
+        if pod.volume is not None and pod.mount_path == "/workspace":
+            # podagent's defaults when /workspace exists, which here it cannot.
+            env["PODAGENT_LOG_DIR"] = str(pod.volume / "podagent" / "logs")
+            env["PODAGENT_CHECKPOINT_DIR"] = str(pod.volume / "checkpoints")
+        env.update({k: self._on_volume(pod, v) for k, v in pod.env.items()})
+        return env
+
+    @staticmethod
+    def _on_volume(pod: _PodState, value: str) -> str:
+        """A path under the mount path, as the volume's directory here (no mount namespace)."""
+        mount = (pod.mount_path or "").rstrip("/")
+        if pod.volume is None or not mount:
+            return value
+        if value == mount or value.startswith(mount + "/"):
+            return str(pod.volume) + value[len(mount):]
+        return value
+
+    def _start_container(self, pod: _PodState, gen: int) -> None:
+        assert pod.harness is not None
+        primary_ip = self._primary_ip(pod, gen) if pod.cluster is not None else None
+        if pod.cluster is not None and primary_ip is None:
+            return
+        env = self._container_env(pod, primary_ip)
+        argv = [*self.images[pod.image], *shlex.split(pod.args)]
+        with self._cond:
+            if pod.want != "run" or pod.generation != gen:
+                return
+            pod.starts += 1
+            pod.status = "STARTING"
+            pod.process_env = env
+            n = pod.starts
+        assert pod.home is not None
+        out_path = pod.home.parent / f"container.{n}.out"
+        try:
+            proc = pod.harness.popen(argv, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, cwd=str(pod.home))
+        except OSError as exc:  # as a runtime whose entrypoint cannot be executed
+            out_path.write_text(f"{exc}\n")
+            self._log(pod, "system", f"failed to start container: {exc}")
+            with self._cond:
+                pod.exits.append(Exit(n, 127, time.time(), out_path, None))
+                if pod.want == "run" and pod.generation == gen:
+                    pod.status = "ERROR"
+            return
+        pump = threading.Thread(target=self._pump, args=(pod, proc, out_path),
+                                name=f"pod-{pod.id}-out{n}", daemon=True)
+        pump.start()
+        with self._cond:
+            pod.proc, pod.pump, pod.out_path = proc, pump, out_path
+            if pod.want == "run" and pod.generation == gen:
+                pod.status = "RUNNING"
+                pod.started_at = time.time()
+            self._cond.notify_all()
+        self._log(pod, "system", "container started")
+
+    def _pump(self, pod: _PodState, proc: subprocess.Popen[bytes], out_path: Path) -> None:
+        """The container's output: to its file and to the pod's log, line by line."""
+        assert proc.stdout is not None
+        with open(out_path, "wb") as out:
+            for raw in iter(proc.stdout.readline, b""):
+                out.write(raw)
+                out.flush()
+                self._log(pod, "container", raw.decode(errors="replace").rstrip("\r\n"))
+        proc.stdout.close()
+
+    def _stop_container(self, pod: _PodState, why: str) -> None:
+        """SIGTERM to the main process (as `docker stop` to PID 1), the grace, then SIGKILL to
+        everything in the pod."""
+        proc = pod.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_grace
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._finish_container(pod, why)
+
+    def _finish_container(self, pod: _PodState, why: str | None) -> None:
+        """Its main process ended (or is to end now): kill what is left, as a runtime does when
+        PID 1 exits, and record the exit."""
+        proc, pump = pod.proc, pod.pump
+        assert proc is not None and pod.harness is not None and pod.out_path is not None
+        _kill_netns_processes(pod.harness.netns, 10.0)
+        rc = proc.wait(timeout=10)
+        if pump is not None:
+            pump.join(timeout=10)
+        code = rc if rc >= 0 else 128 - rc
+        with self._cond:
+            pod.exits.append(Exit(pod.starts, code, time.time(), pod.out_path, why))
+            pod.proc = pod.pump = None
+            self._cond.notify_all()
+        self._log(pod, "system", f"container exited with code {code}"
+                                 + (f" ({why})" if why else ""))
+
+    def _teardown(self, pod: _PodState) -> None:
+        harness = pod.harness
+        try:
+            if harness is not None:
+                if pod.global_networking:
+                    self.dns.remove_record(harness.dns_name)
+                with self._net_lock:
+                    self.net.remove_pod(harness)
+        except Exception as exc:
+            self._fake_error(f"pod {pod.id}: teardown: {exc!r}")
+        shutil.rmtree(pod.ray_tmp, ignore_errors=True)
+        self._log(pod, "system", "pod terminated")
+        with self._cond:
+            pod.harness = None
+            pod.torn_down = True
+            self._cond.notify_all()
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the client closed its end (it sends nothing more on a stream)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _parse_event_id(text: str) -> tuple[float, int | None] | None:
+    """A log event id ("<RFC 3339>/<sequence>") or a bare date-time, as Last-Event-ID."""
+    stamp, _, seq = text.partition("/")
+    ts = parse_rfc3339(stamp)
+    if ts is None or (seq and not seq.isdigit()):
+        return None
+    return ts, int(seq) if seq else None
