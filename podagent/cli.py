@@ -30,6 +30,9 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                   "(the line names the extra, or torch)"),
     (errors.RayFeatureMissing, 2, "bad input: a setting needs a newer Ray than this image has "
                                   "(the line names both)"),
+    (errors.ForeignRay, 2, "bad input: a Ray that podagent did not start runs on this pod "
+                           "(the line names it; podagent neither starts a second one nor "
+                           "stops it)"),
     (errors.RayVersionMismatch, 2, "worker: this pod's Ray version differs from the head's "
                                    "(every pod must run the same image)"),
     (errors.JobFailed, 3, "the job failed"),

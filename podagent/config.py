@@ -630,6 +630,15 @@ def derived_run_name(values: Mapping[str, Any]) -> tuple[str, str] | None:
 
 PREFIX = "PODAGENT_"
 
+# In the environment of every `ray start` podagent runs, so that Ray's daemons and all they
+# start inherit it: a Ray on this pod without it is someone else's (process.pod_ray).
+RAY_OWNER = "PODAGENT_RAY_OWNER"
+
+
+def ray_owner(settings: Settings) -> str:
+    """The mark's value: who started that Ray (for a person reading a process's environment)."""
+    return f"podagent run {settings.run_name}"
+
 # PODAGENT_* variables that are podagent's own but not settings in FIELDS (nor the reward
 # server's PODAGENT_REWARD_* table), so never warned about; each with why it exists.
 OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
@@ -643,6 +652,7 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_RAY_MATRIX_ONLY": "set by the test suite when it runs itself under another Ray",
     "PODAGENT_UP_RUN": "set by `podagent up` on the pods it creates: the run they belong to "
                        "(how `podagent down` finds them)",
+    RAY_OWNER: "set by podagent on every Ray it starts (and so on that Ray's jobs): its mark",
 })
 
 

@@ -43,6 +43,11 @@ class RoleConflict(PodagentError):
     """Two facts about this pod's role disagree (two heads are worse than none)."""
 
 
+class ForeignRay(PodagentError):
+    """A Ray that podagent did not start runs on this pod (e.g. the one a RunPod cluster of type
+    RAY brings): podagent neither starts a second Ray beside it nor stops it."""
+
+
 class PortInUse(PodagentError):
     def __init__(self, port: int, address: str, holder: str | None):
         self.port = port

@@ -14,10 +14,12 @@ import signal
 import subprocess
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from podagent.config import RAY_OWNER
 from podagent.waiting import Deadline
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -177,28 +179,73 @@ def _mentions(proc: psutil.Process, text: str) -> bool:
         return False
 
 
-def pod_ray_processes(temp_dir: str | None = None) -> list[psutil.Process]:
-    """Ray processes of this pod: same network namespace as us, not us or our ancestors.
+def environ_holds(block: bytes, name: str) -> bool:
+    """Whether an environment block, as /proc/<pid>/environ holds it, sets `name` (not empty).
+    Every entry is looked at: a process that renamed itself (setproctitle: Ray's agents and
+    workers) can have NULs over the start of its block, where psutil's reader stops."""
+    prefix = name.encode() + b"="
+    return any(entry.startswith(prefix) and len(entry) > len(prefix)
+               for entry in block.split(b"\0"))
 
-    With a Ray temp dir of its own, only the Ray that used it (on a machine shared with other
-    Ray users, theirs is not ours to stop; a Ray of theirs holding our port is reported then).
+
+def carries(proc: psutil.Process, name: str) -> bool:
+    try:
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:
+            return environ_holds(f.read(), name)
+    except OSError:  # gone, or not ours to read: not known to be podagent's
+        return False
+
+
+@dataclass(frozen=True)
+class PodRay:
+    """This pod's Ray processes: podagent's own, and those of a Ray someone else started."""
+    ours: list[psutil.Process]
+    foreign: list[psutil.Process]
+
+
+def pod_ray(temp_dir: str | None = None) -> PodRay:
+    """Ray processes of this pod (same network namespace as us, not us or our ancestors),
+    podagent's own apart from anyone else's.
+
+    With a Ray temp dir of its own (tests, a machine shared with other Ray users), only the Ray
+    that used it is podagent's business, and all of it is podagent's; any other is neither
+    ours to stop nor a reason to refuse (one holding our port is reported then). Without one
+    (a pod), a Ray is podagent's when it carries RAY_OWNER, whatever temp dir it used; any
+    other is someone else's.
     """
-    ours = _netns_inode("self")
+    netns = _netns_inode("self")
     skip = {os.getpid()} | {p.pid for p in psutil.Process().parents()}
-    found = []
+    mine, others = [], []
     for proc in psutil.process_iter():
-        if proc.pid in skip or _netns_inode(proc.pid) != ours or not is_ray_process(proc):
+        if proc.pid in skip or _netns_inode(proc.pid) != netns or not is_ray_process(proc):
             continue
-        if temp_dir and not _mentions(proc, temp_dir):
-            continue
-        found.append(proc)
-    # What those started goes too: agents renamed by setproctitle ("ray::DashboardAgent")
-    # no longer show the temp dir on their command line.
-    children = []
-    for proc in found:
+        if temp_dir:
+            if _mentions(proc, temp_dir):
+                mine.append(proc)
+        elif carries(proc, RAY_OWNER):
+            mine.append(proc)
+        else:
+            others.append(proc)
+    # What those started belongs with them: agents renamed by setproctitle
+    # ("ray::DashboardAgent") no longer show the temp dir on their command line, nor always
+    # the mark in their environment.
+    ours = _with_descendants(mine)
+    # A zombie runs nothing: it is no one's Ray.
+    foreign = [p for pid, p in _with_descendants(others).items() if pid not in ours and alive(p)]
+    return PodRay(list(ours.values()), foreign)
+
+
+def _with_descendants(procs: list[psutil.Process]) -> dict[int, psutil.Process]:
+    found = {p.pid: p for p in procs}
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
-            children += proc.children(recursive=True)
-    return list({p.pid: p for p in found + children}.values())
+            found.update({c.pid: c for c in proc.children(recursive=True)})
+    return found
+
+
+def pod_ray_processes(temp_dir: str | None = None) -> list[psutil.Process]:
+    """podagent's own Ray processes on this pod (pod_ray); never another's."""
+    return pod_ray(temp_dir).ours
 
 
 def port_holder(port: int) -> str | None:

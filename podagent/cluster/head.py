@@ -168,6 +168,9 @@ class Head(Lifecycle[HeadState]):
 
     def _clean(self) -> HeadState:
         assert self.setup and self.ray
+        # First: a Ray someone else started is never re-attached, and a head refused for it
+        # has no dashboard to warn about.
+        node.refuse_foreign_ray(self.s)
         listen = pod.listen_address(self.s, self.setup.node_ip)
         exposure.warn(self.s, listen, self.reporter)
         live = reattach.live_run(self.s, self.ray.submission_id, self.ray.address,

@@ -1,12 +1,18 @@
-"""What head and worker share: this pod's NCCL environment, address and GPUs, and a clean slate."""
+"""What head and worker share: this pod's NCCL environment, address and GPUs, and a clean slate
+(podagent's own leftovers stopped, anyone else's Ray refused)."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
+
+import psutil
 
 from podagent import limits, nccl, pod, process
 from podagent.cluster import ray_node
 from podagent.config import Settings
+from podagent.errors import ForeignRay
 from podagent.report import Reporter
 from podagent.roles import Role
 
@@ -39,9 +45,19 @@ def prepare(settings: Settings, role: Role, reporter: Reporter,
     return NodeSetup(nccl_env, node_ip, gpus, plan)
 
 
+def refuse_foreign_ray(settings: Settings) -> process.PodRay:
+    """Before Ray starts: a Ray that podagent did not start on this pod (process.pod_ray) is
+    refused, and left running; returns what was found."""
+    found = process.pod_ray(settings.ray_temp_dir)
+    if found.foreign:
+        raise ForeignRay(foreign_ray_line(found.foreign))
+    return found
+
+
 def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
-    """Stop Ray processes an earlier run left on this pod (only this pod's: same netns)."""
-    stale = process.pod_ray_processes(settings.ray_temp_dir)
+    """Stop the Ray an earlier podagent left on this pod (only this pod's: same netns); one
+    that podagent did not start is refused instead, and never stopped."""
+    stale = refuse_foreign_ray(settings).ours
     if not stale:
         return
     pids = {p.pid for p in stale}
@@ -51,6 +67,35 @@ def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
     how = f", {killed} needed SIGKILL" if killed else ""
     reporter.say(f"stopped a stale Ray on this pod ({termed + killed} processes{how})")
     reporter.event("stale_ray_stopped", processes=termed + killed, killed=killed)
+
+
+RAY_DAEMONS = ("gcs_server", "raylet")  # what a person recognises a Ray by, named first
+SHOWN = 2
+# Ray's daemons name the GCS they belong to: --gcs-address=IP:PORT (raylet, dashboard,
+# monitors), or the gcs_server its own --gcs_server_port.
+_GCS_ADDRESS = re.compile(r"--gcs[-_]address=([\w.:\[\]-]+)")
+_GCS_PORT = re.compile(r"--gcs_server_port=(\d+)")
+
+
+def foreign_ray_line(procs: list[psutil.Process]) -> str:
+    """One line: which processes, its GCS where their command lines say, and what to do."""
+    seen = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            seen.append((proc.pid, proc.name(), " ".join(proc.cmdline())))
+    seen.sort(key=lambda p: (RAY_DAEMONS.index(p[1]) if p[1] in RAY_DAEMONS
+                             else len(RAY_DAEMONS), p[0]))
+    named = ", ".join(f"pid {pid} ({name})" for pid, name, _ in seen[:SHOWN])
+    if len(seen) > SHOWN:
+        named += f" and {len(seen) - SHOWN} other Ray processes"
+    gcs = next((f", GCS at {m.group(1)}" for *_, line in seen
+                if (m := _GCS_ADDRESS.search(line))), "")
+    gcs = gcs or next((f", GCS on port {m.group(1)}" for *_, line in seen
+                       if (m := _GCS_PORT.search(line))), "")
+    return (f"a Ray that podagent did not start runs on this pod: {named or 'gone meanwhile'}"
+            f"{gcs}; podagent will neither start a second Ray nor stop that one: on RunPod, "
+            f"create the cluster with type TRAINING, not RAY (podagent starts Ray itself), or "
+            f"stop that Ray yourself")
 
 
 def raise_limits(settings: Settings, role: Role, reporter: Reporter) -> None:

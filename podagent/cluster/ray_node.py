@@ -90,6 +90,9 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
         # command literally named RAY_DEBUG=legacy and never started Ray.
         env["RAY_DEBUG"] = "legacy"
         argv.append("--ray-debugger-external")
+    # Inherited by every process this Ray starts: a later podagent on this pod tells its own
+    # leftovers (stopped) from a Ray someone else started (refused, never stopped).
+    env[config.RAY_OWNER] = config.ray_owner(settings)
     return RayPlan(tuple(argv), env)
 
 

@@ -77,6 +77,8 @@ class Worker(Lifecycle[WorkerState]):
             self.gcs = None
             self.finder = HeadFinder(self.s, self.reporter, self.signals)
         self._head_start = None
+        # At once, not after the wait for a head: a pod with someone else's Ray is refused.
+        node.refuse_foreign_ray(self.s)
         with self.reporter.step("head_found") as step:
             found = self.finder.locate()
             self.reporter.say(f"head is {', '.join(found.candidates)} (from {found.how}); "

@@ -42,9 +42,26 @@ def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,
         still_up = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(0.5),
                             retry=retry_if_result(bool),
                             retry_error_callback=lambda state: True)(head_answers)
+        podagents = not still_up or _holds_a_podagent_run(gcs)
     finally:
         gcs.close()
+    if still_up and not podagents:
+        raise StopTimeout(f"the head at {ip} still runs {timeout:g} s after the stop request, "
+                          f"and its Ray holds no podagent run: a Ray that podagent did not "
+                          f"start (as a RunPod cluster of type RAY brings) ignores `podagent "
+                          f"stop`, and podagent stops no Ray it did not start; stop it yourself")
     if still_up:
         raise StopTimeout(f"the head at {ip} still runs {timeout:g} s after the stop request "
                           f"(is its podagent running? `podagent status` shows the cluster)")
     return time.monotonic() - started
+
+
+def _holds_a_podagent_run(gcs: GcsClient) -> bool:
+    """Whether a podagent head ever started this Ray (it marks each start in the GCS; a head
+    whose `ray start` has not finished has not yet, which is why this is asked only after
+    the wait). A Ray that does not answer now is given the benefit of the doubt."""
+    try:
+        return gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+                          timeout=HTTP_TIMEOUT) is not None
+    except GcsUnavailable:
+        return True

@@ -48,7 +48,8 @@ def test_every_planned_option_is_one_the_installed_ray_start_takes():
     assert planned <= offered, sorted(planned - offered)
 
 def test_head_plan():
-    p = ray_node.plan(settings(), Role.HEAD, "10.0.0.5", 2, {"NCCL_SOCKET_IFNAME": "podnet1"})
+    p = ray_node.plan(settings(PODAGENT_RUN_NAME="podagent-t"), Role.HEAD, "10.0.0.5", 2,
+                      {"NCCL_SOCKET_IFNAME": "podnet1"})
     argv = p.argv
     assert argv[0].endswith("ray") and argv[1] == "start"
     assert "--head" in argv
@@ -63,7 +64,8 @@ def test_head_plan():
     assert all(isinstance(word, str) for word in argv)
     assert dict(p.env_overrides) == {"NCCL_SOCKET_IFNAME": "podnet1",
                                      **ray_node.HEALTH_CHECK_ENV,
-                                     "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "150"}
+                                     "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "150",
+                                     config.RAY_OWNER: "podagent run podagent-t"}
 
 
 def test_head_plan_uses_the_configured_ports_and_temp_dir():
@@ -77,8 +79,10 @@ def test_head_plan_uses_the_configured_ports_and_temp_dir():
 
 
 def test_worker_plan():
-    s = settings(PODAGENT_RAY_PORT="7000")
+    s = settings(PODAGENT_RAY_PORT="7000", PODAGENT_RUN_NAME="run-7")
     p = ray_node.plan(s, Role.WORKER, "10.0.0.6", 1, {}, head_ip="10.0.0.5")
+    # A worker's Ray is podagent's too: a later podagent on its pod stops it, never refuses it.
+    assert p.env_overrides[config.RAY_OWNER] == "podagent run run-7"
     argv = p.argv
     assert argv[1] == "start"
     assert after(argv, "--address") == "10.0.0.5:7000"
