@@ -4,6 +4,7 @@ behind, and it refuses what RunPod refuses. Quick: tiny command images, no Ray."
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import sys
@@ -23,7 +24,12 @@ KEY = "rpa_" + "AccountKey" * 4
 H100 = "NVIDIA H100 80GB HBM3"
 BUSY = "print('hello', flush=True); import time; time.sleep(600)"
 ONCE = "import sys; print('ran', flush=True); sys.exit(3)"
-IMAGES = {"busy:1": [sys.executable, "-c", BUSY], "once:1": [sys.executable, "-c", ONCE]}
+# Says goodbye on SIGTERM, as podagent does its teardown.
+POLITE = ("import signal, sys, time\n"
+          "def bye(*_): print('bye', flush=True); sys.exit(0)\n"
+          "signal.signal(signal.SIGTERM, bye); print('up', flush=True); time.sleep(600)")
+IMAGES = {"busy:1": [sys.executable, "-c", BUSY], "once:1": [sys.executable, "-c", ONCE],
+          "polite:1": [sys.executable, "-c", POLITE]}
 
 
 class Api:
@@ -50,10 +56,12 @@ class Api:
 
 def events(api: Api, pod_id: str, until: Callable[[list[dict[str, Any]]], bool],
            timeout: float = 15, headers: dict[str, str] | None = None,
-           **params: Any) -> list[dict[str, Any]]:
+           then: Callable[[], object] | None = None, **params: Any) -> list[dict[str, Any]]:
     """The log stream's events ({"id", "data"}) until `until` holds for them; then it hangs up
-    (the stream stays open while the pod lives)."""
+    (the stream stays open while the pod lives). With `then`: calls it at that point and reads
+    on until the server ends the stream."""
     got: list[dict[str, Any]] = []
+    called = False
     deadline = time.monotonic() + timeout
     with api.call("GET", f"/pods/{pod_id}/logs", params=params, headers=headers, stream=True,
                   timeout=(5, timeout)) as r:
@@ -70,11 +78,16 @@ def events(api: Api, pod_id: str, until: Callable[[list[dict[str, Any]]], bool],
             elif line == "" and event:
                 got.append(event)
                 event = {}
-                if until(got):
-                    return got
+                if not called and until(got):
+                    if then is None:
+                        return got
+                    then()
+                    called = True
             if time.monotonic() > deadline:
-                break
-    raise AssertionError(f"the log stream of {pod_id} ended or stalled: {got}")
+                raise AssertionError(f"the log stream of {pod_id} stalled: {got}")
+    if called:
+        return got  # the server ended it
+    raise AssertionError(f"the log stream of {pod_id} ended early: {got}")
 
 
 def lines(got: list[dict[str, Any]], source: str = "container") -> list[str]:
@@ -319,3 +332,39 @@ def test_stop_and_start_and_an_exiting_container(cloud: FakeRunPodCloud, api: Ap
     wait_for(lambda: len(seen) == len(cloud.requests), timeout=5, what="every response reported")
     assert [(x.method, x.path, x.status) for x in seen][:3] == [("POST", "/v2/pods", 201)] * 3
     assert cloud.invalid_requests() == []
+
+
+def test_a_log_stream_ends_with_the_pod_and_carries_its_last_words(
+        cloud: FakeRunPodCloud, api: Api) -> None:
+    pod_id = api.call("POST", "/pods", json={"name": "p", "image": "polite:1",
+                                             "gpu": {"id": H100}}).json()["id"]
+    api.wait_pod(pod_id, "RUNNING")
+    got = events(api, pod_id, lambda got: "up" in lines(got),
+                 then=lambda: api.call("DELETE", f"/pods/{pod_id}"))
+    assert lines(got) == ["up", "bye"]
+    assert lines(got, "system")[-2:] == ["container exited with code 0 (terminate)",
+                                         "pod terminated"]
+    assert cloud.pods[pod_id].torn_down
+    assert api.call("GET", f"/pods/{pod_id}/logs").status_code == 404
+
+
+def test_restart_and_resuming_the_stream_from_a_time(cloud: FakeRunPodCloud, api: Api) -> None:
+    pod_id = api.call("POST", "/pods", json={"name": "p", "image": "busy:1",
+                                             "gpu": {"id": H100}}).json()["id"]
+    api.wait_pod(pod_id, "RUNNING")
+    wait_for(lambda: any(x.line == "hello" for x in cloud.logs(pod_id)), timeout=10,
+             what="the first hello")
+    middle = cloud.logs(pod_id)[-1].ts + 0.001
+    r = api.call("POST", f"/pods/{pod_id}/action", json={"action": "restart"})
+    assert r.status_code == 200 and r.json()["status"] == "STARTING"
+    api.wait_pod(pod_id, "RUNNING")
+    assert [(e.start, e.stopped_by) for e in cloud.pods[pod_id].exits] == [(1, "restart")]
+    since = dt.datetime.fromtimestamp(middle, dt.timezone.utc).isoformat()
+    got = events(api, pod_id, lambda got: "hello" in lines(got), since=since)
+    assert lines(got) == ["hello"] and cloud.pods[pod_id].starts == 2
+    assert lines(got, "system")[0] == "container exited with code 143 (restart)"
+
+    # A parameter the document does not have is answered, and recorded as the client's slip.
+    assert api.call("GET", "/pods", params={"limit": 10}).status_code == 200
+    assert [x.schema_errors for x in cloud.invalid_requests()] == [
+        ["unknown query parameter 'limit' for GET /v2/pods"]]

@@ -19,7 +19,9 @@ Faithful to RunPod's published v2 document (runpod_v2_schema.json holds its sche
   application/problem+json ErrorResponse bodies;
 - every request body and query parameter is checked against the schemas (unknown fields are
   refused with 422, each violation listed in `errors` as RunPod words it:
-  "$: additional properties 'bogus' not allowed"), and so is every answer of the fake's own;
+  "$: additional properties 'bogus' not allowed"), and so is every answer of the fake's own; a
+  query parameter the document does not have is answered (as servers commonly ignore one) but
+  recorded among the request's schema_errors;
 - pods go PROVISIONING, STARTING, RUNNING; stop is EXITED with cost 0.0; the actions valid in
   each status are those the document lists (409 otherwise); cluster members are refused (409)
   by the pod endpoints and excluded from GET /v2/pods unless includeClusterPods=true;
@@ -582,7 +584,11 @@ class FakeRunPodCloud(ServedFake):
         self.max_restarts = max_restarts
         self.stop_grace = stop_grace
         self.data_center = data_center
-        self._cond = threading.Condition()  # guards pods, clusters and their logs
+        state = threading.RLock()  # guards pods, clusters and their logs
+        self._cond = threading.Condition(state)
+        # The same lock, for log streams only: output lines come often and need not wake the
+        # pods' supervisors.
+        self._logs_changed = threading.Condition(state)
         self._net_lock = threading.Lock()  # PodNetwork is not thread-safe
         self._pods: dict[str, _PodState] = {}
         self._clusters: dict[str, _ClusterState] = {}
@@ -717,7 +723,7 @@ class FakeRunPodCloud(ServedFake):
         finally:
             with self._cond:
                 self._closing = True
-                self._cond.notify_all()
+                self._logs_changed.notify_all()
             super().__exit__(*exc)
         errors = self.fake_errors
         if errors and exc[0] is None:
@@ -750,6 +756,7 @@ class FakeRunPodCloud(ServedFake):
         raw = h.rfile.read(length) if length else b""
         body: Any = None
         errors: list[str] = []
+        slips: list[str] = []  # recorded, not refused
         malformed = None
         if raw:
             try:
@@ -778,8 +785,9 @@ class FakeRunPodCloud(ServedFake):
             op, body_schema, known = methods[method]
             if op is None:
                 route_reply = _problem(501, f"{method} {path} is not supported by the fake")
+            # Recorded as the client's slip but answered: servers commonly ignore them.
             for name in sorted(set(query) - known):
-                errors.append(f"unknown query parameter {name!r} for {method} {path}")
+                slips.append(f"unknown query parameter {name!r} for {method} {path}")
             if body_schema and malformed is None:
                 errors += (SCHEMAS.errors(body_schema, body) if body is not None
                            else ["$: a JSON body is required"])
@@ -805,8 +813,8 @@ class FakeRunPodCloud(ServedFake):
                 reply.schema = _SCHEMA_OF_ANSWER.get(op)
         self._check_answer(method, path, reply)
 
-        record = RequestRecord(method, path, query, body, reply.status, errors, arrived,
-                               fault is not None)
+        record = RequestRecord(method, path, query, body, reply.status, errors + slips,
+                               arrived, fault is not None)
         with self._lock:
             self._records.append(record)  # before answering: a client's next look sees it
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left
@@ -830,7 +838,12 @@ class FakeRunPodCloud(ServedFake):
             h.send_header("X-Accel-Buffering", "no")
             h.end_headers()
             h.wfile.flush()
-            reply.stream(h)
+            try:
+                reply.stream(h)
+            finally:
+                # The stream has no length: its end is the connection's (the keep-alive header
+                # above would have the server wait for another request on it).
+                h.close_connection = True
             return
         data = b"" if reply.body is None else json.dumps(reply.body).encode()
         if data:
@@ -1069,7 +1082,7 @@ class FakeRunPodCloud(ServedFake):
                 return
             with self._cond:
                 if len(pod.logs) == index and not (pod.torn_down or self._closing):
-                    self._cond.wait(0.25)
+                    self._logs_changed.wait(0.25)
                 batch = pod.logs[index:]
                 index += len(batch)
                 ended = pod.torn_down or self._closing
@@ -1190,7 +1203,7 @@ class FakeRunPodCloud(ServedFake):
     def _log(self, pod: _PodState, source: str, line: str) -> None:
         with self._cond:
             pod.logs.append(LogLine(len(pod.logs) + 1, time.time(), source, line))
-            self._cond.notify_all()
+            self._logs_changed.notify_all()
 
     def _fake_error(self, text: str) -> None:
         with self._lock:
@@ -1455,6 +1468,7 @@ class FakeRunPodCloud(ServedFake):
             pod.harness = None
             pod.torn_down = True
             self._cond.notify_all()
+            self._logs_changed.notify_all()
 
 
 def _hung_up(sock: socket.socket) -> bool:
