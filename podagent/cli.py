@@ -732,6 +732,9 @@ key_file_option = click.option(
 @click.option("--keep", is_flag=True, help="Leave the pods up after the run (they bill).")
 @click.option("--timeout", type=float, default=900.0, show_default=True, metavar="SECONDS",
               help="Every pod must be RUNNING within this.")
+@click.option("--api-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
+              help="How long one RunPod API call may take, its retries (429, 5xx, no "
+                   "connection) included.")
 @click.option("--list-gpus", is_flag=True, help="List RunPod's GPU types and exit.")
 @key_file_option
 @click.argument("job", nargs=-1, type=click.UNPROCESSED)

@@ -301,13 +301,38 @@ class Client:
             yield from _events(response)
 
 
+def _arriving(response: requests.Response) -> Iterator[bytes]:
+    """The body as it arrives: an event of a few bytes must not wait for a buffer to fill
+    (requests' iter_lines reads 512 bytes at a time, holding a short event back until more
+    comes). urllib3 2's read1 returns what one read of the socket gave."""
+    raw = response.raw
+    if hasattr(raw, "read1"):
+        while True:
+            data = raw.read1(65536)
+            if not data:
+                return
+            yield data
+    else:  # urllib3 1.26: one byte at a time is slow but never late
+        yield from response.iter_content(chunk_size=1)
+
+
+def _lines(response: requests.Response) -> Iterator[str]:
+    pending = b""
+    for data in _arriving(response):
+        pending += data
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
 def _events(response: requests.Response) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Server-Sent Events: `id:` and `data:` lines, an empty line ends an event."""
+    """Server-Sent Events: `id:` and `data:` lines, an empty line ends an event; a line
+    starting with ':' is a comment (a heartbeat)."""
     event_id, data = "", []
     try:
-        for raw in response.iter_lines(decode_unicode=True):
-            if raw is None:
-                continue
+        for raw in _lines(response):
             if raw == "":
                 if data:
                     try:
@@ -316,7 +341,7 @@ def _events(response: requests.Response) -> Iterator[tuple[str, dict[str, Any]]]
                         payload = {"line": "\n".join(data)}
                     if isinstance(payload, dict):
                         yield event_id, payload
-                event_id, data = event_id, []
+                data = []
                 continue
             field, _, value = raw.partition(":")
             value = value[1:] if value.startswith(" ") else value
@@ -324,8 +349,12 @@ def _events(response: requests.Response) -> Iterator[tuple[str, dict[str, Any]]]
                 event_id = value
             elif field == "data":
                 data.append(value)
-    except requests.RequestException:
+    except (requests.RequestException, OSError, ValueError):
         return  # a dropped or silent stream: the caller reconnects
+    except Exception as exc:  # urllib3's own read errors are not requests'
+        if type(exc).__module__.startswith("urllib3"):
+            return
+        raise
 
 
 def stop_pod(pod_id: str, api_key: str, base_url: str = DEFAULT_BASE_URL,

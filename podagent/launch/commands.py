@@ -22,7 +22,7 @@ from podagent.runpod_api import DEFAULT_V2_URL, Client
 API_KEY = "RUNPOD_API_KEY"
 API_KEY_FILE = "RUNPOD_API_KEY_FILE"
 API_URL = "RUNPOD_API_URL"
-API_TIMEOUT = 60.0  # one API call, its retries included
+API_TIMEOUT = 60.0  # one API call, its retries included (`up --api-timeout`)
 
 
 def api_url(environ: Mapping[str, str]) -> str:
@@ -57,16 +57,18 @@ class CallCounter:
         self.count += 1
 
 
-def client(key: str, url: str, say: Callable[[str], None]) -> tuple[Client, CallCounter]:
+def client(key: str, url: str, say: Callable[[str], None],
+           timeout: float = API_TIMEOUT) -> tuple[Client, CallCounter]:
     counter = CallCounter()
-    return Client(key, url, timeout=API_TIMEOUT, say=say, on_call=counter), counter
+    return Client(key, url, timeout=timeout, say=say, on_call=counter), counter
 
 
 def up(spec: UpSpec, key: str, explain: Callable[[int], str],
        stream: TextIO | None = None) -> int:
     extras.require("up", "podagent up's live view")
     view = views.choose(stream)
-    api, counter = client(key, spec.api_url, lambda line: view.line(f"[up] {line}"))
+    api, counter = client(key, spec.api_url, lambda line: view.line(f"[up] {line}"),
+                          spec.api_timeout)
     try:
         return Up(spec, api, view, calls=lambda: counter.count, explain=explain).run()
     finally:

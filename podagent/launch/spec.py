@@ -87,6 +87,7 @@ class UpSpec:
     keep: bool = False
     timeout: float = 900.0  # every pod RUNNING within this
     api_url: str = ""
+    api_timeout: float = 60.0  # one API call, its retries included
     state_dir: Path = field(default_factory=lambda: default_state_dir(os.environ))
 
     @property
@@ -113,7 +114,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           template: str | None, cluster: bool, cloud: str, data_centers: tuple[str, ...],
           volume_gb: int | None, network_volume: str | None, disk_gb: int | None,
           env: tuple[str, ...], secrets: tuple[str, ...], job: tuple[str, ...], keep: bool,
-          timeout: float, api_url: str, state_dir: Path | None) -> UpSpec:
+          timeout: float, api_url: str, state_dir: Path | None,
+          api_timeout: float = 60.0) -> UpSpec:
     """The spec from the command line, or one line naming what is wrong (ConfigError)."""
     run = run or default_run_name()
     try:
@@ -153,6 +155,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
         raise _fail("--disk", disk_gb, "must be at least 1 (GB of container disk)")
     if timeout <= 0:
         raise _fail("--timeout", timeout, "must be a positive number of seconds")
+    if api_timeout <= 0:
+        raise _fail("--api-timeout", api_timeout, "must be a positive number of seconds")
     try:
         config.http_url(api_url)
     except ValueError as exc:
@@ -163,7 +167,7 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                   data_centers=tuple(d.strip() for d in data_centers if d.strip()),
                   volume_gb=volume_gb, network_volume=network_volume or None, disk_gb=disk_gb,
                   env=_environment(env, secrets), job=tuple(job), keep=keep, timeout=timeout,
-                  api_url=api_url.rstrip("/"),
+                  api_url=api_url.rstrip("/"), api_timeout=api_timeout,
                   state_dir=state_dir or default_state_dir(os.environ))
 
 

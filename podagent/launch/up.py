@@ -133,7 +133,7 @@ class Up:
             raise  # nothing was created: a bad input is found before the first create
         except PodagentError:
             if created:
-                self._clean_up(failed=True)
+                self._clean_up()
             raise
         self._phase(Phase.FINISHED)
         self._finish(code)
@@ -214,14 +214,16 @@ class Up:
         """Every pod's status now (one API call), onto the board."""
         if self.spec.cluster:
             assert self.cluster_id is not None
-            pods = self.client.cluster_pods(self.cluster_id) or []
+            listed = self.client.cluster_pods(self.cluster_id)
+            if not listed:  # gone (None), or its pods not placed yet (RunPod adds them)
+                name = specs.cluster_name(self.spec.run)
+                return {name: None if listed is None else "PROVISIONING"}
+            pods = listed
             for pod in pods:
                 rank = (pod.get("cluster") or {}).get("rank")
                 if rank == 0:
                     self.head_id = str(pod["id"])
                 self.pod_ids[str(pod["name"])] = str(pod["id"])
-            if len(pods) < self.spec.pods and not pods:
-                return {specs.cluster_name(self.spec.run): None}
         else:
             listed = {str(p.get("id")): p for p in self.client.list_pods()}
             pods = [listed[i] for i in self.pod_ids.values() if i in listed]
@@ -329,16 +331,22 @@ class Up:
             self.say(f"--keep: the pods stay up (and bill): `podagent down {self.spec.run}` "
                      f"terminates them")
             return
+        self._terminate()
+
+    def _terminate(self) -> None:
+        """Every pod of the run terminated and gone from RunPod's list (else an error)."""
         self._phase(Phase.CLEANING)
         down.terminate(self.client, self.spec.run, self.record, self.say)
+        for row in self.board.pods.values():
+            row.status, row.cost, row.since = "TERMINATED", 0.0, time.monotonic()
+        self.view.update(self.board)
 
-    def _clean_up(self, failed: bool) -> None:
+    def _clean_up(self) -> None:
         self._stop_following()
-        self._phase(Phase.CLEANING)
         try:
-            down.terminate(self.client, self.spec.run, self.record, self.say)
+            self._terminate()
         except PodagentError as exc:
-            self.say(f"clean-up failed: {exc}")
+            self.say(f"clean-up failed: {exc}; `podagent down {self.spec.run}` tries again")
 
     def _interrupted(self, signum: int, created: bool) -> None:
         name = signal.Signals(signum).name
@@ -353,8 +361,7 @@ class Up:
         self.say(f"{name}: stopping run {self.spec.run} and terminating its pods "
                  f"(Ctrl-C again to leave them running)")
         try:
-            self._phase(Phase.CLEANING)
-            down.terminate(self.client, self.spec.run, self.record, self.say)
+            self._terminate()
         except KeyboardInterrupt:
             self.say(f"left the pods of run {self.spec.run} as they are; they bill until "
                      f"`podagent down {self.spec.run}` terminates them")

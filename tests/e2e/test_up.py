@@ -159,12 +159,11 @@ def test_a_storm_of_429_and_503_is_ridden_out(cloud, tmp_path):
 
 def test_an_api_that_stays_down_is_a_clear_error_and_nothing_bills(cloud, tmp_path):
     cloud.fail_next(10_000, 503, match=r"^POST /v2/pods$")
-    started = time.monotonic()
-    result = run_up(cloud, tmp_path, up_argv("down503", 2), timeout=200)
-    took = time.monotonic() - started
+    result = run_up(cloud, tmp_path, up_argv("down503", 2, "--api-timeout", "8"), timeout=200)
     assert result.returncode == 20, result.stdout + result.stderr
-    assert "answered 503" in result.stderr and "gave up after" in result.stderr
-    assert took < 60 + 60  # the API deadline (60 s) and the clean-up
+    assert "answered 503" in result.stderr
+    gave_up = re.search(r"gave up after \d+ attempts in ([0-9.]+) s", result.stderr)
+    assert gave_up and float(gave_up.group(1)) <= 8 + 1, result.stderr  # the declared deadline
     nothing_left(cloud)
 
 
@@ -255,12 +254,13 @@ def test_ctrl_c_terminates_the_pods_and_a_second_leaves_them(cloud, tmp_path):
     assert cloud.billing() == []
     # Twice: the pods are left, and the line says how to clean up.
     cloud.fail_next(10_000, 503, match=r"^DELETE ")  # the terminate takes its time
-    proc = subprocess.Popen(up_argv("ctrlc2", 2), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(up_argv("ctrlc2", 2, "--api-timeout", "120"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: len([p for p in cloud.billing() if "ctrlc2" in p.name]) == 2,
              timeout=60, what="two pods billing")
+    before = len(cloud.requests)
     proc.send_signal(signal.SIGINT)
-    wait_for(lambda: any(r.method == "DELETE" for r in cloud.requests), timeout=60,
+    wait_for(lambda: any(r.method == "DELETE" for r in cloud.requests[before:]), timeout=60,
              what="a terminate call")
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
