@@ -40,6 +40,9 @@ from podagent.runpod_api import Client
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
 RECORD_WAIT = 0.25  # the loop's wait for the head's next record
+# A head whose container keeps being started again is a crash loop, billing for nothing.
+# (A run resumed after a lost node or a restarted head starts it a few times at most.)
+MAX_HEAD_STARTS = 5
 
 
 class Phase(str, enum.Enum):
@@ -65,11 +68,15 @@ class Verdict:
 
 
 def judge(statuses: Mapping[str, str | None], started: float, now: float, timeout: float,
-          head_exit: int | None, shape: str) -> Verdict:
-    """What to do next, from each pod's status (None: RunPod no longer lists it) and the
-    head's exit code once it said one."""
+          head_exit: int | None, shape: str, head_starts: int = 1) -> Verdict:
+    """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
+    code once its run is over for good, and how often the head's podagent has started."""
     if head_exit is not None:
         return Verdict("done")
+    if head_starts > MAX_HEAD_STARTS:
+        return Verdict("fail", f"the head's podagent has started {head_starts} times without "
+                               f"finishing the run (its container keeps exiting: a crash "
+                               f"loop); its log above says why")
     for name, status in statuses.items():
         if status == "ERROR":
             return Verdict("fail", f"pod {name} is in ERROR at RunPod (its system log at "
@@ -100,7 +107,9 @@ class Up:
         self.head_id: str | None = None
         self.cluster_id: str | None = None
         self.pod_ids: dict[str, str] = {}  # name -> id
-        self.head_exit: int | None = None
+        self.head_exit: int | None = None  # the run's code, once it is over for good
+        self.last_exit: int | None = None  # the code of the head's podagent's last start
+        self.head_starts = 0
         self.first_job_line: float | None = None
         self.started = time.monotonic()
 
@@ -259,7 +268,7 @@ class Up:
                         self.board.phase == Phase.STARTING.value):
                     self._phase(Phase.FORMING)
             verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
-                            self.head_exit, self.spec.shape())
+                            self.head_exit, self.spec.shape(), self.head_starts)
             if verdict.action == "done":
                 assert self.head_exit is not None
                 return self.head_exit
@@ -308,8 +317,14 @@ class Up:
         elif event == "workers_counted":
             self.board.joined = int(data.get("workers") or 0)
             self.view.update(self.board)
+        elif event == "role":
+            self.head_starts += 1
         elif event == "exit" and isinstance(data.get("code"), int):
-            self.head_exit = int(data["code"])
+            # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
+            # RunPod and resumes the run. The run is over when the head stays (after_run).
+            self.last_exit = int(data["code"])
+        elif event == "staying" and self.last_exit is not None:
+            self.head_exit = self.last_exit
 
     # --- the end --------------------------------------------------------------------------
 

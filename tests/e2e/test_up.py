@@ -124,6 +124,43 @@ def test_a_failing_job_is_the_runs_exit_code_and_the_pods_still_go(cloud, tmp_pa
     nothing_left(cloud)
 
 
+def test_a_head_started_again_mid_run_resumes_and_up_waits_for_the_end(cloud, tmp_path):
+    """The head's podagent killed while the job runs: RunPod starts its container again, the
+    run resumes (the job submitted again), and `up` ends once, with the run's own code — not
+    at the first start's exit."""
+    go = tmp_path / "go"
+    job = (sys.executable, "-c", "import os, sys, time\nprint('job started', flush=True)\n"
+           f"while not os.path.exists({str(go)!r}): time.sleep(0.2)\nprint('job done')")
+    proc = subprocess.Popen(up_argv("resume", 2, "--volume", "20", job=job),
+                            env=laptop_env(cloud, tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    head = wait_for(lambda: next((p for p in cloud.pods.values() if p.name ==
+                                  "podagent-resume-head"), None), timeout=60, what="the head")
+
+    def podagent_of_head() -> int | None:
+        view = cloud.pods[head.id]
+        for pid in view.harness.pids() if view.harness else []:
+            with contextlib.suppress(Exception):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [
+                        b"-m", b"podagent"]:
+                    return pid
+        return None
+
+    wait_for(lambda: any("job started" in line.line for line in cloud.logs(head.id)),
+             timeout=RUN_BOUND, what="the job to start")
+    os.kill(podagent_of_head(), signal.SIGKILL)
+    wait_for(lambda: cloud.pods[head.id].starts == 2, timeout=60, what="the head restarted")
+    wait_for(lambda: sum("job started" in line.line for line in cloud.logs(head.id)) == 2,
+             timeout=RUN_BOUND, what="the job submitted again")
+    assert proc.poll() is None  # up still follows the run
+    go.touch()
+    out, _ = proc.communicate(timeout=RUN_BOUND)
+    assert proc.returncode == 0, out[-5000:]
+    assert out.count("run resume succeeded (exit 0)") == 1
+    assert [e.code for e in cloud.pods[head.id].exits][:1] == [128 + signal.SIGKILL]
+    nothing_left(cloud)
+
+
 @pytest.mark.parametrize("argv_extra, says", [
     (("--pods", "0"), "--pods=0 must be at least 1"),
     (("--gpu", "NVIDIA H100"), "is not a GPU type RunPod offers"),

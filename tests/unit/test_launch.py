@@ -139,6 +139,9 @@ def test_the_policy():
                  shape).action == "wait"
     assert "ERROR" in judge({"a": "ERROR"}, t0, t0, 900, None, shape).why
     assert "terminated outside" in judge({"a": None}, t0, t0, 900, None, shape).why
+    loop = judge(running, t0, t0 + 60, 900, None, shape, head_starts=6)
+    assert loop.action == "fail" and "started 6 times" in loop.why
+    assert judge(running, t0, t0 + 60, 900, None, shape, head_starts=5).action == "wait"
 
 
 def test_the_heads_records():
@@ -190,3 +193,19 @@ def test_the_key_from_a_file_and_bad_input_before_any_call(tmp_path):
                   "--pods", "0", env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--pods=0 must be at least 1" in result.stderr
+
+
+@pytest.mark.parametrize("over", [{}, {"cluster": True}, {"volume_gb": 20},
+                                  {"network_volume": "vol_1", "data_centers": ("EU-RO-1",)},
+                                  {"image": None, "template": "tpl_abc", "disk_gb": 50},
+                                  {"secrets": ("HF_TOKEN=hf",), "cloud": "COMMUNITY"}])
+def test_every_body_up_sends_follows_runpods_published_schema(over):
+    from tests.fakes.runpod_cloud import SCHEMAS
+
+    spec = build(**over)
+    if spec.cluster:
+        assert SCHEMAS.errors("CreateClusterRequest", specs.cluster_body(spec)) == []
+        return
+    for rank in range(spec.pods):
+        body = specs.pod_body(spec, rank, head_id="abc" if rank else None)
+        assert SCHEMAS.errors("CreatePodRequest", body) == [], body
