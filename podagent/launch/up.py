@@ -187,8 +187,9 @@ class Up:
         assert self.record is not None
         head_name = specs.pod_name(self.spec.run, 0)
         if head_name not in self.pod_ids and len(self.pod_ids) > 0:
-            raise PodsNotReady(f"run {self.spec.run} has workers at RunPod but no head: "
-                               f"`podagent down {self.spec.run}`, then up again")
+            raise PodsNotReady(f"run {self.spec.run} has workers at RunPod but no head (it "
+                               f"was terminated): they are terminated too; up again starts "
+                               f"the run afresh")
         for rank, name in enumerate(self.spec.names()):
             row = self.board.row(name)
             if name not in self.pod_ids:
@@ -218,6 +219,9 @@ class Up:
             row.status, row.since = status, time.monotonic()
         cost = pod.get("cost")
         row.cost = float(cost) if isinstance(cost, (int, float)) else None
+        where = (pod.get("cluster") or {}).get("ip") or (pod.get("globalNetworking") or {}).get(
+            "ip")
+        row.ip = str(where or row.ip)
 
     def _look(self) -> dict[str, str | None]:
         """Every pod's status now (one API call), onto the board."""
@@ -307,18 +311,25 @@ class Up:
     def _event(self, data: Mapping[str, Any]) -> None:
         event = data.get("event")
         if event == "state" and data.get("state") in _HEAD_PHASES:
+            if data["state"] == "waiting_workers":  # the head's Ray is up
+                self.board.row(self._head_name()).joined = True
             self._phase(_HEAD_PHASES[str(data["state"])])
         elif event == "worker_joined":
             self.board.joined += 1
+            self.board.mark_joined(str(data.get("ip")), True)
             self.view.update(self.board)
         elif event == "worker_lost":
             self.board.joined = max(0, self.board.joined - 1)
+            self.board.mark_joined(str(data.get("ip")), False)
             self.view.update(self.board)
         elif event == "workers_counted":
             self.board.joined = int(data.get("workers") or 0)
             self.view.update(self.board)
-        elif event == "role":
+        elif event == "role":  # the head's podagent started (again): its workers join anew
             self.head_starts += 1
+            self.board.joined = 0
+            self.board.mark_joined(None, False)
+            self.view.update(self.board)
         elif event == "exit" and isinstance(data.get("code"), int):
             # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
             # RunPod and resumes the run. The run is over when the head stays (after_run).

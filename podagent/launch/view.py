@@ -17,7 +17,8 @@ class PodRow:
     status: str = "ASKING"  # before RunPod answered the create
     since: float = field(default_factory=time.monotonic)
     cost: float | None = None  # USD per hour, as RunPod reports it
-    joined: bool = False
+    ip: str = ""  # its private address (Global Networking or the cluster's network)
+    joined: bool = False  # in the head's Ray (the head's own row: its Ray is up)
 
 
 @dataclass
@@ -35,6 +36,11 @@ class Board:
         if name not in self.pods:
             self.pods[name] = PodRow(name)
         return self.pods[name]
+
+    def mark_joined(self, ip: str | None, joined: bool) -> None:
+        for row in self.pods.values():
+            if ip is None or row.ip == ip:
+                row.joined = joined
 
     def set_phase(self, phase: str) -> bool:
         if phase == self.phase:
