@@ -67,6 +67,23 @@ def run_up(cloud: FakeRunPodCloud, tmp_path: Path, argv: list[str],
                           text=True, timeout=timeout, cwd=tmp_path)
 
 
+def start_up(cloud: FakeRunPodCloud, tmp_path: Path, argv: list[str]) -> subprocess.Popen:
+    """`podagent up` in the background, its output (both streams) on a pipe."""
+    return subprocess.Popen(argv, env=laptop_env(cloud, tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def run_down(cloud: FakeRunPodCloud, tmp_path: Path, name: str
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "podagent", "down", name],
+                          env=laptop_env(cloud, tmp_path), capture_output=True, text=True,
+                          timeout=180)
+
+
+def billing(cloud: FakeRunPodCloud, run: str) -> int:
+    return len([p for p in cloud.billing() if p.name.startswith(f"podagent-{run}-")])
+
+
 def nothing_left(cloud: FakeRunPodCloud) -> None:
     """Nothing bills at RunPod and nothing of a pod still runs."""
     assert cloud.billing() == []
@@ -131,9 +148,7 @@ def test_a_head_started_again_mid_run_resumes_and_up_waits_for_the_end(cloud, tm
     go = tmp_path / "go"
     job = (sys.executable, "-c", "import os, sys, time\nprint('job started', flush=True)\n"
            f"while not os.path.exists({str(go)!r}): time.sleep(0.2)\nprint('job done')")
-    proc = subprocess.Popen(up_argv("resume", 2, "--volume", "20", job=job),
-                            env=laptop_env(cloud, tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_up(cloud, tmp_path, up_argv("resume", 2, "--volume", "20", job=job))
     head = wait_for(lambda: next((p for p in cloud.pods.values() if p.name ==
                                   "podagent-resume-head"), None), timeout=60, what="the head")
 
@@ -243,30 +258,25 @@ def test_killed_after_every_api_call_then_down_leaves_no_pod(cloud, tmp_path):
     look for an existing run, the head's create, the workers' creates and the first looks),
     one schedule per call; `podagent down` then leaves nothing at RunPod."""
     cloud.hold_provisioning(".")  # creation is what is tested: the pods never need to run
-    env = laptop_env(cloud, tmp_path)
     calls = 7  # catalog, list pods, list clusters, head, w1, w2, the first look
     for k in range(1, calls + 1):
         name = f"kill{k}"
-        proc = subprocess.Popen(up_argv(name, 3), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
         before = len(cloud.requests)
+        proc = start_up(cloud, tmp_path, up_argv(name, 3))
         _kill_after(cloud, proc, k)
         out, _ = proc.communicate(timeout=120)
-        cloud._callbacks.clear()
+        cloud.clear_after_response()
         assert proc.returncode == -signal.SIGKILL, (k, out)
         made = [r for r in cloud.requests[before:] if r.method == "POST"]
-        down = subprocess.run([sys.executable, "-m", "podagent", "down", name], env=env,
-                              capture_output=True, text=True, timeout=180)
+        down = run_down(cloud, tmp_path, name)
         assert down.returncode == 0, (k, down.stdout + down.stderr)
         assert cloud.billing() == [], (k, made, down.stdout)
     nothing_left(cloud)
 
 
 def test_up_again_with_the_same_name_reattaches_instead_of_creating(cloud, tmp_path):
-    env = laptop_env(cloud, tmp_path)
     cloud.hold_provisioning(r"-w1$")
-    proc = subprocess.Popen(up_argv("again", 2), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_up(cloud, tmp_path, up_argv("again", 2))
     wait_for(lambda: len(creates(cloud)) == 2, timeout=60, what="both creates")
     proc.kill()  # the laptop crashed with the run half up
     proc.communicate(timeout=30)
@@ -279,11 +289,9 @@ def test_up_again_with_the_same_name_reattaches_instead_of_creating(cloud, tmp_p
 
 
 def test_ctrl_c_terminates_the_pods_and_a_second_leaves_them(cloud, tmp_path):
-    env = laptop_env(cloud, tmp_path)
     cloud.hold_provisioning(".")
-    proc = subprocess.Popen(up_argv("ctrlc", 2), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: len(cloud.billing()) == 2, timeout=60, what="two pods billing")
+    proc = start_up(cloud, tmp_path, up_argv("ctrlc", 2))
+    wait_for(lambda: billing(cloud, "ctrlc") == 2, timeout=60, what="two pods billing")
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 130, out
@@ -291,10 +299,8 @@ def test_ctrl_c_terminates_the_pods_and_a_second_leaves_them(cloud, tmp_path):
     assert cloud.billing() == []
     # Twice: the pods are left, and the line says how to clean up.
     cloud.fail_next(10_000, 503, match=r"^DELETE ")  # the terminate takes its time
-    proc = subprocess.Popen(up_argv("ctrlc2", 2, "--api-timeout", "120"), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: len([p for p in cloud.billing() if "ctrlc2" in p.name]) == 2,
-             timeout=60, what="two pods billing")
+    proc = start_up(cloud, tmp_path, up_argv("ctrlc2", 2, "--api-timeout", "120"))
+    wait_for(lambda: billing(cloud, "ctrlc2") == 2, timeout=60, what="two pods billing")
     before = len(cloud.requests)
     proc.send_signal(signal.SIGINT)
     wait_for(lambda: any(r.method == "DELETE" for r in cloud.requests[before:]), timeout=60,
@@ -304,20 +310,18 @@ def test_ctrl_c_terminates_the_pods_and_a_second_leaves_them(cloud, tmp_path):
     assert proc.returncode == 130, out
     assert "podagent down ctrlc2" in out
     assert len(cloud.billing()) == 2
-    cloud._faults.clear()
-    down = subprocess.run([sys.executable, "-m", "podagent", "down", "ctrlc2"], env=env,
-                          capture_output=True, text=True, timeout=180)
+    cloud.clear_faults()
+    down = run_down(cloud, tmp_path, "ctrlc2")
     assert down.returncode == 0, down.stdout + down.stderr
     nothing_left(cloud)
 
 
 def test_ls_lists_the_runs_pods_with_their_cost(cloud, tmp_path):
-    env = laptop_env(cloud, tmp_path)
     cloud.hold_provisioning(".")
-    proc = subprocess.Popen(up_argv("listed", 2), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: len(cloud.billing()) == 2, timeout=60, what="two pods billing")
-    ls = subprocess.run([sys.executable, "-m", "podagent", "ls"], env=env,
+    proc = start_up(cloud, tmp_path, up_argv("listed", 2))
+    wait_for(lambda: billing(cloud, "listed") == 2, timeout=60, what="two pods billing")
+    ls = subprocess.run([sys.executable, "-m", "podagent", "ls"],
+                        env=laptop_env(cloud, tmp_path),
                         capture_output=True, text=True, timeout=60)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=180)

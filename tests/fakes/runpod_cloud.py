@@ -675,6 +675,11 @@ class FakeRunPodCloud(ServedFake):
             self._faults.append(_Fault(n, status, retry_after,
                                        re.compile(match) if match else None))
 
+    def clear_faults(self) -> None:
+        """Forget every fail_next still pending."""
+        with self._lock:
+            self._faults.clear()
+
     def no_capacity(self, gpu_type_id: str, on: bool = True) -> None:
         """Creates of pods and clusters with this GPU type are refused (400), until off."""
         with self._lock:
@@ -698,6 +703,10 @@ class FakeRunPodCloud(ServedFake):
         stream: once it ended), on the server's thread; exceptions land in fake_errors."""
         with self._lock:
             self._callbacks.append(callback)
+
+    def clear_after_response(self) -> None:
+        with self._lock:
+            self._callbacks.clear()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
