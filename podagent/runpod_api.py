@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import quote
 
 import requests
+import requests.auth
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from podagent import __version__
@@ -99,6 +100,15 @@ def _retry_after(response: requests.Response) -> float | None:
         return None
 
 
+class _Bearer(requests.auth.AuthBase):
+    def __init__(self, key: str):
+        self._key = key
+
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+        request.headers["Authorization"] = f"Bearer {self._key}"
+        return request
+
+
 @dataclass(frozen=True)
 class Answer:
     status: int
@@ -121,10 +131,11 @@ class Client:
         self.say = say
         self.on_call = on_call
         self._session = requests.Session()
-        self._session.trust_env = False  # no netrc: the key is ours to send, and only ours
-        self._session.headers.update({
-            "Authorization": f"Bearer {self._key}", "Accept": "application/json",
-            "User-Agent": f"podagent/{__version__}"})
+        # The key as an auth of its own: requests then never puts a netrc login in its place
+        # (it would for a plain header), and the environment's proxies still apply.
+        self._session.auth = _Bearer(self._key)
+        self._session.headers.update({"Accept": "application/json",
+                                      "User-Agent": f"podagent/{__version__}"})
 
     def close(self) -> None:
         self._session.close()
@@ -147,7 +158,7 @@ class Client:
         what = f"{method} {url}"
         started = time.monotonic()
         deadline = started + (self.timeout if timeout is None else timeout)
-        ambiguous = False  # the last failure may have done what was asked (not a 429)
+        ambiguous = False  # a failure since the last look may have done what was asked
 
         def attempt() -> Answer:
             nonlocal ambiguous
@@ -155,6 +166,7 @@ class Client:
                 found = before_retry()
                 if found is not None:
                     return Answer(200, found)
+                ambiguous = False
             remaining = max(deadline - time.monotonic(), 0.1)
             failure = None
             try:
@@ -177,7 +189,8 @@ class Client:
                 return Answer(status, data)
             message = f"{what} answered {status} {_reason(response)}"
             if _retryable(status):
-                ambiguous = status != 429  # RunPod refuses a rate-limited call before acting
+                # RunPod refuses a rate-limited call before acting on it; a 5xx may come after.
+                ambiguous = ambiguous or status != 429
                 raise _Retry(message, _retry_after(response) if status == 429 else None)
             raise self._error(f"RunPod API: {message}", status)
 

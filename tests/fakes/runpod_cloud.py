@@ -513,6 +513,7 @@ class _Fault:
     status: int
     retry_after: int | None
     match: re.Pattern[str] | None
+    after_acting: bool = False  # the request is carried out, and then answered with status
 
 
 # The v2 document's endpoints the fake knows: path pattern, then per method the handler, the
@@ -665,15 +666,17 @@ class FakeRunPodCloud(ServedFake):
     # -- fault injection -----------------------------------------------------------------------
 
     def fail_next(self, n: int, status: int, retry_after: int | None = None,
-                  match: str | None = None) -> None:
+                  match: str | None = None, after_acting: bool = False) -> None:
         """Answer the next `n` requests (only those whose "METHOD /path" matches the regex
         `match`, if given) with `status` and an ErrorResponse; a 429 carries Retry-After
-        (`retry_after` seconds, default 1), another status only when `retry_after` is given."""
+        (`retry_after` seconds, default 1), another status only when `retry_after` is given.
+        `after_acting`: the request is carried out first (a pod is created, say) and only its
+        answer is lost, as when a gateway gives up on a backend that went on."""
         if status < 400:
             raise ValueError("a fault answers with an error status")
         with self._lock:
             self._faults.append(_Fault(n, status, retry_after,
-                                       re.compile(match) if match else None))
+                                       re.compile(match) if match else None, after_acting))
 
     def clear_faults(self) -> None:
         """Forget every fail_next still pending."""
@@ -802,8 +805,9 @@ class FakeRunPodCloud(ServedFake):
                            else ["$: a JSON body is required"])
             errors += self._query_errors(op, query, h.headers)
 
-        fault = self._take_fault(method, path)
-        reply = fault or self._auth(h.headers.get("Authorization")) or route_reply
+        fault, acting = self._take_fault(method, path)
+        reply = (None if acting else fault) or self._auth(h.headers.get("Authorization")) or (
+            route_reply)
         if reply is None and malformed:
             reply = _problem(400, malformed)
         if reply is None and errors:
@@ -820,6 +824,8 @@ class FakeRunPodCloud(ServedFake):
                 reply = _problem(500, f"the fake failed: {exc!r}")
             if reply.stream is None and reply.body is not None and reply.status < 400:
                 reply.schema = _SCHEMA_OF_ANSWER.get(op)
+        if acting and fault is not None:
+            reply = fault  # done, but the client never hears so
         self._check_answer(method, path, reply)
 
         record = RequestRecord(method, path, query, body, reply.status, errors + slips,
@@ -874,7 +880,9 @@ class FakeRunPodCloud(ServedFake):
             reply.status, reply.body, reply.schema = (replacement.status, replacement.body,
                                                       "ErrorResponse")
 
-    def _take_fault(self, method: str, path: str) -> _Reply | None:
+    def _take_fault(self, method: str, path: str) -> tuple[_Reply | None, bool]:
+        """The fault's answer for this request (None: no fault), and whether the request is
+        to be carried out all the same."""
         with self._lock:
             for fault in self._faults:
                 if fault.remaining > 0 and (fault.match is None or
@@ -882,7 +890,7 @@ class FakeRunPodCloud(ServedFake):
                     fault.remaining -= 1
                     break
             else:
-                return None
+                return None, False
         headers = {}
         retry = fault.retry_after if fault.retry_after is not None else (
             1 if fault.status == 429 else None)
@@ -890,7 +898,7 @@ class FakeRunPodCloud(ServedFake):
             headers["Retry-After"] = str(int(retry))
         detail = ("rate limit exceeded for the minute window" if fault.status == 429
                   else "injected fault")
-        return _problem(fault.status, detail, headers=headers)
+        return _problem(fault.status, detail, headers=headers), fault.after_acting
 
     def _auth(self, authorization: str | None) -> _Reply | None:
         if not authorization or not authorization.startswith("Bearer "):
