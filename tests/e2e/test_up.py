@@ -100,7 +100,7 @@ def test_up_runs_three_pods_to_exit_0_and_terminates_them(cloud, tmp_path):
     result = run_up(cloud, tmp_path, up_argv("gn"))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
-    assert JOB_LINE in result.stdout
+    assert JOB_LINE in result.stdout and "[head] cluster ready: 3 nodes" in result.stdout
     assert "run gn succeeded (exit 0)" in result.stdout
     assert "nothing of it is billing" in result.stdout
     # The head first, then the workers with its id: three creates, no more.
@@ -125,7 +125,8 @@ def test_up_runs_three_pods_to_exit_0_and_terminates_them(cloud, tmp_path):
 def test_up_with_cluster_runs_on_an_instant_cluster(cloud, tmp_path):
     result = run_up(cloud, tmp_path, up_argv("ic", 2, "--cluster"))
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    assert JOB_LINE in result.stdout
+    assert JOB_LINE in result.stdout and "[head] cluster ready: 2 nodes" in result.stdout
+    assert "NODE_RANK=0 (Instant Cluster)" in result.stdout  # rank 0 is the head
     made = creates(cloud)
     assert [(r.path, r.body["type"]) for r in made] == [("/v2/clusters", "TRAINING")]
     ranks = sorted((p.cluster or {}).get("rank") for p in cloud.pods.values())
