@@ -680,7 +680,10 @@ def _launched(action: Callable[[], int]) -> None:
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signum)
 
+    # SIGINT too: a process started in the background inherits it ignored, and Python then
+    # leaves it so; Ctrl-C must always reach up's clean-up.
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         code = action()
     except errors.PodagentError as exc:

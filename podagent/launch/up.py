@@ -347,7 +347,7 @@ class Up:
         assert self.record is not None
         self._stop_following()
         took = time.monotonic() - self.started
-        outcome = "succeeded" if code == 0 else f"failed ({self.explain(code)})"
+        outcome = "succeeded" if code == 0 else f"ended: {self.explain(code)}"
         first = (f"; the job's first line after {self.first_job_line - self.started:.1f} s"
                  if self.first_job_line else "")
         self.say(f"run {self.spec.run} {outcome} (exit {code}) after {took:.1f} s{first}; "
@@ -375,18 +375,20 @@ class Up:
             self.say(f"clean-up failed: {exc}; `podagent down {self.spec.run}` tries again")
 
     def _interrupted(self, signum: int, created: bool) -> None:
+        """The first Ctrl-C (or SIGTERM): terminate what was created. A second one, wherever
+        it lands, leaves the pods and says how to clean up."""
         name = signal.Signals(signum).name
-        self._stop_following()
-        if not created:
-            return
-        if self.spec.keep:
-            self.say(f"{name}: leaving run {self.spec.run} running (--keep): `podagent up "
-                     f"--name {self.spec.run} ...` re-attaches, `podagent down "
-                     f"{self.spec.run}` terminates it")
-            return
-        self.say(f"{name}: stopping run {self.spec.run} and terminating its pods "
-                 f"(Ctrl-C again to leave them running)")
         try:
+            self._stop_following()
+            if not created:
+                return
+            if self.spec.keep:
+                self.say(f"{name}: leaving run {self.spec.run} running (--keep): `podagent up "
+                         f"--name {self.spec.run} ...` re-attaches, `podagent down "
+                         f"{self.spec.run}` terminates it")
+                return
+            self.say(f"{name}: stopping run {self.spec.run} and terminating its pods "
+                     f"(Ctrl-C again to leave them running)")
             self._terminate()
         except KeyboardInterrupt:
             self.say(f"left the pods of run {self.spec.run} as they are; they bill until "
