@@ -20,7 +20,7 @@ import enum
 import queue
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +68,11 @@ class Verdict:
 
 
 def judge(statuses: Mapping[str, str | None], started: float, now: float, timeout: float,
-          head_exit: int | None, shape: str, head_starts: int = 1) -> Verdict:
+          head_exit: int | None, shape: str, head_starts: int = 1,
+          ran: Collection[str] = ()) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
-    code once its run is over for good, and how often the head's podagent has started."""
+    code once its run is over for good, how often the head's podagent has started, and which
+    pods have been RUNNING (one restarting later is not one that never started)."""
     if head_exit is not None:
         return Verdict("done")
     if head_starts > MAX_HEAD_STARTS:
@@ -84,7 +86,7 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
                                    f"fault)")
         if status in (None, "TERMINATED"):
             return Verdict("fail", f"pod {name} was terminated outside this run")
-    waiting = {n: s for n, s in statuses.items() if s != "RUNNING"}
+    waiting = {n: s for n, s in statuses.items() if s != "RUNNING" and n not in ran}
     if waiting and now - started > timeout:
         listed = ", ".join(f"{n} {s}" for n, s in sorted(waiting.items()))
         return Verdict("fail", f"{len(waiting)} of {len(statuses)} pod(s) not RUNNING after "
@@ -110,6 +112,7 @@ class Up:
         self.head_exit: int | None = None  # the run's code, once it is over for good
         self.last_exit: int | None = None  # the code of the head's podagent's last start
         self.head_starts = 0
+        self.ran: set[str] = set()  # pods seen RUNNING at least once
         self.first_job_line: float | None = None
         self.started = time.monotonic()
 
@@ -256,14 +259,15 @@ class Up:
         return statuses
 
     def _follow(self) -> int:
-        """From the pods' creation to the head's exit event: the pods' statuses every POLL
-        seconds, the head's records as they come."""
+        """From the pods' creation until the head's run is over for good: the pods'
+        statuses every POLL seconds, the head's records as they come."""
         next_look = 0.0
         statuses: dict[str, str | None] = {}
         while True:
             now = time.monotonic()
             if now >= next_look:
                 statuses = self._look()
+                self.ran |= {name for name, status in statuses.items() if status == "RUNNING"}
                 next_look = now + POLL
                 if self.head_log is None and self.head_id and statuses.get(
                         self._head_name()) in ("STARTING", "RUNNING"):
@@ -272,7 +276,7 @@ class Up:
                         self.board.phase == Phase.STARTING.value):
                     self._phase(Phase.FORMING)
             verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
-                            self.head_exit, self.spec.shape(), self.head_starts)
+                            self.head_exit, self.spec.shape(), self.head_starts, self.ran)
             if verdict.action == "done":
                 assert self.head_exit is not None
                 return self.head_exit

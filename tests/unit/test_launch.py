@@ -139,6 +139,10 @@ def test_the_policy():
                  shape).action == "wait"
     assert "ERROR" in judge({"a": "ERROR"}, t0, t0, 900, None, shape).why
     assert "terminated outside" in judge({"a": None}, t0, t0, 900, None, shape).why
+    # A pod that ran and is being started again by RunPod is not one that never started.
+    restarting = {"a": "RUNNING", "b": "STARTING"}
+    assert judge(restarting, t0, t0 + 5000, 900, None, shape, ran={"a", "b"}).action == "wait"
+    assert judge(restarting, t0, t0 + 5000, 900, None, shape, ran={"a"}).action == "fail"
     loop = judge(running, t0, t0 + 60, 900, None, shape, head_starts=6)
     assert loop.action == "fail" and "started 6 times" in loop.why
     assert judge(running, t0, t0 + 60, 900, None, shape, head_starts=5).action == "wait"
