@@ -35,7 +35,7 @@ import psutil
 import requests
 import tenacity
 
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from tests.harness import benchkit
 from tests.harness import cluster as harness
 from tests.harness.agents import Agent

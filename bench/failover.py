@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from tests.harness import benchkit
 from tests.harness import cluster as harness
 from tests.harness.benchkit import RunFailed, fmt, last_lines, median, reason_line, table, verdict

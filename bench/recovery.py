@@ -42,7 +42,7 @@ import tenacity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from tests.harness import benchkit
 from tests.harness import cluster as harness
 from tests.harness.agents import Agent

@@ -42,7 +42,7 @@ from bench.bringup import Run, Setup
 from podagent.cluster.census import WorkerCensus
 from podagent.cluster.head import NODE_POLL
 from podagent.cluster.head_ray import WATCH_INTERVAL
-from podagent.gcs import GcsClient
+from podagent.ray_access.gcs import GcsClient
 from podagent.report import Reporter
 from tests.harness import benchkit
 from tests.harness import cluster as harness

@@ -16,9 +16,10 @@ from typing import Any, TextIO
 import click
 import psutil
 
-from podagent import __version__, config, errors, extras, process, ray_compat
+from podagent import __version__, config, errors, extras, process
+from podagent.platform.roles import Role, RoleDecision, detect_role
+from podagent.ray_access import ray_compat
 from podagent.report import Reporter
-from podagent.roles import Role, RoleDecision, detect_role
 from podagent.waiting import Signals
 
 # Exit codes: documented in the README's table. Signals give 128 + the signal number.
@@ -238,7 +239,7 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
     _say_untested(reporter, ray)
     reporter.event("role", role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__, ray=ray.version)
-    from podagent.cluster import wandb_run
+    from podagent.report import wandb_run
 
     bringup = wandb_run.attach(reporter, settings, decision.role)
 
@@ -403,7 +404,7 @@ def worker(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
 def env_command(ctx: click.Context, preset_override: str | None, as_export: bool,
                 **flags: Any) -> None:
     """Print the environment podagent would apply on this pod (secrets redacted)."""
-    from podagent import nccl
+    from podagent.platform import nccl
 
     merged = _flags(ctx, flags)
     if preset_override is not None:
@@ -586,9 +587,9 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
     PODAGENT_WORKER_TIMEOUT for its workers, a worker up to PODAGENT_HEAD_TIMEOUT for the head.
     Options you pass win over podagent's.
     """
-    from podagent import discovery
     from podagent.cluster import node
     from podagent.cluster import torchrun as torchrun_mod
+    from podagent.platform import discovery
 
     if not torchrun_args:
         _fail("podagent torchrun needs a training script: podagent torchrun [OPTIONS] -- "

@@ -160,7 +160,7 @@ def choice(*allowed: str) -> Callable[[str], str]:
 
 
 def preset_name(raw: str) -> str:
-    from podagent import nccl  # late: nccl reads the preset files
+    from podagent.platform import nccl  # late: nccl reads the preset files
 
     names = ("auto", *nccl.preset_names())
     if raw not in names:

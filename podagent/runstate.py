@@ -10,6 +10,8 @@ key-value store (namespace `podagent` in the head's GCS): no extra port, no extr
   GCS answers). A head pod restarted at its old address answers again at once, but with a new
   Ray that knows nothing of the workers that had joined: they notice the id changed (or gone)
   and join again.
+
+Beside the store, one line of the job's log: the cluster check's result (`CHECK_JSON_PREFIX`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"
 KV_STOP_REQUEST = "stop_request"
 KV_HEAD_START = "head_start"
+
+# The cluster check job's one machine-readable line, which the head reads from the job's log.
+CHECK_JSON_PREFIX = "podagent-check-json: "
 
 
 REJOIN = "rejoin"

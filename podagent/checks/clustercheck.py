@@ -26,9 +26,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from podagent import nccl
 from podagent.checks import collectives
 from podagent.config import FIELD_BY_ATTR
+from podagent.platform import nccl
+from podagent.runstate import CHECK_JSON_PREFIX
 
 # A loaded pod can take minutes to start a Python worker that imports torch; a collective
 # that does not finish in this time is stuck (a rank that cannot reach another).
@@ -37,7 +38,6 @@ RUN_TIMEOUT = float(os.environ.get("PODAGENT_CHECK_RUN_TIMEOUT", "300"))
 GPU_MAX_BYTES = 256 * collectives.MB
 CPU_MAX_BYTES = 16 * collectives.MB  # gloo on CPU pods: enough to see the link, not minutes
 DATASET_SIZE, BATCH = 1000, 8
-JSON_PREFIX = "podagent-check-json: "
 # NCCL's own words for the path a channel took ("... via NET/Socket/0", "via P2P/CUMEM/read").
 _VIA = re.compile(r"\bvia (\S+)")
 _NETWORK = re.compile(r"Using network (\S+)")
@@ -100,7 +100,7 @@ class CheckRank:
         """Before any collective: this rank's node, device and interface, checked locally."""
         import ray
 
-        from podagent import nccl
+        from podagent.platform import nccl
 
         info: dict[str, Any] = {"host": socket.gethostname(),
                                 "ip": ray.util.get_node_ip_address(), "error": None}
@@ -478,7 +478,7 @@ def main(argv: Iterable[str] = ()) -> int:
     seconds = round(time.monotonic() - started, 1)
     if not report.failures:
         print(f"check: ALL CHECKS PASSED ({seconds:.1f} s)", flush=True)
-    print(JSON_PREFIX + json.dumps(summary(report, seconds), default=str), flush=True)
+    print(CHECK_JSON_PREFIX + json.dumps(summary(report, seconds), default=str), flush=True)
     return 0 if not report.failures else 1
 
 

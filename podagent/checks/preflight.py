@@ -26,8 +26,10 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, discovery, nccl, ray_compat, roles
-from podagent.pod import detect_gpus
+from podagent import config
+from podagent.platform import discovery, nccl, roles
+from podagent.platform.pod import detect_gpus
+from podagent.ray_access import ray_compat
 
 
 class Status(str, enum.Enum):

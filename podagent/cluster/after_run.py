@@ -9,9 +9,9 @@ announcement tells the workers which one, and they do the same.
 
 from __future__ import annotations
 
-from podagent import runpod_api
 from podagent.config import Settings
 from podagent.errors import Interrupted, RunPodApiError
+from podagent.platform import runpod_api
 from podagent.report import Reporter
 from podagent.waiting import Signals
 

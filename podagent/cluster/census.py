@@ -21,7 +21,7 @@ from collections.abc import Callable
 from tenacity import Retrying, retry_if_result, wait_fixed
 
 from podagent.errors import RayStartError, WorkersTimeout
-from podagent.gcs import GcsUnavailable, NodeInfo
+from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 from podagent.waiting import Deadline
 

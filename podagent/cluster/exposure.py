@@ -3,8 +3,8 @@ said loudly before Ray starts: an open Jobs API is remote code execution (CVE-20
 
 from __future__ import annotations
 
-from podagent import ray_compat
 from podagent.config import Settings
+from podagent.ray_access import ray_compat
 from podagent.report import Reporter
 
 # The head's services: the setting of its port, what it is, and whether a cluster token

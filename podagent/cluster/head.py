@@ -14,7 +14,7 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from podagent import pod, process, runstate
+from podagent import process, runstate
 from podagent.cluster import exposure, job_spec, node, ray_node, reattach
 from podagent.cluster import ledger as ledger_mod
 from podagent.cluster.census import WorkerCensus
@@ -22,13 +22,14 @@ from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
 from podagent.cluster.jobs import SUBMIT_TIMEOUT, TERMINAL, JobRunner
 from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
+from podagent.cluster.reward_server import RewardServer
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
 from podagent.config import Settings
 from podagent.errors import LedgerError, RayDied, RestartsExhausted
-from podagent.gcs import NodeInfo
+from podagent.platform import pod
+from podagent.platform.roles import Role, RoleDecision
+from podagent.ray_access.gcs import NodeInfo
 from podagent.report import Progress, Reporter
-from podagent.rewards.manager import RewardServer
-from podagent.roles import Role, RoleDecision
 from podagent.waiting import Deadline, Signals
 
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once

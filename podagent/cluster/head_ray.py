@@ -22,13 +22,14 @@ from tenacity import (
     wait_fixed,
 )
 
-from podagent import ray_compat, runstate
+from podagent import runstate
 from podagent.cluster import ray_node
 from podagent.cluster.jobs import JobRunner
 from podagent.cluster.node import NodeSetup
 from podagent.config import Settings
 from podagent.errors import DashboardSilent, RayDied, RayStartError
-from podagent.gcs import GcsClient, GcsUnavailable, NodeInfo
+from podagent.ray_access import ray_compat
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 from podagent.waiting import Signals
 

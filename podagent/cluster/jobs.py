@@ -22,9 +22,9 @@ from tenacity import (
     wait_fixed,
 )
 
-from podagent.checks.clustercheck import JSON_PREFIX as CHECK_JSON_PREFIX
 from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
+from podagent.runstate import CHECK_JSON_PREFIX
 from podagent.waiting import Deadline, Signals, interruptible
 
 T = TypeVar("T")

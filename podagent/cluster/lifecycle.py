@@ -12,8 +12,8 @@ from podagent.cluster import ray_node
 from podagent.cluster.ledger import INTERNAL_ERROR
 from podagent.config import Settings
 from podagent.errors import Interrupted, PodagentError
+from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
-from podagent.roles import RoleDecision
 from podagent.waiting import Deadline, Signals
 
 State = TypeVar("State", bound=enum.Enum)

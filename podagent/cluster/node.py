@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import psutil
 
-from podagent import limits, nccl, pod, process
+from podagent import limits, process
 from podagent.cluster import ray_node
 from podagent.config import Settings
 from podagent.errors import ForeignRay
+from podagent.platform import nccl, pod
+from podagent.platform.roles import Role
 from podagent.report import Reporter
-from podagent.roles import Role
 
 
 @dataclass(frozen=True)

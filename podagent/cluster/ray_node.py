@@ -17,10 +17,11 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, pod, process
+from podagent import config, process
 from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
-from podagent.roles import Role
+from podagent.platform import pod
+from podagent.platform.roles import Role
 from podagent.waiting import Deadline
 
 

@@ -8,7 +8,7 @@ import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent.config import Settings
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.waiting import Signals
 

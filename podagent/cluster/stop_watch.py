@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from podagent import runstate
 from podagent.cluster.lifecycle import EndRequested
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.waiting import Signals
 

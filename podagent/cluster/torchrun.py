@@ -35,8 +35,8 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from podagent import process
 from podagent.config import Settings, child_environ
 from podagent.errors import HeadUnreachable, PortInUse, WorkersTimeout
+from podagent.platform.roles import Role
 from podagent.report import Progress, Reporter
-from podagent.roles import Role
 
 LINE_LIMIT = 4096  # bytes: a hello or an answer is one short JSON line
 CONNECT_TIMEOUT = 5.0  # seconds for one connection attempt to the head

@@ -8,15 +8,16 @@ from collections.abc import Callable
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import process, ray_compat, runstate
+from podagent import process, runstate
 from podagent.cluster import node, ray_node
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.config import Settings
-from podagent.discovery import HeadFinder, HeadLocation
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.platform.discovery import HeadFinder, HeadLocation
+from podagent.platform.roles import Role, RoleDecision
+from podagent.ray_access import ray_compat
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.roles import Role, RoleDecision
 from podagent.waiting import Signals
 
 WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period

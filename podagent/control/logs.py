@@ -17,8 +17,8 @@ from podagent.control.lookup import (
     run_job,
 )
 from podagent.errors import HeadUnreachable
+from podagent.platform.roles import Role
 from podagent.report import Reporter
-from podagent.roles import Role
 from podagent.waiting import Signals
 
 FOLLOW_SILENCE = 30.0  # `logs --follow` gives up on a Jobs API silent this long

@@ -7,11 +7,11 @@ from typing import Any
 
 import requests
 
-from podagent import discovery, pod
 from podagent.config import Settings
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.platform import discovery, pod
+from podagent.platform.roles import Role
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.roles import Role
 from podagent.waiting import Signals
 
 HTTP_TIMEOUT = 5.0

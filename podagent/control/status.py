@@ -14,9 +14,9 @@ from podagent import process, runstate
 from podagent.config import Settings
 from podagent.control.lookup import HTTP_TIMEOUT, JobsApiSilent, dashboard, head_ip, run_job
 from podagent.errors import HeadUnreachable
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.platform.roles import Role
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.roles import Role
 
 
 def reward_health(settings: Settings, ip: str) -> dict[str, Any]:

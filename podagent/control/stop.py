@@ -11,9 +11,9 @@ from podagent import runstate
 from podagent.config import Settings
 from podagent.control.lookup import HTTP_TIMEOUT, head_ip
 from podagent.errors import HeadUnreachable, StopTimeout
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.platform.roles import Role
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.roles import Role
 
 
 def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,

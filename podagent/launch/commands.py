@@ -17,7 +17,7 @@ from podagent.launch import state
 from podagent.launch import view as views
 from podagent.launch.spec import UpSpec
 from podagent.launch.up import Up
-from podagent.runpod_api import DEFAULT_V2_URL, Client
+from podagent.platform.runpod_api import DEFAULT_V2_URL, Client
 
 API_KEY = "RUNPOD_API_KEY"
 API_KEY_FILE = "RUNPOD_API_KEY_FILE"

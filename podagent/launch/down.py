@@ -15,7 +15,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 from podagent.errors import RunPodApiError
 from podagent.launch import spec as names
 from podagent.launch.state import DOWN, RunRecord
-from podagent.runpod_api import BILLING_STATUSES, Client
+from podagent.platform.runpod_api import BILLING_STATUSES, Client
 
 GONE_TIMEOUT = 120.0  # terminated pods are gone from RunPod's list within this
 GONE_POLL = 2.0

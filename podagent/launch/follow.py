@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from podagent.errors import RunPodApiError, RunPodAuthError
-from podagent.runpod_api import Client
+from podagent.platform.runpod_api import Client
 
 RECONNECT_PAUSE = 1.0  # seconds between a stream that ended and the next (it resumes by id)
 IDLE = 30.0  # a stream silent this long is opened again (a proxy may have dropped it)

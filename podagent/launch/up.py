@@ -36,7 +36,7 @@ from podagent.launch import spec as specs
 from podagent.launch.follow import HeadLog, HeadRecord
 from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, LiveView, PlainView
-from podagent.runpod_api import Client
+from podagent.platform.runpod_api import Client
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
 RECORD_WAIT = 0.25  # the loop's wait for the head's next record

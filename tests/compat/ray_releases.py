@@ -29,7 +29,7 @@ from urllib.parse import urljoin
 import requests
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from podagent import ray_compat
+from podagent.ray_access import ray_compat
 
 PYPI = "https://pypi.org/pypi/ray/json"
 HTTP_TIMEOUT = 60.0

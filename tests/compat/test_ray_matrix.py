@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 
-from podagent import ray_compat
+from podagent.ray_access import ray_compat
 from tests.compat.fieldenv import ROOT, Installed, from_test_extra
 from tests.conftest import RAY_MATRIX_ONLY
 

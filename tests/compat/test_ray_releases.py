@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from podagent import config, gcs, ray_compat
+from podagent import config
 from podagent.cluster import ray_node
-from podagent.roles import Role
+from podagent.platform.roles import Role
+from podagent.ray_access import gcs, ray_compat
 from tests.compat import ray_releases
 from tests.compat.ray_releases import Release, all_facts
 from tests.unit.test_gcs_codec import Recorder

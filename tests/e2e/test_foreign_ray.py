@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from podagent import config, process
-from podagent.gcs import GcsClient
+from podagent.ray_access.gcs import GcsClient
 from tests.harness.agents import Agent, clean_environ
 from tests.harness.pods import Pod, wait_for
 

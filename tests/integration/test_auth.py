@@ -12,7 +12,7 @@ import psutil
 import pytest
 import requests
 
-from podagent.gcs import GcsAuthRefused, GcsClient
+from podagent.ray_access.gcs import GcsAuthRefused, GcsClient
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 
 LONG_JOB = "import time\nprint('started', flush=True)\ntime.sleep(600)\n"

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from podagent.cluster.ray_node import ray_executable
-from podagent.gcs import GcsClient
+from podagent.ray_access.gcs import GcsClient
 from tests.integration.conftest import (
     PodagentRun,
     Runs,

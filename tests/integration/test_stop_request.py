@@ -11,7 +11,7 @@ import time
 import pytest
 
 from podagent import runstate
-from podagent.gcs import GcsClient
+from podagent.ray_access.gcs import GcsClient
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 
 LONG_JOB = "import time\nprint('started', flush=True)\ntime.sleep(600)\n"

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import podagent
-from podagent import cli, errors, nccl
+from podagent import cli, errors
 from podagent.cluster import ledger
+from podagent.platform import nccl
 
 _DROP_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
 _DROP_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "EXPECTED_WORKERS",

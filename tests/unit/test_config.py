@@ -418,7 +418,7 @@ def test_two_different_tokens_are_refused():
 
 def test_token_goes_to_ray_through_the_environment_never_argv():
     from podagent.cluster import ray_node
-    from podagent.roles import Role
+    from podagent.platform.roles import Role
 
     token = "c" * 40
     s = build({"PODAGENT_TOKEN": token})
@@ -493,7 +493,7 @@ def test_a_token_file_that_is_a_directory_or_not_text_is_refused(tmp_path):
 
 def test_token_file_goes_to_ray_as_the_token(tmp_path):
     from podagent.cluster import ray_node
-    from podagent.roles import Role
+    from podagent.platform.roles import Role
 
     path = tmp_path / "token"
     path.write_text("d" * 40)

@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterator
 import pytest
 from dnslib import QTYPE, RCODE, RR, SOA
 
-from podagent import config, discovery
-from podagent.discovery import DnsOutcome, HeadFinder
+from podagent import config
 from podagent.errors import HeadUnreachable, Interrupted
+from podagent.platform import discovery
+from podagent.platform.discovery import DnsOutcome, HeadFinder
 from podagent.report import Reporter
 from podagent.waiting import Signals
 from tests.harness.pods import DnsServer

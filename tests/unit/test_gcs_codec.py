@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ray.core.generated import gcs_service_pb2
 
-from podagent import gcs
-from podagent.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access import gcs
+from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 
 pytestmark = pytest.mark.ray_matrix
 

@@ -22,7 +22,7 @@ from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
 from podagent.cluster.lifecycle import EndRequested
 from podagent.cluster.stop_watch import StopWatch
 from podagent.errors import RayDied, RayStartError, WorkersTimeout
-from podagent.gcs import GcsUnavailable, NodeInfo
+from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 
 

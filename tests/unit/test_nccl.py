@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from podagent import config, nccl
+from podagent import config
+from podagent.platform import nccl
 
 RUNPOD_GLOBAL = {
     "NCCL_NET_SOCKET_FAMILY": "IPv4",

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from podagent import config, nccl
+from podagent import config
 from podagent.checks import preflight
 from podagent.checks.preflight import CheckResult, Status
-from podagent.roles import Role
+from podagent.platform import nccl
+from podagent.platform.roles import Role
 from tests.harness.pods import DnsServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,8 @@ def test_no_preset_interface_means_nccl_chooses(tmp_path):
 
 CHILD = """
 import json, sys
-from podagent import config, roles
+from podagent import config
+from podagent.platform import roles
 from podagent.checks import preflight
 s = config.build({}, json.loads(sys.argv[1]))
 print(preflight.to_json(preflight.run_checks(s, roles.Role.HEAD)))

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from podagent import config, errors, extras, ray_compat
-from podagent.ray_compat import RayVersion
+from podagent import config, errors, extras
+from podagent.ray_access import ray_compat
+from podagent.ray_access.ray_compat import RayVersion
 from tests.unit.test_cli import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.ray_matrix
@@ -81,7 +82,7 @@ def test_workers_wait_for_the_heads_node_where_its_start_may_be_retried(head, fi
     deadline) and be started again: there a worker waits for the head's node, not the GCS."""
     import io
 
-    from podagent.discovery import HeadFinder
+    from podagent.platform.discovery import HeadFinder
     from podagent.report import Reporter
     from podagent.waiting import Signals
 

@@ -14,10 +14,11 @@ import sys
 
 import pytest
 
-from podagent import config, limits, pod
+from podagent import config, limits
 from podagent.cluster import ray_node
 from podagent.errors import ConfigError, PortInUse
-from podagent.roles import Role
+from podagent.platform import pod
+from podagent.platform.roles import Role
 
 pytestmark = pytest.mark.ray_matrix
 

@@ -6,7 +6,7 @@ import pytest
 
 from podagent import config
 from podagent.errors import ConfigError, RoleConflict
-from podagent.roles import Role, detect_role
+from podagent.platform.roles import Role, detect_role
 
 HEAD, WORKER = Role.HEAD, Role.WORKER
 

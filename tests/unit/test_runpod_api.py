@@ -9,8 +9,8 @@ import traceback
 
 import pytest
 
-from podagent import runpod_api
 from podagent.errors import RunPodApiError
+from podagent.platform import runpod_api
 from tests.fakes.runpod_api import FakeRunPodApi
 
 KEY = "rpa_" + "K3y" * 12

@@ -14,8 +14,8 @@ from podagent import config
 from podagent.cluster import torchrun
 from podagent.cluster.torchrun import LINE_LIMIT
 from podagent.errors import WorkersTimeout
+from podagent.platform.roles import Role
 from podagent.report import Reporter
-from podagent.roles import Role
 from tests.harness.pods import wait_for
 
 

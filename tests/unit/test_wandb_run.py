@@ -19,10 +19,9 @@ import pytest
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from podagent import config
-from podagent.cluster import wandb_run
 from podagent.errors import RayStartError
-from podagent.report import REDACTED, Reporter
-from podagent.roles import Role
+from podagent.platform.roles import Role
+from podagent.report import REDACTED, Reporter, wandb_run
 
 # A recognizable fake key of a real key's length (40 characters).
 KEY = "f4kek3y0" * 5

@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from podagent import config
+from podagent.cluster.reward_server import RewardServer
 from podagent.report import Reporter
-from podagent.rewards.manager import RewardServer
 from podagent.waiting import Signals
 
 from .conftest import clean_env, free_port

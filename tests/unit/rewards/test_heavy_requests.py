@@ -15,7 +15,7 @@ import pytest
 import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from podagent.rewards.manager import PROBE_BODY
+from podagent.cluster.reward_server import PROBE_BODY
 from podagent.rewards.verify import FORMAT_WEIGHT
 
 from .conftest import Live, live_server

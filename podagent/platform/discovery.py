@@ -12,10 +12,11 @@ import dns.exception
 import dns.resolver
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import ray_compat, runstate
+from podagent import runstate
 from podagent.config import Settings
 from podagent.errors import AuthRefused, HeadUnreachable
-from podagent.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
+from podagent.ray_access import ray_compat
+from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
 from podagent.report import Progress, Reporter
 from podagent.waiting import Signals
 

@@ -18,9 +18,10 @@ import psutil
 import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from podagent import pod, process
+from podagent import process
 from podagent.config import CLUSTER_TOKEN, Settings, child_environ, is_secret
 from podagent.errors import RewardServerFailed, RewardServerTimeout
+from podagent.platform import pod
 from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
 from podagent.waiting import Deadline, Signals, interruptible

@@ -12,9 +12,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from podagent import nccl
 from podagent.config import Settings
 from podagent.errors import ConfigError
+from podagent.platform import nccl
 
 ALL_INTERFACES = "0.0.0.0"
 LOOPBACK = "127.0.0.1"

@@ -12,12 +12,12 @@ from types import MappingProxyType
 
 import psutil
 
-_HERE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # podagent/
 
 
 def preset_dir() -> Path:
     # Installed wheels carry the presets inside the package; a source checkout has env/.
-    for candidate in (_HERE / "presets", _HERE.parent / "env"):
+    for candidate in (_PACKAGE / "presets", _PACKAGE.parent / "env"):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError("no NCCL preset directory (env/) found")

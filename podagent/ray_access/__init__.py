@@ -1,0 +1,1 @@
+"""Access to Ray: the GCS client and the version gates."""
