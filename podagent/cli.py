@@ -11,7 +11,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 import psutil
@@ -21,6 +21,9 @@ from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
 from podagent.waiting import Signals
+
+if TYPE_CHECKING:  # the lifecycles load only for the commands that run one
+    from podagent.cluster.lifecycle import Lifecycle
 
 # Exit codes: documented in the README's table. Signals give 128 + the signal number.
 EXIT_OK = 0
@@ -261,7 +264,7 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
 
     signals.install(on_second=force)
     process.become_subreaper()
-    lifecycle: Head | Worker | None = None
+    lifecycle: Lifecycle | None = None
     code = EXIT_OK
     try:
         lifecycle = (Head if decision.role is Role.HEAD else Worker)(
@@ -306,31 +309,24 @@ def code_for_outcome(outcome: str) -> int | None:
     return EXIT_INTERNAL
 
 
-def _earlier_exit(lifecycle: Any) -> int:
+def _earlier_exit(lifecycle: Lifecycle) -> int:
     """A head that found its run finished earlier exits as that run did: the code follows from
     the recorded outcome, so a head killed before it wrote its code is still read right."""
-    earlier = getattr(lifecycle, "finished_earlier", None)
+    earlier = lifecycle.earlier_outcome()
     if not earlier:
         return EXIT_OK
-    code = code_for_outcome(earlier["outcome"])  # a finished run never ended by a signal
+    code = code_for_outcome(earlier)  # a finished run never ended by a signal
     return EXIT_INTERNAL if code is None else code
 
 
-def _after_run(lifecycle: Any, settings: config.Settings, reporter: Reporter,
+def _after_run(lifecycle: Lifecycle, settings: config.Settings, reporter: Reporter,
                signals: Signals, code: int) -> None:
     """A run that is over for good: stay, stop the pod or exit (PODAGENT_AFTER_RUN). A run
     cut short (a signal, a lost Ray) is left to a restart, which resumes it."""
     from podagent.cluster import after_run
 
-    ledger = getattr(lifecycle, "ledger", None)
-    if ledger is not None:  # the head
-        try:
-            ledger.exit_code(code)
-        except errors.LedgerError as exc:
-            reporter.warn(str(exc))
-        policy = settings.after_run if ledger.finished else None
-    else:
-        policy = getattr(lifecycle, "after_run", None)
+    lifecycle.record_exit(code)
+    policy = lifecycle.after_run()
     if policy is None or signals.received:
         return
     summary = (f"run {settings.run_name} is over ({'exit ' + str(code)}); logs in "

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from podagent.choices import AfterRun
 from podagent.errors import ConfigError
 
 # Variables whose values must never be shown or put on a command line.
@@ -211,7 +212,7 @@ def short_path(raw: str) -> str:
 
 # --- the table ----------------------------------------------------------------------------------
 
-AFTER_RUN = ("stay", "exit", "stop-pod")
+AFTER_RUN = tuple(policy.value for policy in AfterRun)
 ON_NODE_LOSS = ("restart", "wait", "fail")
 
 
@@ -393,7 +394,7 @@ class Settings:
     head_grace: float = 8.0
     rejoin: bool = True
     stop_timeout: float = 10.0
-    after_run: str = "exit"
+    after_run: str = AfterRun.EXIT.value
     on_node_loss: str = "restart"
     restarts: int = 3
     retry_failed_job: bool = False
@@ -559,7 +560,7 @@ def build(
             started = time.gmtime(time.time() if now is None else now)
             values["run_name"] = time.strftime("podagent-%Y%m%d-%H%M%S", started)
     # A RunPod pod whose process exits is restarted, and would run again: stay up instead.
-    values.setdefault("after_run", "stay" if values.get("pod_id") else "exit")
+    values.setdefault("after_run", AfterRun.default(on_runpod=bool(values.get("pod_id"))).value)
     restarts = values.get("restarts", FIELD_BY_ATTR["restarts"].default)
     values.setdefault("on_node_loss", "restart" if restarts else "fail")
     values.setdefault("log_dir", _default_log_dir())
@@ -770,7 +771,7 @@ def _check_relations(s: Settings) -> None:
 
 
 def _check_after_run(s: Settings) -> None:
-    if s.after_run != "stop-pod":
+    if s.after_run != AfterRun.STOP_POD:
         return
     when = f"when {s.source_name('after_run')}=stop-pod"
     if not s.runpod_api_key:

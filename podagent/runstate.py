@@ -20,6 +20,8 @@ import json
 import secrets
 from typing import Any
 
+from podagent.choices import AfterRun
+
 KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"
 KV_STOP_REQUEST = "stop_request"
@@ -32,7 +34,7 @@ CHECK_JSON_PREFIX = "podagent-check-json: "
 REJOIN = "rejoin"
 
 
-def closing(outcome: str, job_status: str | None, after_run: str = "exit") -> bytes:
+def closing(outcome: str, job_status: str | None, after_run: str = AfterRun.EXIT.value) -> bytes:
     """The head's announcement, as stored."""
     return json.dumps({"state": "closing", "outcome": outcome, "job_status": job_status,
                        "after_run": after_run}).encode()

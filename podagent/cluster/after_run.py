@@ -9,24 +9,23 @@ announcement tells the workers which one, and they do the same.
 
 from __future__ import annotations
 
+from podagent.choices import AfterRun
 from podagent.config import Settings
 from podagent.errors import Interrupted, RunPodApiError
 from podagent.platform import runpod_api
 from podagent.report import Reporter
 from podagent.waiting import Signals
 
-STAY = "stay"
-EXIT = "exit"
-STOP_POD = "stop-pod"
 STAY_NOTE_EVERY = 600.0  # a staying pod says once in a while what it is waiting for
 
 
-def settle(policy: str, settings: Settings, reporter: Reporter, signals: Signals,
+def settle(policy: AfterRun, settings: Settings, reporter: Reporter, signals: Signals,
            summary: str) -> None:
     """Returns at once for `exit`; otherwise returns when a signal ends the stay."""
-    if policy == EXIT:
+    policy = AfterRun(policy)
+    if policy is AfterRun.EXIT:
         return
-    if policy == STOP_POD:
+    if policy is AfterRun.STOP_POD:
         _stop_pod(settings, reporter)
     reporter.say(f"staying up (PODAGENT_AFTER_RUN={policy}) so that RunPod does not start the "
                  f"run again: {summary}; stop the pod to end")

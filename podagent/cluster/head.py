@@ -15,11 +15,12 @@ from typing import Any
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from podagent import process, runstate
+from podagent.choices import JOB_TERMINAL, AfterRun
 from podagent.cluster import exposure, job_spec, node, ray_node, reattach
 from podagent.cluster import ledger as ledger_mod
 from podagent.cluster.census import WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
-from podagent.cluster.jobs import SUBMIT_TIMEOUT, TERMINAL, JobRunner
+from podagent.cluster.jobs import SUBMIT_TIMEOUT, JobRunner
 from podagent.cluster.ledger import Ledger
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.reward_server import RewardServer
@@ -460,6 +461,18 @@ class Head(Lifecycle[HeadState]):
 
     # --- teardown ------------------------------------------------------------------------------
 
+    def earlier_outcome(self) -> str | None:
+        return self.finished_earlier["outcome"] if self.finished_earlier else None
+
+    def record_exit(self, code: int) -> None:
+        try:
+            self.ledger.exit_code(code)
+        except LedgerError as exc:
+            self.reporter.warn(str(exc))
+
+    def after_run(self) -> AfterRun | None:
+        return AfterRun(self.s.after_run) if self.ledger.finished else None
+
     def _teardown(self, outcome: str) -> None:
         """Every step runs whatever the one before did: a full volume must not leave the job,
         the reward server or Ray running."""
@@ -528,7 +541,7 @@ class Head(Lifecycle[HeadState]):
         if status is None:
             self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; the dashboard "
                                f"did not confirm it (Ray is stopped next either way)")
-        elif status not in TERMINAL:  # still going at the deadline: stopping Ray ends it
+        elif status not in JOB_TERMINAL:  # still going at the deadline: stopping Ray ends it
             self.reporter.warn(f"asked Ray to stop job {self.job.submission_id}; still {status} "
                                f"at the deadline (Ray is stopped next, which ends it)")
         else:

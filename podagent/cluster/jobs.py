@@ -22,6 +22,7 @@ from tenacity import (
     wait_fixed,
 )
 
+from podagent.choices import JOB_TERMINAL
 from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
 from podagent.runstate import CHECK_JSON_PREFIX
@@ -29,7 +30,6 @@ from podagent.waiting import Deadline, Signals, interruptible
 
 T = TypeVar("T")
 
-TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # Ray's SDK sends its HTTP requests without a timeout; with the GCS gone the dashboard holds
 # them for about a minute. Status and stop go through these bounded requests instead.
 HTTP_TIMEOUT = 5.0
@@ -253,7 +253,7 @@ class JobRunner:
             try:
                 status = self.status()
                 silent_since = None
-                if status in TERMINAL:
+                if status in JOB_TERMINAL:
                     break
             except (JobApiUnreachable, JobApiRefused) as exc:
                 now = time.monotonic()
@@ -310,12 +310,12 @@ class JobRunner:
         alive = [j["submission_id"] for j in jobs
                  if (j.get("metadata") or {}).get("podagent_run") == run_name
                  and j.get("submission_id") not in (None, self.submission_id)
-                 and j.get("status") not in TERMINAL]
+                 and j.get("status") not in JOB_TERMINAL]
         for earlier in alive:
             self.reporter.warn(f"an earlier attempt of the run, job {earlier}, is still alive: "
                                f"stopping it before submitting {self.submission_id}")
             final = self.stop(timeout, job=earlier)
-            if final not in TERMINAL:
+            if final not in JOB_TERMINAL:
                 raise JobSubmitFailed(f"job {earlier}, an earlier attempt of the run, is still "
                                       f"{final or 'unknown'} {timeout:g} s after being asked "
                                       f"to stop; not submitting a second job")
@@ -360,7 +360,7 @@ class JobRunner:
             self._request("POST", "/stop", timeout=left(), job=job)
         return Retrying(
             stop=lambda _state: deadline.passed, wait=wait_fixed(0.2),
-            retry=retry_if_result(lambda status: status not in TERMINAL and status is not None),
+            retry=retry_if_result(lambda status: status not in JOB_TERMINAL and status is not None),
             retry_error_callback=lambda state: state.outcome.result(),
         )(status_or_none)
 

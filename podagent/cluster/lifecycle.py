@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
+from podagent.choices import AfterRun
 from podagent.cluster import ray_node
 from podagent.cluster.ledger import INTERNAL_ERROR
 from podagent.config import Settings
@@ -78,6 +79,20 @@ class Lifecycle(Generic[State]):
 
     def _teardown(self, outcome: str) -> None:
         raise NotImplementedError
+
+    # --- what the CLI asks once `run()` is over ----------------------------------------------
+
+    def earlier_outcome(self) -> str | None:
+        """The outcome of a run found finished by an earlier start (the code repeats it)."""
+        return None
+
+    def record_exit(self, code: int) -> None:
+        """Keep the code this start exits with, where the role keeps a record (the head)."""
+
+    def after_run(self) -> AfterRun | None:
+        """What the pod does next once the run is over for good; None when it is not (a
+        signal, a lost Ray: left to a restart, which resumes it)."""
+        return None
 
     # --- the teardown's time and steps --------------------------------------------------------
 

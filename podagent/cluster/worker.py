@@ -9,6 +9,7 @@ from collections.abc import Callable
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent import process, runstate
+from podagent.choices import AfterRun
 from podagent.cluster import node, ray_node
 from podagent.cluster.lifecycle import Lifecycle
 from podagent.config import Settings
@@ -56,7 +57,7 @@ class Worker(Lifecycle[WorkerState]):
         self.head: HeadLocation | None = None
         self.gcs: GcsClient | None = None
         self.setup: node.NodeSetup | None = None
-        self.after_run: str | None = None  # what the head's closing announcement asked for
+        self._after_run: AfterRun | None = None  # what the head's closing announcement asked
         # The head's start this pod joined (runstate.KV_HEAD_START): another one at the same
         # address is a new Ray, which knows nothing of this pod's.
         self._head_start: bytes | None = None
@@ -236,15 +237,19 @@ class Worker(Lifecycle[WorkerState]):
 
     def _on_closing(self, closing: dict) -> WorkerState:
         what = f"{closing.get('outcome')}, job {closing.get('job_status')}"
-        policy = closing.get("after_run") or "exit"
-        if policy == runstate.REJOIN:
-            if self.s.rejoin:
-                return self._rejoin(f"the head closed this start of the run ({what}) and "
-                                    f"will be back")
-            policy = "exit"
+        asked = closing.get("after_run") or AfterRun.EXIT.value
+        if asked == runstate.REJOIN and self.s.rejoin:
+            return self._rejoin(f"the head closed this start of the run ({what}) and will be "
+                                f"back")
+        try:
+            self._after_run = AfterRun(asked)
+        except ValueError:  # REJOIN refused by PODAGENT_REJOIN, or a head newer than this pod
+            self._after_run = AfterRun.EXIT
         self.reporter.say(f"the head is closing the run ({what}); leaving")
-        self.after_run = policy
         return WorkerState.LEFT
+
+    def after_run(self) -> AfterRun | None:
+        return self._after_run
 
     def _teardown(self, outcome: str) -> None:
         if self.gcs:

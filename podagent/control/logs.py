@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import requests
 
+from podagent.choices import JOB_TERMINAL
 from podagent.config import Settings
 from podagent.control.lookup import (
     HTTP_TIMEOUT,
-    TERMINAL,
     JobsApiSilent,
     dashboard,
     head_ip,
@@ -58,6 +58,6 @@ def follow_logs(settings: Settings, role: Role, reporter: Reporter, follow: bool
         if len(logs) > shown:
             write(logs[shown:])
             shown = len(logs)
-        if not follow or status in TERMINAL:
+        if not follow or status in JOB_TERMINAL:
             return status
         signals.sleep(1.0)

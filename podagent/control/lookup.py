@@ -16,7 +16,6 @@ from podagent.waiting import Signals
 
 HTTP_TIMEOUT = 5.0
 LOOKUP_TIMEOUT = 10.0  # status and stop are interactive: find the head quickly or say so
-TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 def head_ip(settings: Settings, role: Role, reporter: Reporter) -> str:
