@@ -8,7 +8,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_result
 
 from podagent.errors import Interrupted
 
@@ -104,3 +107,87 @@ def interruptible(call: Callable[[], T], signals: Signals) -> T:
     while not done.done():
         signals.sleep(WAIT_SLICE)
     return done.result()
+
+
+# --- the one retry helper -------------------------------------------------------------------
+
+
+class NotYet(Exception):
+    """What a probe raises while the thing awaited is not there yet; the message says what it
+    saw. `retry_after`: how long the other side asked us to wait (an HTTP 429), if it did."""
+
+    def __init__(self, seen: str, retry_after: float | None = None):
+        super().__init__(seen)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The pause between tries: `first`, doubling up to `most` (both equal: a steady poll)."""
+
+    first: float
+    most: float
+
+    @classmethod
+    def every(cls, seconds: float) -> Backoff:
+        return cls(seconds, seconds)
+
+    def pause(self, tries: int) -> float:
+        return min(self.most, self.first * 2 ** max(0, tries - 1))
+
+
+class Expired(Exception):
+    """A wait ran out: what was awaited, for how long, and what was seen last (`last` is the
+    probe's last answer, for a wait whose caller makes do with it)."""
+
+    def __init__(self, awaited: str, waited: float, seen: str, last: Any = None):
+        self.awaited, self.waited, self.seen, self.last = awaited, waited, seen, last
+        super().__init__(f"gave up after {round(waited, 1):g} s waiting for {awaited}; "
+                         f"last seen: {seen}")
+
+
+def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
+          deadline: Deadline | float | None = None, attempts: int | None = None,
+          sleep: Callable[[float], None] = time.sleep,
+          on: tuple[type[BaseException], ...] = (NotYet,),
+          until: Callable[[T], bool] | None = None,
+          seen: Callable[[T], str] = repr,
+          expired: Callable[[Expired], BaseException] | None = None) -> T:
+    """Call `probe` until it gives an answer: it raises one of `on` (or returns a value that
+    `until` rejects) while the thing `awaited` is not there, and is tried again after a pause
+    from `backoff`, never past `deadline` (seconds or a Deadline) nor beyond `attempts` tries.
+
+    When they run out: `expired(Expired(...))` is raised if given, else the `Expired` itself,
+    naming what was awaited and what was seen last. `sleep` is where a signal ends the wait
+    (`Signals.sleep`); any other exception of the probe ends it at once."""
+    if deadline is None and attempts is None:
+        raise ValueError(f"waiting for {awaited}: a wait needs a deadline or a number of tries")
+    ends = None if deadline is None else Deadline.of(deadline)
+    started = time.monotonic()
+
+    def stop(state: RetryCallState) -> bool:
+        return ((ends is not None and ends.passed)
+                or (attempts is not None and state.attempt_number >= attempts))
+
+    def pause(state: RetryCallState) -> float:
+        wanted = backoff.pause(state.attempt_number)
+        failure = state.outcome.exception() if state.outcome else None
+        if isinstance(failure, NotYet) and failure.retry_after is not None:
+            wanted = max(wanted, failure.retry_after)
+        return wanted if ends is None else min(wanted, ends.left())
+
+    condition = retry_if_exception_type(on)
+    if until is not None:
+        condition = condition | retry_if_result(lambda answer: not until(answer))
+
+    def give_up(state: RetryCallState) -> T:
+        outcome = state.outcome
+        assert outcome is not None  # tenacity gives up only after a try
+        failure = outcome.exception()
+        last = None if failure is not None else outcome.result()
+        said = seen(last) if failure is None else (str(failure) or type(failure).__name__)
+        out = Expired(awaited, time.monotonic() - started, said, last)
+        raise (expired(out) if expired is not None else out) from None
+
+    return Retrying(stop=stop, wait=pause, retry=condition, sleep=sleep,
+                    retry_error_callback=give_up)(probe)
