@@ -45,7 +45,7 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                "`podagent torchrun`, the workers that came exit so too)"),
     (errors.HeadUnreachable, 6, "worker: the head could not be found or joined in time"),
     (errors.HeadLost, 7, "worker: the head went away for longer than the grace period"),
-    (errors.RayStartError, 8, "Ray failed to start or became unhealthy"),
+    (errors.RayUnhealthy, 8, "Ray failed to start or became unhealthy"),
     (errors.PortInUse, 9, "a port podagent needs is held by another program"),
     (errors.RayDied, 10, "this pod's own Ray stopped while podagent watched it"),
     (errors.RewardServerFailed, 11, "head: the reward server exited at start, or died more "

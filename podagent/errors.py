@@ -55,8 +55,16 @@ class PortInUse(PodagentError):
         super().__init__(f"port {port} on {address} is already in use{who}")
 
 
-class RayStartError(PodagentError):
+class RayUnhealthy(PodagentError):
+    """This pod's Ray could not be started or stopped answering: one exit code for both."""
+
+
+class RayStartError(RayUnhealthy):
     """`ray start` failed or Ray did not become healthy."""
+
+
+class GcsLost(RayUnhealthy):
+    """This pod's Ray GCS answered once and then stopped answering."""
 
 
 class RayDied(PodagentError):
