@@ -114,7 +114,8 @@ def interruptible(call: Callable[[], T], signals: Signals) -> T:
 
 class NotYet(Exception):
     """What a probe raises while the thing awaited is not there yet; the message says what it
-    saw. `retry_after`: how long the other side asked us to wait (an HTTP 429), if it did."""
+    saw. `retry_after`: how long the other side asked us to wait (an HTTP 429), if it did; it
+    replaces the backoff's pause for that try."""
 
     def __init__(self, seen: str, retry_after: float | None = None):
         super().__init__(seen)
@@ -138,10 +139,12 @@ class Backoff:
 
 class Expired(Exception):
     """A wait ran out: what was awaited, for how long, and what was seen last (`last` is the
-    probe's last answer, for a wait whose caller makes do with it)."""
+    probe's last answer, for a wait whose caller makes do with it; `tries`: how many)."""
 
-    def __init__(self, awaited: str, waited: float, seen: str, last: Any = None):
+    def __init__(self, awaited: str, waited: float, seen: str, last: Any = None,
+                 tries: int = 0):
         self.awaited, self.waited, self.seen, self.last = awaited, waited, seen, last
+        self.tries = tries
         super().__init__(f"gave up after {round(waited, 1):g} s waiting for {awaited}; "
                          f"last seen: {seen}")
 
@@ -152,14 +155,16 @@ def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
           on: tuple[type[BaseException], ...] = (NotYet,),
           until: Callable[[T], bool] | None = None,
           seen: Callable[[T], str] = repr,
-          expired: Callable[[Expired], BaseException] | None = None) -> T:
+          expired: Callable[[Expired], BaseException] | None = None,
+          before_pause: Callable[[str, float], None] | None = None) -> T:
     """Call `probe` until it gives an answer: it raises one of `on` (or returns a value that
     `until` rejects) while the thing `awaited` is not there, and is tried again after a pause
     from `backoff`, never past `deadline` (seconds or a Deadline) nor beyond `attempts` tries.
 
     When they run out: `expired(Expired(...))` is raised if given, else the `Expired` itself,
     naming what was awaited and what was seen last. `sleep` is where a signal ends the wait
-    (`Signals.sleep`); any other exception of the probe ends it at once."""
+    (`Signals.sleep`); any other exception of the probe ends it at once. `before_pause(seen,
+    seconds)` hears of each try that failed, for a wait that says so as it goes."""
     if deadline is None and attempts is None:
         raise ValueError(f"waiting for {awaited}: a wait needs a deadline or a number of tries")
     ends = None if deadline is None else Deadline.of(deadline)
@@ -170,11 +175,14 @@ def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
                 or (attempts is not None and state.attempt_number >= attempts))
 
     def pause(state: RetryCallState) -> float:
-        wanted = backoff.pause(state.attempt_number)
         failure = state.outcome.exception() if state.outcome else None
-        if isinstance(failure, NotYet) and failure.retry_after is not None:
-            wanted = max(wanted, failure.retry_after)
+        asked = failure.retry_after if isinstance(failure, NotYet) else None
+        wanted = backoff.pause(state.attempt_number) if asked is None else asked
         return wanted if ends is None else min(wanted, ends.left())
+
+    def heard(state: RetryCallState) -> None:  # tenacity's before_sleep: a pause will follow
+        if before_pause is not None and state.outcome is not None and state.next_action:
+            before_pause(_said(state.outcome, seen), state.next_action.sleep)
 
     condition = retry_if_exception_type(on)
     if until is not None:
@@ -183,11 +191,16 @@ def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
     def give_up(state: RetryCallState) -> T:
         outcome = state.outcome
         assert outcome is not None  # tenacity gives up only after a try
-        failure = outcome.exception()
-        last = None if failure is not None else outcome.result()
-        said = seen(last) if failure is None else (str(failure) or type(failure).__name__)
-        out = Expired(awaited, time.monotonic() - started, said, last)
+        last = None if outcome.failed else outcome.result()
+        out = Expired(awaited, time.monotonic() - started, _said(outcome, seen), last,
+                      tries=state.attempt_number)
         raise (expired(out) if expired is not None else out) from None
 
-    return Retrying(stop=stop, wait=pause, retry=condition, sleep=sleep,
+    return Retrying(stop=stop, wait=pause, retry=condition, sleep=sleep, before_sleep=heard,
                     retry_error_callback=give_up)(probe)
+
+
+def _said(outcome: Any, seen: Callable[[Any], str]) -> str:
+    """What a try saw: its exception's message, or its answer as `seen` puts it."""
+    failure = outcome.exception()
+    return seen(outcome.result()) if failure is None else (str(failure) or type(failure).__name__)

@@ -14,19 +14,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    retry_if_result,
-    wait_exponential,
-    wait_fixed,
-)
 
 from podagent.choices import JOB_TERMINAL
 from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
 from podagent.runstate import CHECK_JSON_PREFIX
-from podagent.waiting import Deadline, Signals, interruptible
+from podagent.waiting import Backoff, Deadline, Expired, Signals, interruptible, retry
 
 T = TypeVar("T")
 
@@ -83,11 +76,7 @@ class JobRunner:
         self.submission_id = submission_id
         self.reporter = reporter
         self.job_log = job_log
-        self._streamed = 0  # characters of log already shown
-        self._log_file = None
-        self._tail: threading.Thread | None = None
-        self._write_lock = threading.Lock()
-        self._log_done = False  # the full log was written: late stream chunks are dropped
+        self._log: JobLog | None = None  # while the job is followed
 
     def for_submission(self, submission_id: str) -> JobRunner:
         """A runner for another job of the same dashboard (each attempt has its own id, log
@@ -165,72 +154,19 @@ class JobRunner:
                 attempt: Callable[[], T]) -> T:
         """attempt() again while the Jobs API is unreachable, until the deadline; then
         JobSubmitFailed naming what was awaited and the last answer. A refusal ends at once."""
-        last = {"answer": "none"}
-
         def once() -> T:
             try:
                 return attempt()
-            except JobApiUnreachable as exc:
-                last["answer"] = str(exc)
-                raise
             except JobApiRefused as exc:
                 raise JobSubmitFailed(f"the Jobs API at {self.url} refused to {what}: {exc}"
                                       ) from None
 
-        try:
-            return Retrying(stop=lambda _state: deadline.passed,
-                            wait=wait_exponential(multiplier=0.2, max=SUBMIT_RETRY_MAX_WAIT),
-                            retry=retry_if_exception_type(JobApiUnreachable),
-                            sleep=signals.sleep, reraise=True)(once)
-        except JobApiUnreachable:
-            raise JobSubmitFailed(f"the Jobs API at {self.url} did not {what} within "
-                                  f"{SUBMIT_TIMEOUT:g} s; last answer: {last['answer']}"
-                                  ) from None
-
-    def _write(self, chunk: str) -> None:
-        """A chunk of the stream: appended to job.log and the screen, unless the log was
-        already completed from the full log (then it is a copy)."""
-        with self._write_lock:
-            if not self._log_done:
-                self._append(chunk)
-
-    def _append(self, chunk: str) -> None:
-        if chunk:
-            self._streamed += len(chunk)
-            self._to_job_log(chunk)
-            for line in chunk.splitlines():
-                if line.startswith(CHECK_JSON_PREFIX):
-                    # The cluster check's machine-readable summary: an event, not screen text.
-                    with contextlib.suppress(ValueError):
-                        result = json.loads(line[len(CHECK_JSON_PREFIX):])
-                        self.reporter.event("check", **result)
-                    continue
-                self.reporter.raw(line)
-
-    def _to_job_log(self, chunk: str) -> None:
-        """job.log is a copy (Ray keeps the job's own log): a volume that refuses it (full,
-        gone) costs the copy, said once, never the run; the screen still shows the output."""
-        if self._log_file is None:
-            return
-        try:
-            self._log_file.write(chunk)
-            self._log_file.flush()
-        except (OSError, ValueError) as exc:
-            with contextlib.suppress(OSError, ValueError):
-                self._log_file.close()
-            self._log_file = None
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            self.reporter.warn(f"cannot write {self.job_log} ({why}): the job's output goes on "
-                               f"on screen only (Ray keeps its own copy in the job's logs)")
-
-    def _tail_forever(self) -> None:
-        async def tail() -> None:
-            async for chunk in self.client.tail_job_logs(self.submission_id):
-                self._write(chunk)
-
-        # The stream is best effort; follow() reconciles with the full log at the end.
-        with contextlib.suppress(Exception):
-            asyncio.run(tail())
+        return retry(once, awaited=f"the Jobs API at {self.url} to {what}",
+                     backoff=Backoff(0.2, SUBMIT_RETRY_MAX_WAIT), deadline=deadline,
+                     sleep=signals.sleep, on=(JobApiUnreachable,),
+                     expired=lambda gave_up: JobSubmitFailed(
+                         f"the Jobs API at {self.url} did not {what} within "
+                         f"{SUBMIT_TIMEOUT:g} s; last answer: {gave_up.seen}"))
 
     def follow(self, signals: Signals, on_tick: Callable[[], None] = lambda: None,
                poll: float = 0.5) -> str:
@@ -240,14 +176,8 @@ class JobRunner:
         ends the wait by raising. A dashboard that does not answer for a moment is not an
         ending; one silent for DASHBOARD_SILENT_LIMIT is (DashboardSilent).
         """
-        try:
-            self.job_log.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.job_log, "a")
-        except OSError as exc:
-            self.reporter.warn(f"cannot open {self.job_log} ({exc.strerror}): the job's output "
-                               f"goes to the screen only")
-        self._tail = threading.Thread(target=self._tail_forever, name="job-log", daemon=True)
-        self._tail.start()
+        self._log = JobLog(self.client, self.submission_id, self.reporter, self.job_log)
+        self._log.open()
         silent_since: float | None = None
         while True:
             try:
@@ -270,21 +200,14 @@ class JobRunner:
 
     def finish_log(self) -> None:
         """The job is over: the rest of its log (the stream may have missed the end)."""
-        if self._tail:
-            # The stream ends by itself a few seconds after the job; the full log below has
-            # whatever it has not delivered yet, so a lost node is acted on without waiting.
-            self._tail.join(timeout=TAIL_GRACE)
-        with contextlib.suppress(JobApiUnreachable, ValueError, KeyError):
-            reply = self._request("GET", "/logs")
-            full = reply.json()["logs"] if reply is not None else ""
-            with self._write_lock:  # the stream may still be writing: take over from it
-                self._append(full[self._streamed:])
-        with self._write_lock:
-            self._log_done = True  # also when the full log could not be read
-            if self._log_file:
-                with contextlib.suppress(OSError, ValueError):  # a full volume: flush fails
-                    self._log_file.close()
-                self._log_file = None
+        def full() -> str:
+            with contextlib.suppress(JobApiUnreachable, ValueError, KeyError):
+                reply = self._request("GET", "/logs")
+                return str(reply.json()["logs"]) if reply is not None else ""
+            return ""
+
+        if self._log is not None:
+            self._log.complete(full)
 
     def stop_earlier_attempts(self, run_name: str, timeout: float, signals: Signals,
                               deadline: Deadline | None = None) -> None:
@@ -358,11 +281,12 @@ class JobRunner:
 
         with contextlib.suppress(JobApiUnreachable):
             self._request("POST", "/stop", timeout=left(), job=job)
-        return Retrying(
-            stop=lambda _state: deadline.passed, wait=wait_fixed(0.2),
-            retry=retry_if_result(lambda status: status not in JOB_TERMINAL and status is not None),
-            retry_error_callback=lambda state: state.outcome.result(),
-        )(status_or_none)
+        try:
+            return retry(status_or_none, awaited=f"job {job or self.submission_id} to end",
+                         backoff=Backoff.every(0.2), deadline=deadline,
+                         until=lambda status: status is None or status in JOB_TERMINAL)
+        except Expired as exc:
+            return exc.last
 
 
 def _raise_for(reply: requests.Response, what: str) -> None:
@@ -371,3 +295,90 @@ def _raise_for(reply: requests.Response, what: str) -> None:
         raise JobApiUnreachable(f"{what}: HTTP {reply.status_code}")
     if reply.status_code >= 400 and reply.status_code != 404:
         raise JobApiRefused(f"{what}: HTTP {reply.status_code} {reply.text[:200]}")
+
+
+class JobLog:
+    """The job's output while it is followed: streamed from Ray to the screen and to job.log
+    (a copy: Ray keeps its own), the cluster check's summary line turned into an event, and
+    at the end completed from the full log, which the stream may not have delivered yet."""
+
+    def __init__(self, client: Any, submission_id: str, reporter: Reporter, path: Path):
+        self.client, self.submission_id, self.reporter, self.path = (
+            client, submission_id, reporter, path)
+        self._streamed = 0  # characters of log already shown
+        self._file: Any = None
+        self._tail: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._done = False  # the full log was written: late stream chunks are dropped
+
+    def open(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")
+        except OSError as exc:
+            self.reporter.warn(f"cannot open {self.path} ({exc.strerror}): the job's output "
+                               f"goes to the screen only")
+        self._tail = threading.Thread(target=self._tail_forever, name="job-log", daemon=True)
+        self._tail.start()
+
+    def complete(self, full: Callable[[], str]) -> None:
+        """The job is over: what the stream has not shown of `full()` (Ray's whole log; ""
+        when it cannot be read)."""
+        if self._tail:
+            # The stream ends by itself a few seconds after the job; the full log has
+            # whatever it has not delivered yet, so a lost node is acted on without waiting.
+            self._tail.join(timeout=TAIL_GRACE)
+        whole = full()
+        with self._lock:  # the stream may still be writing: take over from it
+            self._append(whole[self._streamed:])
+            self._done = True  # also when the full log could not be read
+            if self._file:
+                with contextlib.suppress(OSError, ValueError):  # a full volume: flush fails
+                    self._file.close()
+                self._file = None
+
+    def _write(self, chunk: str) -> None:
+        """A chunk of the stream: appended to job.log and the screen, unless the log was
+        already completed from the full log (then it is a copy)."""
+        with self._lock:
+            if not self._done:
+                self._append(chunk)
+
+    def _append(self, chunk: str) -> None:
+        if chunk:
+            self._streamed += len(chunk)
+            self._to_job_log(chunk)
+            for line in chunk.splitlines():
+                if line.startswith(CHECK_JSON_PREFIX):
+                    # The cluster check's machine-readable summary: an event, not screen text.
+                    with contextlib.suppress(ValueError):
+                        result = json.loads(line[len(CHECK_JSON_PREFIX):])
+                        self.reporter.event("check", **result)
+                    continue
+                self.reporter.raw(line)
+
+    def _to_job_log(self, chunk: str) -> None:
+        """job.log is a copy (Ray keeps the job's own log): a volume that refuses it (full,
+        gone) costs the copy, said once, never the run; the screen still shows the output."""
+        if self._file is None:
+            return
+        try:
+            self._file.write(chunk)
+            self._file.flush()
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError, ValueError):
+                self._file.close()
+            self._file = None
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self.reporter.warn(f"cannot write {self.path} ({why}): the job's output goes on "
+                               f"on screen only (Ray keeps its own copy in the job's logs)")
+
+    def _tail_forever(self) -> None:
+        async def tail() -> None:
+            async for chunk in self.client.tail_job_logs(self.submission_id):
+                self._write(chunk)
+
+        # The stream is best effort; follow() reconciles with the full log at the end.
+        with contextlib.suppress(Exception):
+            asyncio.run(tail())
+

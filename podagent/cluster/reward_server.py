@@ -16,7 +16,6 @@ from pathlib import Path
 
 import psutil
 import requests
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent import process
 from podagent.config import CLUSTER_TOKEN, Settings, child_environ, is_secret
@@ -24,7 +23,7 @@ from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.platform import pod
 from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
-from podagent.waiting import Deadline, Signals, interruptible
+from podagent.waiting import Backoff, Deadline, Expired, NotYet, Signals, interruptible, retry
 
 # A request a real trainer could send: one query whose response boxes the right answer.
 PROBE_BODY = {
@@ -38,10 +37,6 @@ FAILED_PROBES_BEFORE_RESTART = 3
 SUPERVISOR_JOIN = 1.0  # its probe may be in flight; the process is stopped either way
 TAIL_LINES = 30
 ADOPTED_EXIT_UNKNOWN = -1000  # an adopted server's exit status cannot be read (not our child)
-
-
-class _NotYet(Exception):
-    pass
 
 
 def _listener(port: int) -> psutil.Process | None:
@@ -62,7 +57,7 @@ def _listener(port: int) -> psutil.Process | None:
 class RewardServer:
     def __init__(self, settings: Settings, host_ip: str, run_dir: Path, reporter: Reporter,
                  env: Mapping[str, str]):
-        self.s, self.host_ip, self.reporter = settings, host_ip, reporter
+        self.settings, self.host_ip, self.reporter = settings, host_ip, reporter
         # Trainers call the cluster address; the server listens there only, unless
         # PODAGENT_LISTEN=all opens every interface.
         self.url = f"http://{host_ip}:{settings.reward_port}/get_reward"
@@ -91,20 +86,22 @@ class RewardServer:
 
     @property
     def label(self) -> str:
-        return "built-in reward server" if self.s.reward == "builtin" else "reward server"
+        return "built-in reward server" if self.settings.reward == "builtin" else "reward server"
 
     @property
     def scoring(self) -> str:
         """What the built-in server scores by, in a few words."""
         from podagent.rewards.settings import describe
 
-        return describe(self.s.reward_scoring, self.s.reward_template, self.s.reward_strict)
+        settings = self.settings
+        return describe(settings.reward_scoring, settings.reward_template, settings.reward_strict)
 
     def start(self) -> None:
-        if self.s.reward == "builtin":
+        if self.settings.reward == "builtin":
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
-            self.reporter.event("reward_scoring", scoring=self.s.reward_scoring,
-                                template=self.s.reward_template, strict=self.s.reward_strict)
+            settings = self.settings
+            self.reporter.event("reward_scoring", scoring=settings.reward_scoring,
+                                template=settings.reward_template, strict=settings.reward_strict)
         self.process.start()
 
     def keep_or_start(self, reattached: bool) -> None:
@@ -129,8 +126,8 @@ class RewardServer:
             self.probe(timeout=10.0)
         except (requests.RequestException, ValueError):
             return False
-        self.adopted = _listener(self.s.reward_port)
-        if self.s.reward == "builtin":
+        self.adopted = _listener(self.settings.reward_port)
+        if self.settings.reward == "builtin":
             self._say_adopted_scoring()
         return True
 
@@ -144,9 +141,9 @@ class RewardServer:
         if not isinstance(health, dict):
             return
         kept = health.get("scoring")
-        same = kept == self.s.reward_scoring and (kept == "boxed" or (
-            health.get("template"), health.get("strict")) == (self.s.reward_template,
-                                                              self.s.reward_strict))
+        same = kept == self.settings.reward_scoring and (kept == "boxed" or (
+            health.get("template"), health.get("strict")) == (self.settings.reward_template,
+                                                              self.settings.reward_strict))
         if same:
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
         else:
@@ -192,7 +189,6 @@ class RewardServer:
         """Until a real request succeeds; an exit while starting fails at once."""
         progress = Progress(self.reporter, every=10.0)
         started = time.monotonic()
-        last = {"error": "not probed yet"}
 
         def attempt() -> None:
             code = self.exited()
@@ -202,21 +198,19 @@ class RewardServer:
                 # A reward server that hangs must not hold a signal up for the probe's timeout.
                 interruptible(lambda: self.probe(timeout=min(PROBE_TIMEOUT, 10.0)), signals)
             except (requests.RequestException, ValueError) as exc:
-                last["error"] = str(exc)
                 progress(f"waiting for the {self.label} at {self.url}: {exc} "
                          f"({time.monotonic() - started:.0f} s)")
-                raise _NotYet(str(exc)) from None
+                raise NotYet(str(exc)) from None
 
-        try:
-            Retrying(stop=stop_after_delay(self.s.reward_timeout),
-                     wait=wait_exponential(multiplier=0.1, max=2.0),
-                     retry=retry_if_exception_type(_NotYet), sleep=signals.sleep,
-                     reraise=True)(attempt)
-        except _NotYet:
-            raise RewardServerTimeout(
+        def timed_out(expired: Expired) -> RewardServerTimeout:
+            return RewardServerTimeout(
                 f"the {self.label} did not answer a real request at {self.url} within "
-                f"{self.s.reward_timeout:g} s; last error: {last['error']}; last lines of "
-                f"{self.process.log_path}:\n{self.process.tail(TAIL_LINES)}") from None
+                f"{self.settings.reward_timeout:g} s; last error: {expired.seen}; last lines of "
+                f"{self.process.log_path}:\n{self.process.tail(TAIL_LINES)}")
+
+        retry(attempt, awaited=f"the {self.label} to answer a real request",
+              backoff=Backoff(0.1, 2.0), deadline=self.settings.reward_timeout,
+              sleep=signals.sleep, expired=timed_out)
 
     # --- while the job runs --------------------------------------------------------------------
 
@@ -251,12 +245,13 @@ class RewardServer:
             failed_probes = 0
             if not self._restart(why):
                 return
-            loading_until = time.monotonic() + self.s.reward_timeout
+            loading_until = time.monotonic() + self.settings.reward_timeout
 
     def _restart(self, why: str) -> bool:
-        if self.restarts >= self.s.reward_restarts:
+        if self.restarts >= self.settings.reward_restarts:
             self.failure = RewardServerFailed(
-                f"the {self.label} {why}, and all {self.s.reward_restarts} restarts are spent; "
+                f"the {self.label} {why}, and all {self.settings.reward_restarts} restarts are "
+                f"spent; "
                 f"last lines of {self.process.log_path}:\n{self.process.tail(TAIL_LINES)}")
             self.reporter.error(f"{self.label} {why}: no restarts left, failing the run")
             self.reporter.event("reward_failed", why=why, restarts=self.restarts)
@@ -264,9 +259,9 @@ class RewardServer:
         self.restarts += 1
         backoff = min(30.0, 2.0 ** self.restarts)
         self.reporter.error(f"{self.label} {why}: restarting it in {backoff:g} s "
-                            f"(restart {self.restarts} of {self.s.reward_restarts})")
+                            f"(restart {self.restarts} of {self.settings.reward_restarts})")
         self.reporter.event("reward_restart", why=why, restart=self.restarts)
-        self._stop_process(self.s.stop_timeout)
+        self._stop_process(self.settings.stop_timeout)
         if self._stop.wait(backoff):
             return False
         self.process.start()
@@ -275,7 +270,7 @@ class RewardServer:
     def stop(self, timeout: float | Deadline | None = None) -> None:
         """TERM -> deadline (PODAGENT_STOP_TIMEOUT, or `timeout` when the pod is being
         stopped and has seconds) -> KILL."""
-        deadline = Deadline.of(self.s.stop_timeout if timeout is None else timeout)
+        deadline = Deadline.of(self.settings.stop_timeout if timeout is None else timeout)
         self._stop.set()
         if self._supervisor:  # a daemon thread, mid-probe perhaps: not waited for long
             self._supervisor.join(timeout=min(deadline.left(), SUPERVISOR_JOIN))

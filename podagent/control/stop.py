@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
-
 from podagent import runstate
 from podagent.config import Settings
 from podagent.control.lookup import HTTP_TIMEOUT, head_ip
@@ -14,6 +12,7 @@ from podagent.errors import HeadUnreachable, StopTimeout
 from podagent.platform.roles import Role
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
+from podagent.waiting import Backoff, Expired, retry
 
 
 def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,
@@ -39,9 +38,12 @@ def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,
             return False
 
     try:
-        still_up = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(0.5),
-                            retry=retry_if_result(bool),
-                            retry_error_callback=lambda state: True)(head_answers)
+        try:
+            still_up = retry(head_answers, awaited=f"the head's Ray at {ip} to be gone",
+                             backoff=Backoff.every(0.5), deadline=timeout,
+                             until=lambda answers: not answers)
+        except Expired:
+            still_up = True
         podagents = not still_up or _holds_a_podagent_run(gcs)
     finally:
         gcs.close()

@@ -10,12 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
-
 from podagent.errors import RunPodApiError
 from podagent.launch import spec as names
 from podagent.launch.state import DOWN, RunRecord
 from podagent.platform.runpod_api import BILLING_STATUSES, Client
+from podagent.waiting import Backoff, Expired, retry
 
 GONE_TIMEOUT = 120.0  # terminated pods are gone from RunPod's list within this
 GONE_POLL = 2.0
@@ -80,7 +79,10 @@ def terminate(client: Client, run: str, record: RunRecord | None,
 
 
 def _wait_gone(client: Client, run: str, record: RunRecord | None, timeout: float) -> Found:
-    retrying = Retrying(retry=retry_if_result(bool), stop=stop_after_delay(timeout),
-                        wait=wait_fixed(GONE_POLL), retry_error_callback=lambda s: s.outcome
-                        .result() if s.outcome else Found([], []))
-    return retrying(find, client, run, record)
+    """What of the run RunPod still lists once it lists nothing, or when `timeout` ran out."""
+    try:
+        return retry(lambda: find(client, run, record), awaited=f"run {run}'s pods to be gone",
+                     backoff=Backoff.every(GONE_POLL), deadline=timeout,
+                     until=lambda left: not left)
+    except Expired as exc:
+        return exc.last

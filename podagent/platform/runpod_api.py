@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,28 +25,20 @@ from urllib.parse import quote
 
 import requests
 import requests.auth
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from podagent import __version__
 from podagent.errors import NoCapacity, RunPodApiError, RunPodAuthError
+from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
 
 DEFAULT_BASE_URL = "https://rest.runpod.io/v1"  # v1, which the pod's stop-pod uses
 DEFAULT_V2_URL = "https://api.runpod.io"  # the v2 document's server; paths add /v2/...
 _CONNECT_TIMEOUT = 10.0  # seconds one attempt may take to connect
-_BACKOFF = wait_exponential(multiplier=0.5, min=0.5, max=8)
+_BACKOFF = Backoff(0.5, 8.0)
 _RETRY_AFTER_MAX = 60.0  # a Retry-After beyond this is not waited for in one go
 _REASON_MAX = 200
 # RunPod's statuses for a pod (PodStatus); billing stops only in the last two.
 POD_STATUSES = ("PROVISIONING", "STARTING", "RUNNING", "EXITED", "ERROR", "TERMINATED")
 BILLING_STATUSES = frozenset({"PROVISIONING", "STARTING", "RUNNING"})
-
-
-class _Retry(Exception):
-    """An attempt that may succeed later: no connection, a timeout, 429 or 5xx."""
-
-    def __init__(self, message: str, wait: float | None = None):
-        super().__init__(message)
-        self.wait = wait  # what the server asked for (Retry-After), if anything
 
 
 def _retryable(status: int) -> bool:
@@ -156,8 +147,7 @@ class Client:
         when not None, is the answer."""
         url = f"{self.base_url}{path}"
         what = f"{method} {url}"
-        started = time.monotonic()
-        deadline = started + (self.timeout if timeout is None else timeout)
+        deadline = Deadline.after(self.timeout if timeout is None else timeout)
         ambiguous = False  # a failure since the last look may have done what was asked
 
         def attempt() -> Answer:
@@ -167,7 +157,7 @@ class Client:
                 if found is not None:
                     return Answer(200, found)
                 ambiguous = False
-            remaining = max(deadline - time.monotonic(), 0.1)
+            remaining = max(deadline.left(), 0.1)
             failure = None
             try:
                 response = self._session.request(
@@ -177,7 +167,7 @@ class Client:
                 failure = _why(exc)
             if failure is not None:  # raised here, not in the handler: nothing chained
                 ambiguous = True
-                raise _Retry(f"{what}: {failure}")
+                raise NotYet(f"{what}: {failure}")  # may succeed later
             status = response.status_code
             if self.on_call:
                 self.on_call(method, path, status)
@@ -191,38 +181,31 @@ class Client:
             if _retryable(status):
                 # RunPod refuses a rate-limited call before acting on it; a 5xx may come after.
                 ambiguous = ambiguous or status != 429
-                raise _Retry(message, _retry_after(response) if status == 429 else None)
+                raise NotYet(message, _retry_after(response) if status == 429 else None)
             raise self._error(f"RunPod API: {message}", status)
 
-        def wait(state: RetryCallState) -> float:
-            asked = getattr(state.outcome.exception(), "wait", None) if state.outcome else None
-            pause = asked if asked is not None else _BACKOFF(state)
-            return min(pause, max(deadline - time.monotonic(), 0.0))
+        def trying_again(seen: str, pause: float) -> None:
+            if self.say:
+                self.say(_redact(f"RunPod API: {seen}; trying again in {pause:.1f} s",
+                                 self._key))
 
-        def before_sleep(state: RetryCallState) -> None:
-            if self.say and state.outcome is not None and state.next_action is not None:
-                self.say(_redact(f"RunPod API: {state.outcome.exception()}; trying again in "
-                                 f"{state.next_action.sleep:.1f} s", self._key))
-
-        retrying = Retrying(retry=retry_if_exception_type(_Retry),
-                            stop=lambda state: time.monotonic() >= deadline,
-                            wait=wait, before_sleep=before_sleep, reraise=True)
         # Raised after the handlers, not in them: the error carries no context that could
         # lead to a request and its headers.
-        last = refused = None
+        gave_up = refused = None
         try:
-            return retrying(attempt)
-        except _Retry as exc:
-            last = str(exc)
+            return retry(attempt, awaited=what, backoff=_BACKOFF, deadline=deadline,
+                         before_pause=trying_again)
+        except Expired as exc:
+            gave_up = exc
         except RunPodApiError as exc:
             refused = exc
         if refused is not None:
             raise type(refused)(str(refused)) from None
-        attempts = retrying.statistics.get("attempt_number", 1)
-        elapsed = time.monotonic() - started
+        assert gave_up is not None
+        tries = gave_up.tries
         raise self._error(
-            f"RunPod API: {last}; gave up after {attempts} attempt{'s' if attempts != 1 else ''}"
-            f" in {elapsed:.1f} s") from None
+            f"RunPod API: {gave_up.seen}; gave up after {tries} attempt{'s' if tries != 1 else ''}"
+            f" in {gave_up.waited:.1f} s") from None
 
     # --- v2 ----------------------------------------------------------------------------------
 
