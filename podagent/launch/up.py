@@ -109,12 +109,10 @@ class Up:
         self.head_id: str | None = None
         self.cluster_id: str | None = None
         self.pod_ids: dict[str, str] = {}  # name -> id
-        self.head_exit: int | None = None  # the run's code, once it is over for good
-        self.last_exit: int | None = None  # the code of the head's podagent's last start
-        self.head_starts = 0
         self.ran: set[str] = set()  # pods seen RUNNING at least once
-        self.first_job_line: float | None = None
         self.started = time.monotonic()
+        self.head = HeadProgress(spec.run, self.board, view, self.say, self._phase,
+                                 self._head_name, self.started)
 
     # --- output ---------------------------------------------------------------------------
 
@@ -276,70 +274,22 @@ class Up:
                         self.board.phase == Phase.STARTING.value):
                     self._phase(Phase.FORMING)
             verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
-                            self.head_exit, self.spec.shape(), self.head_starts, self.ran)
+                            self.head.exit, self.spec.shape(), self.head.starts, self.ran)
             if verdict.action == "done":
-                assert self.head_exit is not None
-                return self.head_exit
+                assert self.head.exit is not None
+                return self.head.exit
             if verdict.action == "fail":
                 raise PodsNotReady(f"run {self.spec.run}: {verdict.why}")
             with contextlib.suppress(queue.Empty):
-                self._take(self.records.get(timeout=RECORD_WAIT))
+                self.head.take(self.records.get(timeout=RECORD_WAIT))
                 while True:  # what else has come meanwhile
-                    self._take(self.records.get_nowait())
+                    self.head.take(self.records.get_nowait())
 
     def _head_name(self) -> str:
         for name, pod_id in self.pod_ids.items():
             if pod_id == self.head_id:
                 return name
         return specs.pod_name(self.spec.run, 0)
-
-    def _take(self, record: HeadRecord) -> None:
-        data = record.data
-        if record.kind == "job":
-            if self.first_job_line is None:
-                self.first_job_line = time.monotonic()
-                self.say(f"the job's first line came {self.first_job_line - self.started:.1f}"
-                         f" s after `up` started")
-            self.view.line(record.text)
-        elif record.kind == "message":
-            label = {"warning": "WARNING: ", "error": "ERROR: "}.get(str(data.get("level")), "")
-            self.view.line(f"[{data.get('role', 'head')}] {label}{record.text}")
-        elif record.kind == "text":
-            self.view.line(record.text)
-        elif record.kind == "lost":
-            raise PodsNotReady(f"run {self.spec.run}: the head's log stream was refused: "
-                               f"{data.get('why')}")
-        elif record.kind == "event":
-            self._event(data)
-
-    def _event(self, data: Mapping[str, Any]) -> None:
-        event = data.get("event")
-        if event == "state" and data.get("state") in _HEAD_PHASES:
-            if data["state"] == "waiting_workers":  # the head's Ray is up
-                self.board.row(self._head_name()).joined = True
-            self._phase(_HEAD_PHASES[str(data["state"])])
-        elif event == "worker_joined":
-            self.board.joined += 1
-            self.board.mark_joined(str(data.get("ip")), True)
-            self.view.update(self.board)
-        elif event == "worker_lost":
-            self.board.joined = max(0, self.board.joined - 1)
-            self.board.mark_joined(str(data.get("ip")), False)
-            self.view.update(self.board)
-        elif event == "workers_counted":
-            self.board.joined = int(data.get("workers") or 0)
-            self.view.update(self.board)
-        elif event == "role":  # the head's podagent started (again): its workers join anew
-            self.head_starts += 1
-            self.board.joined = 0
-            self.board.mark_joined(None, False)
-            self.view.update(self.board)
-        elif event == "exit" and isinstance(data.get("code"), int):
-            # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
-            # RunPod and resumes the run. The run is over when the head stays (after_run).
-            self.last_exit = int(data["code"])
-        elif event == "staying" and self.last_exit is not None:
-            self.head_exit = self.last_exit
 
     # --- the end --------------------------------------------------------------------------
 
@@ -352,8 +302,8 @@ class Up:
         self._stop_following()
         took = time.monotonic() - self.started
         outcome = "succeeded" if code == 0 else f"ended: {self.explain(code)}"
-        first = (f"; the job's first line after {self.first_job_line - self.started:.1f} s"
-                 if self.first_job_line else "")
+        first = (f"; the job's first line after {self.head.first_job_line - self.started:.1f}"
+                 f" s" if self.head.first_job_line else "")
         self.say(f"run {self.spec.run} {outcome} (exit {code}) after {took:.1f} s{first}; "
                  f"{self.calls()} RunPod API calls")
         self.record.mark(state.FINISHED, code=code, took=round(took, 1))
@@ -399,3 +349,67 @@ class Up:
                      f"`podagent down {self.spec.run}` terminates them")
         except PodagentError as exc:
             self.say(f"clean-up failed: {exc}; `podagent down {self.spec.run}` tries again")
+
+
+class HeadProgress:
+    """What the head's records tell `up`: its phase and who joined (onto the board), the job's
+    output and podagent's messages (onto the view), how often its podagent started, and the
+    run's code once the head stays after its exit."""
+
+    def __init__(self, run: str, board: Board, view: PlainView | LiveView,
+                 say: Callable[[str], None], phase: Callable[[Phase], None],
+                 head_name: Callable[[], str], started: float):
+        self.run, self.board, self.view, self.say = run, board, view, say
+        self.phase, self.head_name, self.started = phase, head_name, started
+        self.exit: int | None = None  # the run's code, once it is over for good
+        self.last_exit: int | None = None  # the code of the head's podagent's last start
+        self.starts = 0
+        self.first_job_line: float | None = None
+
+    def take(self, record: HeadRecord) -> None:
+        data = record.data
+        if record.kind == "job":
+            if self.first_job_line is None:
+                self.first_job_line = time.monotonic()
+                self.say(f"the job's first line came {self.first_job_line - self.started:.1f}"
+                         f" s after `up` started")
+            self.view.line(record.text)
+        elif record.kind == "message":
+            label = {"warning": "WARNING: ", "error": "ERROR: "}.get(str(data.get("level")), "")
+            self.view.line(f"[{data.get('role', 'head')}] {label}{record.text}")
+        elif record.kind == "text":
+            self.view.line(record.text)
+        elif record.kind == "lost":
+            raise PodsNotReady(f"run {self.run}: the head's log stream was refused: "
+                               f"{data.get('why')}")
+        elif record.kind == "event":
+            self._event(data)
+
+    def _event(self, data: Mapping[str, Any]) -> None:
+        event = data.get("event")
+        if event == "state" and data.get("state") in _HEAD_PHASES:
+            if data["state"] == "waiting_workers":  # the head's Ray is up
+                self.board.row(self.head_name()).joined = True
+            self.phase(_HEAD_PHASES[str(data["state"])])
+        elif event == "worker_joined":
+            self.board.joined += 1
+            self.board.mark_joined(str(data.get("ip")), True)
+            self.view.update(self.board)
+        elif event == "worker_lost":
+            self.board.joined = max(0, self.board.joined - 1)
+            self.board.mark_joined(str(data.get("ip")), False)
+            self.view.update(self.board)
+        elif event == "workers_counted":
+            self.board.joined = int(data.get("workers") or 0)
+            self.view.update(self.board)
+        elif event == "role":  # the head's podagent started (again): its workers join anew
+            self.starts += 1
+            self.board.joined = 0
+            self.board.mark_joined(None, False)
+            self.view.update(self.board)
+        elif event == "exit" and isinstance(data.get("code"), int):
+            # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
+            # RunPod and resumes the run. The run is over when the head stays (after_run).
+            self.last_exit = int(data["code"])
+        elif event == "staying" and self.last_exit is not None:
+            self.exit = self.last_exit

@@ -88,8 +88,9 @@ class Update:
     summary: dict[str, Any]
 
 
-class Ledger:
-    """What the bring-up run records, read from podagent's events."""
+class BringupTally:
+    """What the bring-up run records, read from podagent's events (metrics, the node and
+    check tables; not to be confused with the run's ledger on the volume)."""
 
     def __init__(self, t0: float | None = None) -> None:
         self.t0 = t0  # times are seconds since podagent began logging the bring-up
@@ -228,8 +229,8 @@ class BringupRun:
     queues, so a slow or broken W&B never holds the bring-up up."""
 
     def __init__(self, reporter: Reporter, settings: Settings, mode: str, project: str):
-        self.reporter, self.s, self.mode, self.project = reporter, settings, mode, project
-        self.ledger = Ledger(time.time())
+        self.reporter, self.settings, self.mode, self.project = reporter, settings, mode, project
+        self.tally = BringupTally(time.time())
         self.service: psutil.Process | None = None
         self.failure: str | None = None
         self.run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
@@ -240,7 +241,7 @@ class BringupRun:
 
     @property
     def name(self) -> str:
-        return f"{self.s.run_name}-bringup"
+        return f"{self.settings.run_name}-bringup"
 
     def start(self) -> None:
         self.reporter.add_listener(self._on_event)
@@ -259,8 +260,8 @@ class BringupRun:
         self._thread.join(FINISH_WAIT)
         if self._thread.is_alive():
             self.reporter.warn(f"W&B: the bring-up run did not finish within {FINISH_WAIT:g} s; "
-                               f"its files stay in {self.s.run_dir}/wandb (`wandb sync` uploads "
-                               f"them)")
+                               f"its files stay in {self.settings.run_dir}/wandb (`wandb sync` "
+                               f"uploads them)")
             self._abandon()
 
     # --- on the run's thread -----------------------------------------------------------------
@@ -313,12 +314,12 @@ class BringupRun:
         os.environ.pop(SERVICE_TOKEN, None)
         self.service = next((p for p in psutil.Process().children()
                              if _name(p) == SERVICE_NAME), None)
-        self.s.run_dir.mkdir(parents=True, exist_ok=True)
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
         # Explicit values win over the user's WANDB_NAME/WANDB_RUN_ID/WANDB_RESUME, which are
         # meant for the job's runs.
         run = wandb.init(
-            project=self.project, group=self.s.run_name, name=self.name, job_type="bringup",
-            id=self.run_id, resume="never", dir=str(self.s.run_dir), config=self._config(),
+            project=self.project, group=self.settings.run_name, name=self.name, job_type="bringup",
+            id=self.run_id, resume="never", dir=str(self.settings.run_dir), config=self._config(),
             settings=options,
         )
         run.define_metric(STEP_METRIC)
@@ -327,15 +328,16 @@ class BringupRun:
         return run
 
     def _config(self) -> dict[str, Any]:
-        s = self.s
-        job = self.reporter.redact(shlex.join(s.job)) if s.job else "cluster check"
-        return {"podagent_version": __version__, "run_name": s.run_name,
-                "pod": self.reporter.pod, "expected_workers": s.expected_workers,
-                "min_workers": s.min_workers, "reward": s.reward, "nccl_preset": s.nccl_preset,
-                "job": job}
+        settings = self.settings
+        job = (self.reporter.redact(shlex.join(settings.job)) if settings.job
+               else "cluster check")
+        return {"podagent_version": __version__, "run_name": settings.run_name,
+                "pod": self.reporter.pod, "expected_workers": settings.expected_workers,
+                "min_workers": settings.min_workers, "reward": settings.reward,
+                "nccl_preset": settings.nccl_preset, "job": job}
 
     def _record(self, run: Any, record: dict[str, Any]) -> None:
-        up = self.ledger.apply(record)
+        up = self.tally.apply(record)
         if up.metrics:
             run.log(up.metrics)
         if up.summary:
@@ -347,13 +349,13 @@ class BringupRun:
         try:
             if self.failure is None:
                 tables = {}
-                for key, (columns, rows) in (("cluster/node_table", self.ledger.node_table()),
-                                             ("check/node_table", self.ledger.check_table())):
+                for key, (columns, rows) in (("cluster/node_table", self.tally.node_table()),
+                                             ("check/node_table", self.tally.check_table())):
                     if rows:
                         tables[key] = wandb.Table(columns=columns, data=rows)
                 if tables:
                     run.log(tables)
-                run.summary.update({"job_status": self.ledger.job_status or "not run",
+                run.summary.update({"job_status": self.tally.job_status or "not run",
                                     "exit_code": exit_code})
             run.finish(exit_code=exit_code)
         except Exception as exc:
