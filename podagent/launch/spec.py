@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from podagent import config
+from podagent.choices import AfterRun
 from podagent.errors import ConfigError, InputError
 
 PREFIX = "podagent"
@@ -238,7 +239,7 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
     env.update({"PODAGENT_RUN_NAME": spec.run, LABEL: spec.run,
                 # A finished run stays up until `up` has read its outcome and terminates it
                 # (RunPod would restart an exited container and run it again).
-                "PODAGENT_AFTER_RUN": "stay"})
+                "PODAGENT_AFTER_RUN": AfterRun.STAY.value})
     if rank in (0, None):
         env.update({"EXPECTED_WORKERS": str(spec.workers),
                     # One JSON record per line: `up` reads the head's events and the job's
