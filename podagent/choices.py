@@ -30,3 +30,11 @@ class AfterRun(Named):
 
 # A job in Ray's Jobs API is over once its status is one of these.
 JOB_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+# The built-in reward server's scoring profiles (its --scoring, PODAGENT_REWARD_SCORING).
+SCORING = ("openrlhf-m", "boxed")
+
+# OpenRLHF-M's --prompt-template values (the reward server's --prompt-template,
+# PODAGENT_REWARD_TEMPLATE); rewards.openrlhf_m gives each its assistant prefix.
+PROMPT_TEMPLATES = ("chatml", "qwen1", "base")

@@ -1,27 +1,32 @@
 """Settings: built once (flags > environment > defaults) into one frozen object.
 
 Each setting is declared once in FIELDS: its attribute, environment variable, flag, default,
-parser and help. The CLI makes its options from the same table and the README's settings table
-is generated from it (`python -m podagent.config`), so the three cannot drift apart.
+parser and help. `Settings` is made from that table, the CLI makes its options from it and the
+README's settings table is generated from it (`python -m podagent.config`), so none can drift
+apart. The reward server's own table (REWARD_FIELDS, its PODAGENT_REWARD_* variables) is here
+too, beside the parsers it uses, so that a misspelt variable of either table is named at start
+without this module importing the reward server.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 import ipaddress
+import math
 import os
 import re
 import shlex
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from podagent.choices import AfterRun
+from podagent.choices import PROMPT_TEMPLATES, SCORING, AfterRun
 from podagent.errors import ConfigError
 
 # Variables whose values must never be shown or put on a command line.
@@ -170,15 +175,11 @@ def preset_name(raw: str) -> str:
 
 
 def reward_scoring(raw: str) -> str:
-    from podagent.rewards.settings import SCORING  # late: that module builds on this one
-
     return choice(*SCORING)(raw)
 
 
 def reward_template(raw: str) -> str:
-    from podagent.rewards.openrlhf_m import TEMPLATES
-
-    return choice(*TEMPLATES)(raw)
+    return choice(*PROMPT_TEMPLATES)(raw)
 
 
 def command_line(raw: str) -> tuple[str, ...]:
@@ -210,6 +211,48 @@ def short_path(raw: str) -> str:
     return raw
 
 
+_SIZE = re.compile(r"([0-9]{1,10})\s*(|B|KiB|MiB|GiB)")
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def size(raw: str) -> int:
+    rule = "must be a size in bytes from 1KiB to 1GiB (e.g. 16MiB or 1048576)"
+    m = _SIZE.fullmatch(raw)
+    if not m:
+        raise ValueError(rule)
+    value = int(m.group(1)) * _UNITS[m.group(2)]
+    if not 1 << 10 <= value <= 1 << 30:
+        raise ValueError(rule)
+    return value
+
+
+def number(minimum: float, maximum: float) -> Callable[[str], float]:
+    rule = f"must be a number >= {minimum:g} and <= {maximum:g}"
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(rule) from None
+        if not (math.isfinite(value) and minimum <= value <= maximum):
+            raise ValueError(rule)
+        return value
+
+    return parse
+
+
+def key(raw: str) -> str:
+    if not raw or len(raw) > 200:
+        raise ValueError("must be a JSON field name (1-200 characters)")
+    return raw
+
+
+def existing_file(raw: str) -> str:
+    if "\x00" in raw or not os.path.isfile(raw):
+        raise ValueError("must be an existing JSONL file")
+    return raw
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 AFTER_RUN = tuple(policy.value for policy in AfterRun)
@@ -223,8 +266,10 @@ class Field:
     flag: str | None
     parse: Callable[[str], Any]
     help: str
+    # The value when nothing gives one; where default_doc is set, build derives the value
+    # first and this is only what a Settings made without build holds.
     default: Any = None
-    default_doc: str = ""
+    default_doc: str = ""  # the default as the README and --help say it, when not `default`
     is_flag: bool = False  # the CLI option takes no value and means "1"
 
 
@@ -245,7 +290,7 @@ FIELDS: tuple[Field, ...] = (
     Field("node_addr", "NODE_ADDR", "--node-addr", ipv4,
           "Instant Cluster address of this node (RunPod sets it)."),
     Field("expected_workers", "EXPECTED_WORKERS", "--expected-workers", whole(0),
-          "Worker nodes the head waits for.",
+          "Worker nodes the head waits for.", default=0,
           default_doc="1 with HEAD_POD_ID, NUM_NODES-1 on an Instant Cluster, else 0"),
     Field("min_workers", "PODAGENT_MIN_WORKERS", "--min-workers", whole(0),
           "Go on after the worker wait times out if at least this many joined.",
@@ -281,7 +326,7 @@ FIELDS: tuple[Field, ...] = (
           "once, wait until the cluster is whole again, a replacement pod counting, and submit "
           "it again resuming from the newest checkpoint), wait (leave the job to decide; if it "
           "fails, restart it as above) or fail (leave the job to decide, never restart).",
-          default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
+          default="restart", default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
     Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
           "How many times a run may be restarted after a lost node (or a failed job with "
           "PODAGENT_RETRY_FAILED_JOB=1); then the run ends with exit code 16.", default=3),
@@ -297,7 +342,7 @@ FIELDS: tuple[Field, ...] = (
           "What podagent does when the run is over: stay (stay up idle until SIGTERM; RunPod "
           "would otherwise restart the container and run again), exit (exit with the run's "
           "outcome) or stop-pod (ask RunPod's API to stop this pod, which ends its GPU "
-          "billing; needs RUNPOD_API_KEY).",
+          "billing; needs RUNPOD_API_KEY).", default=AfterRun.EXIT.value,
           default_doc="stay on RunPod (RUNPOD_POD_ID set), else exit"),
     Field("runpod_api_url", "PODAGENT_RUNPOD_API_URL", "--runpod-api-url", http_url,
           "Base URL of RunPod's REST API (for PODAGENT_AFTER_RUN=stop-pod).",
@@ -307,11 +352,12 @@ FIELDS: tuple[Field, ...] = (
     Field("run_name", "PODAGENT_RUN_NAME", "--run-name", run_name,
           "Name of this run: its log directory and the job's submission id. The default is "
           "the same after a container restart, so a restarted pod finds its run again.",
+          default="podagent",
           default_doc="podagent-HEAD_POD_ID, else podagent-PRIMARY_ADDR-NUM_NODESn (Instant "
                       "Cluster), else podagent-RUNPOD_POD_ID, else podagent-YYYYmmdd-HHMMSS "
                       "(UTC, at start)"),
     Field("log_dir", "PODAGENT_LOG_DIR", "--log-dir", path,
-          "Parent of the per-run log directories.",
+          "Parent of the per-run log directories.", default="podagent-logs",
           default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
     Field("job", "PODAGENT_JOB", "--job", command_line,
           "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it.",
@@ -371,57 +417,93 @@ FIELDS: tuple[Field, ...] = (
 FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
 
 
+# --- the reward server's table (`podagent reward-server`, PODAGENT_REWARD_*) --------------------
+
+REWARD_ENV_PREFIX = "PODAGENT_REWARD_"
+
+
 @dataclass(frozen=True)
+class RewardField:
+    """A reward server setting: its flag is --ATTR, its variable REWARD_ENV_PREFIX + ATTR."""
+
+    attr: str
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = None  # as Field.default
+    default_doc: str = ""
+    flag_name: str = ""  # when the flag is not --ATTR (the seed's own flag name)
+
+    @property
+    def flag(self) -> str:
+        return self.flag_name or "--" + self.attr.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return REWARD_ENV_PREFIX + self.attr.upper()
+
+
+REWARD_FIELDS: tuple[RewardField, ...] = (
+    RewardField("scoring", choice(*SCORING),
+                "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item) or "
+                "boxed (the last \\boxed{} or <answer> block; see docs/reward-server.md).",
+                "openrlhf-m"),
+    RewardField("template", choice(*PROMPT_TEMPLATES),
+                "openrlhf-m: the chat template whose assistant prefix starts the response "
+                "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
+    RewardField("strict", zero_one,
+                "openrlhf-m: 1 scores an unparseable gold answer, or a comparison that raises, "
+                "as accuracy 0; 0 scores them 1, as OpenRLHF-M's server does.", False),
+    # Loopback by default: the server has no authentication. The head passes its
+    # cluster-private address.
+    RewardField("host", host, "Address to listen on.", "127.0.0.1"),
+    RewardField("port", port, "TCP port to listen on.", 5000),
+    RewardField("workers", whole(1, 1024), "Verifier processes.", 1,
+                default_doc="CPUs this process may use"),
+    RewardField("item_timeout", number(0.1, 600),
+                "Seconds one item may take to verify; past it the worker is killed and the "
+                "item scores 0.", 5.0),
+    # A request's budget: preparing it takes time linear in its bytes, a slice at a time,
+    # turn about with other requests; the limits bound its memory and its share. The defaults
+    # are four times the batches trainers send (OpenRLHF-M: one batch per call, 256 to 1,024
+    # items of a few KB, say 16 KB at most; upstream OpenRLHF: one item per request).
+    RewardField("max_items", whole(1, 1_000_000),
+                "Most items in one request; a request with more gets HTTP 413 naming this "
+                "limit.", 4096),
+    RewardField("max_body", size,
+                "Largest request body (bytes, or with KiB/MiB/GiB); a larger one gets HTTP 413 "
+                "naming this limit.", 64 << 20, default_doc="64MiB"),
+    # The rule's weight (rewards.verify.FORMAT_WEIGHT, which is the same number).
+    RewardField("format_weight", number(0, 100),
+                "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", 0.5),
+    RewardField("dataset", existing_file,
+                "JSONL of prompts and gold answers. openrlhf-m: gold answers come from it by "
+                "the request's prompts (labels are used only without it); boxed: for requests "
+                "that send no labels."),
+    RewardField("prompt_key", key, "Prompt field of --dataset records.", "prompt"),
+    RewardField("answer_key", key, "Gold answer field of --dataset records.", "answer"),
+)
+
+
+def settings_class(table: Iterable[Any]) -> Callable[[type], type]:
+    """Make the decorated class a frozen dataclass with one attribute per field of `table`,
+    in its order and with its default, then the attributes the class itself declares (which
+    are not settings a user gives: they must have defaults too)."""
+    table = tuple(table)
+
+    def make(cls: type) -> type:
+        own = inspect.get_annotations(cls)
+        cls.__annotations__ = {**{f.attr: Any for f in table}, **own}
+        for f in table:
+            setattr(cls, f.attr, f.default)
+        return dataclass(frozen=True)(cls)
+
+    return make
+
+
+@settings_class(FIELDS)
 class Settings:
-    ray_worker: bool | None = None
-    head_pod_id: str | None = None
-    pod_id: str | None = None
-    node_rank: int | None = None
-    primary_addr: str | None = None
-    num_nodes: int | None = None
-    node_addr: str | None = None
-    expected_workers: int = 0
-    min_workers: int | None = None
-    head_addr: str | None = None
-    dns_suffix: str = "runpod.internal"
-    dns_server: tuple[str, int] | None = None
-    ray_port: int = 6379
-    dashboard_port: int = 8265
-    node_ip: str | None = None
-    num_gpus: int | None = None
-    worker_timeout: float = 600.0
-    head_timeout: float = 600.0
-    head_grace: float = 8.0
-    rejoin: bool = True
-    stop_timeout: float = 10.0
-    after_run: str = AfterRun.EXIT.value
-    on_node_loss: str = "restart"
-    restarts: int = 3
-    retry_failed_job: bool = False
-    restart_backoff: float = 5.0
-    runpod_api_url: str = "https://rest.runpod.io/v1"
-    nccl_preset: str = "auto"
-    run_name: str = "podagent"
-    log_dir: str = "podagent-logs"
-    job: tuple[str, ...] | None = None
-    working_dir: str | None = None
-    ray_temp_dir: str | None = None
-    reward: str = "builtin"
-    reward_cmd: tuple[str, ...] | None = None
-    reward_port: int = 5000
-    reward_timeout: float = 600.0
-    reward_restarts: int = 3
-    reward_scoring: str = "openrlhf-m"
-    reward_template: str = "chatml"
-    reward_strict: bool = False
-    debug_ray: bool = False
-    checkpoint_dir: str | None = None
-    resume: str = "auto"
-    resume_flag: tuple[str, ...] = ("--load_checkpoint",)
-    rendezvous_port: int = 29500
-    log_format: str = "text"
-    quiet: bool = False
-    listen: str = "private"
+    """One attribute per field of FIELDS, then what build adds beside them."""
+
     # The cluster token read from the file RAY_AUTH_TOKEN_PATH names (read once, at build).
     token_from_file: str | None = field(default=None, repr=False)
     # The process environment as it was at start (user variables win over presets). Not in
@@ -659,8 +741,6 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
 
 def known_variables() -> frozenset[str]:
     """Every variable podagent reads or sets: FIELDS, the reward server's table, the rest."""
-    from podagent.rewards.settings import FIELDS as REWARD_FIELDS  # late: it builds on this
-
     return frozenset({f.env for f in FIELDS} | {f.env for f in REWARD_FIELDS}
                      | set(OTHER_VARIABLES) | set(TOKEN_VARIABLES))
 
@@ -735,50 +815,51 @@ def _read_token_file(env: Mapping[str, str]) -> str | None:
     return value
 
 
-def _check_token(s: Settings) -> None:
+def _check_token(settings: Settings) -> None:
     # Values are never shown: the message names the variable and the rule only.
-    given = {n: s.environ[n].strip() for n in TOKEN_VARIABLES if s.environ.get(n, "").strip()}
+    environ = settings.environ
+    given = {n: environ[n].strip() for n in TOKEN_VARIABLES if environ.get(n, "").strip()}
     for name, value in given.items():
         if not _valid_token(value):
             raise ConfigError(name, REDACTED_VALUE, f"must be {TOKEN_RULE}")
     if len(set(given.values())) > 1:
         raise ConfigError("PODAGENT_TOKEN", REDACTED_VALUE,
                           "must equal RAY_AUTH_TOKEN when both are set")
-    if s.token_from_file and given and s.token_from_file not in given.values():
-        raise ConfigError(TOKEN_PATH_VARIABLE, s.environ[TOKEN_PATH_VARIABLE].strip(),
+    if settings.token_from_file and given and settings.token_from_file not in given.values():
+        raise ConfigError(TOKEN_PATH_VARIABLE, settings.environ[TOKEN_PATH_VARIABLE].strip(),
                           f"must name a file holding the same token as {', '.join(given)} "
                           f"when both are set")
 
 
-def _check_relations(s: Settings) -> None:
-    if s.min_workers is not None and s.min_workers > s.expected_workers:
+def _check_relations(settings: Settings) -> None:
+    if settings.min_workers is not None and settings.min_workers > settings.expected_workers:
         raise ConfigError(
-            s.source_name("min_workers"), str(s.min_workers),
-            f"must be <= EXPECTED_WORKERS ({s.expected_workers})",
+            settings.source_name("min_workers"), str(settings.min_workers),
+            f"must be <= EXPECTED_WORKERS ({settings.expected_workers})",
         )
-    ports = {"ray_port": s.ray_port, "dashboard_port": s.dashboard_port}
-    if s.reward != "none":
-        ports["reward_port"] = s.reward_port
+    ports = {"ray_port": settings.ray_port, "dashboard_port": settings.dashboard_port}
+    if settings.reward != "none":
+        ports["reward_port"] = settings.reward_port
     seen: dict[int, str] = {}
-    for attr, number in ports.items():
-        if number in seen:
-            raise ConfigError(s.source_name(attr), str(number),
-                              f"must differ from {FIELD_BY_ATTR[seen[number]].env}")
-        seen[number] = attr
-    if s.reward == "cmd" and not s.reward_cmd:
-        raise ConfigError(s.source_name("reward_cmd"), "",
+    for attr, taken in ports.items():
+        if taken in seen:
+            raise ConfigError(settings.source_name(attr), str(taken),
+                              f"must differ from {FIELD_BY_ATTR[seen[taken]].env}")
+        seen[taken] = attr
+    if settings.reward == "cmd" and not settings.reward_cmd:
+        raise ConfigError(settings.source_name("reward_cmd"), "",
                           "must be set when PODAGENT_REWARD=cmd")
 
 
-def _check_after_run(s: Settings) -> None:
-    if s.after_run != AfterRun.STOP_POD:
+def _check_after_run(settings: Settings) -> None:
+    if settings.after_run != AfterRun.STOP_POD:
         return
-    when = f"when {s.source_name('after_run')}=stop-pod"
-    if not s.runpod_api_key:
+    when = f"when {settings.source_name('after_run')}=stop-pod"
+    if not settings.runpod_api_key:
         raise ConfigError(RUNPOD_API_KEY, "",
                           f"must be set {when} (podagent stops this pod through RunPod's API)")
-    if not s.pod_id:
-        raise ConfigError(s.source_name("pod_id"), "",
+    if not settings.pod_id:
+        raise ConfigError(settings.source_name("pod_id"), "",
                           f"must be set {when} (the id of the pod to stop; RunPod sets it)")
 
 
@@ -786,8 +867,6 @@ def settings_table() -> str:
     """The README's settings table, generated from FIELDS."""
     return markdown_table(FIELDS)
 
-
-assert {f.attr for f in FIELDS} <= {f.name for f in fields(Settings)}
 
 if __name__ == "__main__":
     print(settings_table())

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import re
 
-# The seed's --prompt-template values and the assistant prefix each one looks for.
+from podagent.choices import PROMPT_TEMPLATES
+
+# The seed's --prompt-template values (named in choices) and the assistant prefix each one
+# looks for; a name added there without a prefix here fails at import.
+CHATML, QWEN1, BASE = PROMPT_TEMPLATES
 TEMPLATES = {
-    "chatml": "<|im_start|>assistant\n",
-    "qwen1": "<｜Assistant｜>",
-    "base": "Assistant: ",
+    CHATML: "<|im_start|>assistant\n",
+    QWEN1: "<｜Assistant｜>",
+    BASE: "Assistant: ",
 }
 # Removed from the response in this order (removing one can complete another).
 END_TOKENS = ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|endoftext|>")
