@@ -420,6 +420,8 @@ FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
 # --- the reward server's table (`podagent reward-server`, PODAGENT_REWARD_*) --------------------
 
 REWARD_ENV_PREFIX = "PODAGENT_REWARD_"
+# The weight of the format rule in a reward (rewards.verify scores with it by default).
+FORMAT_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -472,9 +474,8 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
     RewardField("max_body", size,
                 "Largest request body (bytes, or with KiB/MiB/GiB); a larger one gets HTTP 413 "
                 "naming this limit.", 64 << 20, default_doc="64MiB"),
-    # The rule's weight (rewards.verify.FORMAT_WEIGHT, which is the same number).
     RewardField("format_weight", number(0, 100),
-                "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", 0.5),
+                "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", FORMAT_WEIGHT),
     RewardField("dataset", existing_file,
                 "JSONL of prompts and gold answers. openrlhf-m: gold answers come from it by "
                 "the request's prompts (labels are used only without it); boxed: for requests "

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-FORMAT_WEIGHT = 0.5
+from podagent.config import FORMAT_WEIGHT
+
 # Longer "final answers" are not answers: they are scored wrong without parsing (math-verify's
 # LaTeX parser is super-linear in nesting depth; a 200-deep parenthesis takes it seconds).
 MAX_ANSWER_CHARS = 4096
