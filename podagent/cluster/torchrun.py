@@ -30,13 +30,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
-
 from podagent import process
 from podagent.config import Settings, child_environ
 from podagent.errors import HeadUnreachable, PortInUse, WorkersTimeout
 from podagent.platform.roles import Role
 from podagent.report import Progress, Reporter
+from podagent.waiting import Backoff, Deadline, NotYet, retry
 
 LINE_LIMIT = 4096  # bytes: a hello or an answer is one short JSON line
 CONNECT_TIMEOUT = 5.0  # seconds for one connection attempt to the head
@@ -249,20 +248,14 @@ def gather_workers(rv: Rendezvous, head: Peer, timeout: float,
         sel.close()
 
 
-class _NotYet(Exception):
-    pass
-
-
 def join_head(rv: Rendezvous, me: Peer, deadline: float, timeout: float,
               reporter: Reporter, sleep: Callable[[float], None]) -> None:
     """On a worker: say hello to the head's rendezvous and wait for its answer, both before
     `deadline` (monotonic; `timeout` is what the user set). Raises HeadUnreachable when the
     head never answered, WorkersTimeout with the head's line when the head gave up."""
-    last = "not tried yet"
     progress = Progress(reporter)
 
     def connect() -> socket.socket:
-        nonlocal last
         left = deadline - time.monotonic()
         try:
             return socket.create_connection((rv.head_ip, rv.port),
@@ -271,16 +264,13 @@ def join_head(rv: Rendezvous, me: Peer, deadline: float, timeout: float,
             last = exc.strerror or str(exc) or type(exc).__name__
             progress(f"waiting for the head's {rv}: {last} "
                      f"({timeout - max(0.0, left):.0f} s)")
-            raise _NotYet from None
+            raise NotYet(last) from None
 
-    try:
-        conn = Retrying(stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
-                        wait=wait_exponential(multiplier=0.1, max=2.0),
-                        retry=retry_if_exception_type(_NotYet), sleep=sleep,
-                        reraise=True)(connect)
-    except _NotYet:
-        raise HeadUnreachable(f"{rv}: the head's podagent torchrun did not answer within "
-                              f"{timeout:g} s (last try: {last})") from None
+    conn = retry(connect, awaited=f"the head's {rv}", backoff=Backoff(0.1, 2.0),
+                 deadline=Deadline(lambda: deadline), sleep=sleep,
+                 expired=lambda gave_up: HeadUnreachable(
+                     f"{rv}: the head's podagent torchrun did not answer within {timeout:g} s "
+                     f"(last try: {gave_up.seen})"))
     with conn, conn.makefile("rb") as reader:
         # The head greets first. Anything else on that port (torchrun's own store, once the
         # others have started) says nothing, and a head of another run says another id.
