@@ -1,11 +1,11 @@
-"""The command line: the only place that prints errors and picks exit codes."""
+"""The command line: it parses, calls one function of the package per command, and maps
+errors onto exit codes; the only place that prints errors and picks exit codes."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -14,16 +14,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 import click
-import psutil
 
-from podagent import __version__, config, errors, extras, process
-from podagent.platform.roles import Role, RoleDecision, detect_role
+from podagent import __version__, config, errors, extras
+from podagent.platform.roles import Role, detect_role
 from podagent.ray_access import ray_compat
-from podagent.report import Reporter
 from podagent.waiting import Signals
 
-if TYPE_CHECKING:  # the lifecycles load only for the commands that run one
-    from podagent.cluster.lifecycle import Lifecycle
+if TYPE_CHECKING:
+    from podagent.report import Reporter
 
 # Exit codes: documented in the README's table. Signals give 128 + the signal number.
 EXIT_OK = 0
@@ -95,9 +93,27 @@ def exit_code_table() -> str:
     return "\n".join(rows)
 
 
-def _fail(message: str, code: int) -> None:
-    click.echo(f"podagent: error: {message}", err=True)
-    sys.exit(code)
+def _boundary(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The one place a command's error ends it: podagent's errors as one line on stderr and the
+    table's code (a signal's as 128 + its number, without a line: whoever sent it knows); a bug
+    as its traceback and 70. A role that runs reports its own errors (to its log) and returns
+    its code."""
+
+    @functools.wraps(command)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except errors.PodagentError as exc:
+            if not isinstance(exc, errors.Interrupted):
+                click.echo(f"podagent: error: {exc}", err=True)
+            sys.exit(exit_code(exc))
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own: it says them and exits as it does
+        except Exception:
+            traceback.print_exc()
+            sys.exit(EXIT_INTERNAL)
+
+    return guarded
 
 
 def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,177 +135,18 @@ def _flags(ctx: click.Context, own: dict[str, Any]) -> dict[str, str | None]:
     return {k: v for k, v in merged.items() if k in config.FIELD_BY_ATTR}
 
 
-def _build(flags: dict[str, str | None], job_argv: tuple[str, ...] | None = None):
-    try:
-        return config.build(flags, os.environ, job_argv)
-    except errors.ConfigError as exc:
-        _fail(str(exc), exit_code(exc))
-
-
-def _ray(settings: config.Settings | None = None) -> ray_compat.RayVersion:
-    """The image's Ray, checked against what the settings ask of it (exit 2 when it cannot)."""
-    try:
-        ray = ray_compat.require()
-        if settings is not None:
-            ray_compat.check(settings, ray)
-    except errors.PodagentError as exc:
-        _fail(str(exc), exit_code(exc))
-    return ray
-
-
-def _secret_values(settings: config.Settings) -> list[str]:
-    """What the output must never show: secret variables' values, and the cluster token, which
-    may come from a file (RAY_AUTH_TOKEN_PATH) rather than the environment."""
-    values = [v for k, v in settings.environ.items() if config.is_secret(k) and v]
-    return [*values, settings.auth_token] if settings.auth_token else values
-
-
-def _dry_run(settings: config.Settings, decision: RoleDecision,
-             ray: ray_compat.RayVersion) -> None:
-    """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
-    from podagent.cluster import node, ray_node
-
-    reporter = Reporter(decision.role.value, "dry-run", None, secrets=_secret_values(settings),
-                        log_format=settings.log_format, quiet=settings.quiet)
-    reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}) "
-                 f"with {ray}; run {settings.run_name}, logs in {settings.run_dir}")
-    _say_untested(reporter, ray)
-    if decision.role is Role.WORKER:
-        where = settings.head_addr or settings.head_dns_name or settings.primary_addr
-        reporter.say(f"would find the head at {where} within {settings.head_timeout:g} s, "
-                     f"then join it (grace {settings.head_grace:g} s once joined)")
-    try:
-        setup = node.prepare(settings, decision.role, reporter)
-    except errors.PodagentError as exc:  # e.g. a head whose only address is public
-        _fail(str(exc), exit_code(exc))
-    # A worker learns the head's address only by looking it up, which a dry run does not do.
-    plan = ray_node.plan(settings, decision.role, setup.node_ip, setup.gpus,
-                         setup.nccl.variables, head_ip="HEAD")
-    reporter.say(f"would run: {shlex.join(plan.argv)}")
-    for key in sorted(plan.env_overrides):
-        value = config.REDACTED_VALUE if config.is_secret(key) else plan.env_overrides[key]
-        reporter.say(f"  with {key}={value}")
-    if decision.role is Role.HEAD:
-        job = shlex.join(settings.job) if settings.job else "the built-in cluster check"
-        reward = settings.reward if settings.reward != "cmd" else shlex.join(
-            settings.reward_cmd or ())
-        reporter.say(f"would wait for {settings.expected_workers} worker(s) "
-                     f"(timeout {settings.worker_timeout:g} s), start reward server: {reward}, "
-                     f"then run the job: {job}")
-
-
-def _say_untested(reporter: Reporter, ray: ray_compat.RayVersion) -> None:
-    note = ray_compat.untested_note(ray)
-    if note:
-        reporter.warn(note)
-
-
-def _require_parts(settings: config.Settings, role: Role) -> None:
-    """The optional parts this run will need, checked before anything starts (exit 2)."""
-    if role is not Role.HEAD:
-        return
-    try:
-        if settings.reward == "builtin":
-            default = " (the default)" if settings.sources.get("reward") == "default" else ""
-            extras.require("reward", f"{settings.source_name('reward')}=builtin{default}",
-                           instead="set PODAGENT_REWARD=none to run without it")
-        if not settings.job:
-            extras.require_torch("the built-in cluster check (the default job)",
-                                 "give your own job (PODAGENT_JOB or `podagent head -- CMD`)")
-    except errors.MissingDependency as exc:
-        _fail(str(exc), exit_code(exc))
-
-
-def _warn_early(settings: config.Settings) -> None:
-    """What a run and a dry run say first, before anything can fail: a misspelt variable may
-    be why a part is missing or a role is unclear."""
-    if not settings.warnings:
-        return
-    early = Reporter("podagent", settings.pod_id or socket.gethostname(), None,
-                     secrets=_secret_values(settings), log_format=settings.log_format,
-                     quiet=settings.quiet)
-    for warning in settings.warnings:  # e.g. a PODAGENT_* variable with a typo in its name
-        early.warn(warning)
+def _build(flags: dict[str, str | None],
+           job_argv: tuple[str, ...] | None = None) -> config.Settings:
+    return config.build(flags, os.environ, job_argv)
 
 
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
               job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
-    from podagent.cluster.head import Head
-    from podagent.cluster.worker import Worker
+    from podagent.cluster import run
 
     settings = _build(flags, job_argv)
-    _warn_early(settings)
-    try:
-        decision = detect_role(settings, explicit)
-    except (errors.ConfigError, errors.RoleConflict) as exc:
-        _fail(str(exc), exit_code(exc))
-    ray = _ray(settings)
-    _require_parts(settings, decision.role)
-    if dry_run:
-        _dry_run(settings, decision, ray)
-        sys.exit(EXIT_OK)
-    # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
-    # service) inherits the key. The settings keep their own copy of the environment.
-    os.environ.pop(config.RUNPOD_API_KEY, None)
-    pod = settings.pod_id or socket.gethostname()
-    reporter = Reporter(decision.role.value, pod, settings.run_dir,
-                        secrets=_secret_values(settings), log_format=settings.log_format,
-                        quiet=settings.quiet)
-    for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
-        reporter.log_only(f"WARNING: {warning}")
-    reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
-                 f"({decision.reason}); run {settings.run_name}")
-    _say_untested(reporter, ray)
-    reporter.event("role", role=decision.role.value, reason=decision.reason,
-                   run=settings.run_name, version=__version__, ray=ray.version)
-    from podagent.report import wandb_run
-
-    bringup = wandb_run.attach(reporter, settings, decision.role)
-
-    signals = Signals()
-
-    def force(signum: int) -> None:
-        # A second signal: no more patience. Kill everything we started and leave. This runs
-        # in the main thread, which may be anywhere (holding the reporter's lock in a stalled
-        # write): so the children go first, and the last line takes no lock and cannot block.
-        # Further signals are ignored from here: a handler run again inside this one (while it
-        # waits for the log) would start over, and never reach the exit.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        for proc in process.descendants():
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
-        os._exit(128 + signum)
-
-    signals.install(on_second=force)
-    process.become_subreaper()
-    lifecycle: Lifecycle | None = None
-    code = EXIT_OK
-    try:
-        lifecycle = (Head if decision.role is Role.HEAD else Worker)(
-            settings, decision, reporter, signals)
-        lifecycle.run()
-        code = _earlier_exit(lifecycle)
-    except errors.PodagentError as exc:
-        code = exit_code(exc)
-        if not isinstance(exc, errors.Interrupted):
-            reporter.error(str(exc))
-        reporter.event("exit", code=code, error=str(exc))
-    except Exception as exc:  # a bug: one line on screen, the traceback in the log
-        code = EXIT_INTERNAL
-        reporter.error(f"internal error: {type(exc).__name__}: {exc} "
-                       f"(traceback in {settings.run_dir})")
-        reporter.event("exit", code=code, error=traceback.format_exc())
-    else:
-        reporter.event("exit", code=code)
-    finally:
-        if bringup:
-            bringup.finish(code)
-    if lifecycle is not None:
-        _after_run(lifecycle, settings, reporter, signals, code)
-    reporter.close()
-    sys.exit(code)
+    sys.exit(run.run_role(settings, explicit, dry_run=dry_run, exit_code=exit_code,
+                          outcome_code=_earlier_exit))
 
 
 # How each way a start of the run can end (the lifecycle's outcome: the error's class name, or
@@ -309,29 +166,11 @@ def code_for_outcome(outcome: str) -> int | None:
     return EXIT_INTERNAL
 
 
-def _earlier_exit(lifecycle: Lifecycle) -> int:
+def _earlier_exit(outcome: str) -> int:
     """A head that found its run finished earlier exits as that run did: the code follows from
     the recorded outcome, so a head killed before it wrote its code is still read right."""
-    earlier = lifecycle.earlier_outcome()
-    if not earlier:
-        return EXIT_OK
-    code = code_for_outcome(earlier)  # a finished run never ended by a signal
+    code = code_for_outcome(outcome)  # a finished run never ended by a signal
     return EXIT_INTERNAL if code is None else code
-
-
-def _after_run(lifecycle: Lifecycle, settings: config.Settings, reporter: Reporter,
-               signals: Signals, code: int) -> None:
-    """A run that is over for good: stay, stop the pod or exit (PODAGENT_AFTER_RUN). A run
-    cut short (a signal, a lost Ray) is left to a restart, which resumes it."""
-    from podagent.cluster import after_run
-
-    lifecycle.record_exit(code)
-    policy = lifecycle.after_run()
-    if policy is None or signals.received:
-        return
-    summary = (f"run {settings.run_name} is over ({'exit ' + str(code)}); logs in "
-               f"{settings.run_dir}")
-    after_run.settle(policy, settings, reporter, signals, summary)
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -361,6 +200,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 @settings_options
 @dry_run_option
 @click.pass_context
+@_boundary
 def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """Bring a multi-node Ray cluster up on GPU pods: run the same command on every pod.
 
@@ -375,6 +215,7 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
 @dry_run_option
 @click.argument("entrypoint", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
+@_boundary
 def head(ctx: click.Context, entrypoint: tuple[str, ...], dry_run: bool | None,
          **flags: Any) -> None:
     """Be the head: start Ray, wait for the workers, run the job (ENTRYPOINT after --)."""
@@ -386,6 +227,7 @@ def head(ctx: click.Context, entrypoint: tuple[str, ...], dry_run: bool | None,
 @settings_options
 @dry_run_option
 @click.pass_context
+@_boundary
 def worker(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """Be a worker: find the head, join its Ray, stay until the head closes the run."""
     _run_role(_flags(ctx, flags), Role.WORKER, dry_run=_dry(ctx, dry_run))
@@ -397,41 +239,20 @@ def worker(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
               help="Show this NCCL preset instead of the chosen one.")
 @click.option("--export", "as_export", is_flag=True, help="Print shell `export` lines.")
 @click.pass_context
+@_boundary
 def env_command(ctx: click.Context, preset_override: str | None, as_export: bool,
                 **flags: Any) -> None:
     """Print the environment podagent would apply on this pod (secrets redacted)."""
-    from podagent.platform import nccl
+    from podagent.platform import pod
 
     merged = _flags(ctx, flags)
     if preset_override is not None:
         try:
             merged["nccl_preset"] = config.preset_name(preset_override.strip())
         except ValueError as exc:
-            _fail(str(errors.ConfigError("--preset", preset_override, str(exc))), 2)
-    settings = _build(merged)
-    try:
-        decision = detect_role(settings)
-        role_line = f"role: {decision.role.value} ({decision.reason})"
-    except (errors.ConfigError, errors.RoleConflict) as exc:
-        _fail(str(exc), exit_code(exc))
-    effective = nccl.effective(settings)
-    variables = dict(effective.variables)
-    if settings.debug_ray:
-        variables["RAY_DEBUG"] = "legacy"
-    variables.update({k: v for k, v in settings.environ.items() if k.startswith("WANDB_")})
-    click.echo(f"# {role_line}")
-    click.echo(f"# NCCL preset {effective.preset}: {effective.reason}")
-    for name in effective.user_wins:
-        click.echo(f"# {name} is your own ({settings.environ[name]}); the preset's value yields")
-    for warning in effective.warnings:
-        click.echo(f"# WARNING: {warning}")
-    for key in sorted(variables):
-        if config.is_secret(key):
-            click.echo(f"# {key} is set (value redacted)")
-        elif as_export:
-            click.echo(f"export {key}={shlex.quote(variables[key])}")
-        else:
-            click.echo(f"{key}={variables[key]}")
+            raise errors.ConfigError("--preset", preset_override, str(exc)) from None
+    for line in pod.environment_lines(_build(merged), as_export):
+        click.echo(line)
 
 
 @main.command(context_settings=CONTEXT)
@@ -440,17 +261,15 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
 @click.option("--cluster", is_flag=True,
               help="Run the cluster check job on the running cluster instead (from any pod).")
 @click.pass_context
+@_boundary
 def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> None:
     """Preflight this pod: GPUs, the preset's interface, /dev/shm, open files, disk, and on a
     worker the head's DNS and ports. Exit 0 when nothing is fatal, 1 otherwise."""
     settings, role, reporter = _asking(ctx, flags, stream=sys.stdout)
     if cluster:
-        _ray()
-        try:
-            extras.require_torch("the cluster check")
-        except errors.MissingDependency as exc:
-            _fail(str(exc), exit_code(exc))
-        _check_cluster(settings, role, reporter)
+        from podagent.checks import cluster_run
+
+        sys.exit(EXIT_OK if cluster_run.check_cluster(settings, role, reporter) else 1)
     from podagent.checks import preflight
 
     results = preflight.run_checks(settings, role)
@@ -458,52 +277,17 @@ def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> Non
     sys.exit(1 if preflight.fatal(results) else EXIT_OK)
 
 
-def _check_cluster(settings: config.Settings, role: Role, reporter: Reporter) -> None:
-    """Submit the cluster check to the running cluster's Jobs API and follow it."""
-    import time
-
-    from podagent.cluster.jobs import JobRunner
-    from podagent.control import lookup
-
-    signals = Signals()
-    signals.install()
-    head_ip = "the head"
-    try:
-        head_ip = lookup.head_ip(settings, role, reporter)
-        url = f"http://{head_ip}:{settings.dashboard_port}"
-        submission = time.strftime(f"{settings.run_name}-check-%H%M%S", time.gmtime())
-        log = settings.run_dir / f"{submission}.log"
-        runner = JobRunner(url, submission, reporter, log, headers=settings.auth_headers())
-        env = {}
-        if settings.reward != "none":
-            env["REMOTE_RM_URL"] = f"http://{head_ip}:{settings.reward_port}/get_reward"
-        runner.submit((sys.executable, "-m", "podagent.checks.clustercheck"), env, None,
-                      {"podagent_check": "1"}, signals)
-        reporter.say(f"cluster check {submission} submitted to {url}")
-        status = runner.follow(signals)
-    except errors.PodagentError as exc:
-        _fail(str(exc), exit_code(exc))
-    except Exception as exc:  # the Jobs API client raises plain exceptions
-        _fail(f"the Jobs API at {head_ip}:{settings.dashboard_port} did not take the check: "
-              f"{exc}", exit_code(errors.JobSubmitFailed()))
-    sys.exit(EXIT_OK if status == "SUCCEEDED" else 1)
-
-
 def _asking(ctx: click.Context, flags: dict[str, Any], stream: TextIO | None = None
             ) -> tuple[config.Settings, Role, Reporter]:
     """Settings, role and a screen-only reporter for the commands that ask the cluster."""
+    from podagent.cluster.run import reporter_for
+
     # gRPC's core logs connection chatter (a GOAWAY when the head goes down) unless told not
     # to; it reads this when first loaded, which is after this line for these commands.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     settings = _build(_flags(ctx, flags))
-    try:
-        role = detect_role(settings).role
-    except (errors.ConfigError, errors.RoleConflict) as exc:
-        _fail(str(exc), exit_code(exc))
-    reporter = Reporter(role.value, settings.pod_id or socket.gethostname(), None,
-                        secrets=_secret_values(settings), stream=stream or sys.stderr,
-                        log_format=settings.log_format, quiet=settings.quiet)
-    return settings, role, reporter
+    role = detect_role(settings).role
+    return settings, role, reporter_for(settings, role.value, stream=stream or sys.stderr)
 
 
 @main.command(context_settings=CONTEXT)
@@ -512,6 +296,7 @@ def _asking(ctx: click.Context, flags: dict[str, Any], stream: TextIO | None = N
 @click.option("--local", is_flag=True,
               help="Only this pod: exit 0 when its podagent runs (a container HEALTHCHECK).")
 @click.pass_context
+@_boundary
 def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None:
     """From any pod: the head, Ray's nodes (IP, GPUs, alive), the job, the reward server."""
     settings, role, reporter = _asking(ctx, flags)
@@ -521,11 +306,8 @@ def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None
         healthy, line = status_mod.local_health(settings)
         click.echo(line)
         sys.exit(EXIT_OK if healthy else 1)
-    _ray()
-    try:
-        state = status_mod.cluster_status(settings, role, reporter)
-    except errors.PodagentError as exc:
-        _fail(str(exc), exit_code(exc))
+    ray_compat.require()
+    state = status_mod.cluster_status(settings, role, reporter)
     click.echo(json.dumps(state, indent=2) if as_json else status_mod.render_status(state))
 
 
@@ -534,19 +316,17 @@ def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None
 @click.option("--timeout", "wait", type=click.FloatRange(1, 3600), default=300.0,
               show_default=True, help="Seconds to wait for the cluster to go down.")
 @click.pass_context
+@_boundary
 def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     """From any pod: stop the job and bring the whole cluster down in order (workers leave,
     then the head). The run is over: every podagent then exits 0, stays up idle or stops its
     pod, as PODAGENT_AFTER_RUN says."""
     settings, role, reporter = _asking(ctx, flags)
-    _ray()
+    ray_compat.require()
     from podagent.control import stop as stop_mod
 
-    try:
-        took = stop_mod.request_stop(settings, role, reporter,
-                                    by=settings.pod_id or socket.gethostname(), timeout=wait)
-    except errors.PodagentError as exc:
-        _fail(str(exc), exit_code(exc))
+    took = stop_mod.request_stop(settings, role, reporter,
+                                 by=settings.pod_id or socket.gethostname(), timeout=wait)
     reporter.say(f"the cluster is down ({took:.1f} s)")
 
 
@@ -554,6 +334,7 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
 @settings_options
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
 @click.pass_context
+@_boundary
 def logs(ctx: click.Context, follow: bool, **flags: Any) -> None:
     """From any pod: the run's job log (from the head's Jobs API)."""
     settings, role, reporter = _asking(ctx, flags)
@@ -561,19 +342,15 @@ def logs(ctx: click.Context, follow: bool, **flags: Any) -> None:
 
     signals = Signals()
     signals.install()
-    try:
-        logs_mod.follow_logs(settings, role, reporter, follow,
-                            lambda text: click.echo(text, nl=False), signals)
-    except errors.PodagentError as exc:
-        if isinstance(exc, errors.Interrupted):
-            sys.exit(exit_code(exc))
-        _fail(str(exc), exit_code(exc))
+    logs_mod.follow_logs(settings, role, reporter, follow,
+                         lambda text: click.echo(text, nl=False), signals)
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})
 @dry_run_option
 @click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
+@_boundary
 def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool | None) -> None:
     """Run torchrun on every pod with the ranks worked out: [TORCHRUN OPTIONS] [--] SCRIPT ARGS.
 
@@ -583,64 +360,18 @@ def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool |
     PODAGENT_WORKER_TIMEOUT for its workers, a worker up to PODAGENT_HEAD_TIMEOUT for the head.
     Options you pass win over podagent's.
     """
-    from podagent.cluster import node
     from podagent.cluster import torchrun as torchrun_mod
-    from podagent.platform import discovery
 
     if not torchrun_args:
-        _fail("podagent torchrun needs a training script: podagent torchrun [OPTIONS] -- "
-              "SCRIPT ARGS", 2)
-    try:
-        extras.require_torch("podagent torchrun")
-    except errors.MissingDependency as exc:
-        _fail(str(exc), exit_code(exc))
-    settings = _build(_flags(ctx, {}))
-    try:
-        decision = detect_role(settings)
-    except (errors.ConfigError, errors.RoleConflict) as exc:
-        _fail(str(exc), exit_code(exc))
-    name = settings.pod_id or socket.gethostname()
-    reporter = Reporter(decision.role.value, name, None, secrets=_secret_values(settings),
-                        log_format=settings.log_format, quiet=settings.quiet)
-    reporter.say(f"podagent {__version__} torchrun: this pod is the {decision.role.value} "
-                 f"({decision.reason})")
-    signals = Signals()
-    finder = None
-    try:
-        if decision.role is Role.HEAD:
-            setup = node.prepare(settings, Role.HEAD, reporter)
-            head_ip = setup.node_ip
-        else:
-            finder = discovery.HeadFinder(settings, reporter, signals)
-            where = finder.locate()
-            reporter.say(f"head found at {where.ip} ({where.how})")
-            setup = node.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
-            head_ip = where.ip
-    except errors.PodagentError as exc:
-        _fail(str(exc), exit_code(exc))
-    plan = torchrun_mod.plan(settings, decision.role, setup.node_ip, head_ip, setup.gpus,
-                             setup.nccl.variables, torchrun_args)
-    reporter.say(f"rendezvous {plan.rdzv_id} at {head_ip}:{settings.rendezvous_port}, "
-                 f"{settings.expected_workers + 1} node(s) x {setup.gpus or 1} process(es)")
-    if _dry(ctx, dry_run):
-        reporter.say(f"would run: {shlex.join(plan.argv)}")
-        sys.exit(EXIT_OK)
-    rendezvous = torchrun_mod.Rendezvous(plan.rdzv_id, head_ip, settings.rendezvous_port,
-                                         settings.expected_workers)
-    me = torchrun_mod.Peer(setup.node_ip, name)
-    try:
-        if finder is not None:
-            torchrun_mod.join_head(rendezvous, me, finder.deadline, settings.head_timeout,
-                                   reporter, signals.sleep)
-        elif rendezvous.workers:
-            torchrun_mod.gather_workers(rendezvous, me, settings.worker_timeout, reporter)
-    except errors.PodagentError as exc:
-        _fail(str(exc), exit_code(exc))
-    reporter.say(f"exec: {shlex.join(plan.argv)}")
-    torchrun_mod.execute(plan)
+        raise errors.InputError("podagent torchrun needs a training script: podagent torchrun "
+                                "[OPTIONS] -- SCRIPT ARGS")
+    extras.require_torch("podagent torchrun")
+    torchrun_mod.run(_build(_flags(ctx, {})), torchrun_args, dry_run=_dry(ctx, dry_run))
+    sys.exit(EXIT_OK)  # a dry run: otherwise torchrun has taken this process's place
 
 
 @main.command(context_settings=CONTEXT)
+@_boundary
 def token() -> None:
     """Print a fresh random cluster token: put it in the pod template as a secret
     (PODAGENT_TOKEN) on every pod; Ray then refuses anyone without it."""
@@ -663,16 +394,12 @@ def _meaning(code: int) -> str:
 def _launch_key(key_file: str | None) -> str:
     from podagent.launch import commands
 
-    try:
-        return commands.api_key(os.environ, key_file)
-    except errors.ConfigError as exc:
-        _fail(str(exc), exit_code(exc))
-    raise AssertionError("unreachable")
+    return commands.api_key(os.environ, key_file)
 
 
 def _launched(action: Callable[[], int]) -> None:
-    """Runs up/down/ls: their errors are one line and the table's code; SIGTERM (a closed
-    terminal, a CI job cancelled) is a Ctrl-C: the pods are terminated, not left billing."""
+    """Runs up/down/ls: SIGTERM (a closed terminal, a CI job cancelled) is a Ctrl-C: the pods
+    are terminated, not left billing. Their errors go to the boundary as any command's."""
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signum)
@@ -683,10 +410,6 @@ def _launched(action: Callable[[], int]) -> None:
     signal.signal(signal.SIGINT, interrupt)
     try:
         code = action()
-    except errors.PodagentError as exc:
-        if not isinstance(exc, errors.Interrupted):
-            click.echo(f"podagent: error: {exc}", err=True)
-        sys.exit(exit_code(exc))
     except KeyboardInterrupt as exc:  # before anything was created, or a second Ctrl-C
         signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
         sys.exit(128 + signum)
@@ -738,6 +461,7 @@ key_file_option = click.option(
 @click.option("--list-gpus", is_flag=True, help="List RunPod's GPU types and exit.")
 @key_file_option
 @click.argument("job", nargs=-1, type=click.UNPROCESSED)
+@_boundary
 def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any) -> None:
     """From this machine: create the pods at RunPod, bring the cluster up, follow the run, and
     terminate the pods at the end. The job's command goes after --.
@@ -761,10 +485,7 @@ def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any
                            f"${price}/GPU/h")
             return EXIT_OK
         _launched(listing)
-    try:
-        spec = specs.build(**shape, job=job, api_url=url, state_dir=None)
-    except errors.ConfigError as exc:
-        _fail(str(exc), exit_code(exc))
+    spec = specs.build(**shape, job=job, api_url=url, state_dir=None)
     _launched(lambda: commands.up(spec, key, _meaning))
 
 
@@ -773,6 +494,7 @@ def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any
 @click.option("--timeout", type=float, default=120.0, show_default=True, metavar="SECONDS",
               help="How long RunPod gets to have every pod gone.")
 @key_file_option
+@_boundary
 def down(run: str, timeout: float, key_file: str | None) -> None:
     """Terminate every pod of run RUN (found by this machine's record, their names and their
     label, so also after a crash mid-create)."""
@@ -782,7 +504,7 @@ def down(run: str, timeout: float, key_file: str | None) -> None:
     try:
         config.run_name(run)
     except ValueError as exc:
-        _fail(f"RUN={run!r}: {exc}", 2)
+        raise errors.InputError(f"RUN={run!r}: {exc}") from None
     key = _launch_key(key_file)
     _launched(lambda: commands.down(
         run, key, commands.api_url(os.environ), specs.default_state_dir(os.environ),
@@ -791,6 +513,7 @@ def down(run: str, timeout: float, key_file: str | None) -> None:
 
 @main.command(name="ls", context_settings=CONTEXT)
 @key_file_option
+@_boundary
 def ls_command(key_file: str | None) -> None:
     """The runs `podagent up` started and their pods at RunPod, with their cost per hour."""
     from podagent.launch import commands

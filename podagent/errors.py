@@ -152,3 +152,9 @@ class NoCapacity(RunPodApiError):
 class PodsNotReady(PodagentError):
     """`podagent up`: a pod did not reach RUNNING, or the run did not start, in time; or a
     pod went into ERROR. Whatever was created has been terminated."""
+
+
+class NoHeadLocation(ConfigError, HeadUnreachable):
+    """A worker was given no way to find the head (none of the settings that name it is set).
+    Bad input, so a ConfigError (exit 2); also a HeadUnreachable, as HeadFinder.locate
+    raised that for it before."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import importlib.metadata
-import ipaddress
 import json
 import os
 import resource
@@ -28,6 +27,7 @@ import psutil
 
 from podagent import config
 from podagent.platform import discovery, nccl, roles
+from podagent.platform.head_location import OTHER_WAYS, head_location
 from podagent.platform.pod import detect_gpus
 from podagent.ray_access import ray_compat
 
@@ -303,33 +303,21 @@ def check_disk(name: str, directory: str | None, minimum: int, setting: str) -> 
 # --- the head, from a worker ---------------------------------------------------------------------
 
 
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def find_head(settings: config.Settings,
               head_ip: str | None = None) -> tuple[CheckResult, str | None]:
     """(the head_dns row, the head's address or None). One lookup, never the long wait.
 
-    The order is HeadFinder.locate's: PODAGENT_HEAD_ADDR, HEAD_POD_ID's DNS name, PRIMARY_ADDR.
+    Where it looks is where the worker would (head_location).
     """
     name = "head_dns"
     if head_ip:
         return CheckResult(name, Status.OK, f"head address given: {head_ip}"), head_ip
-    if settings.head_addr:
-        target, how = settings.head_addr, settings.source_name("head_addr")
-    elif settings.head_dns_name:
-        target, how = settings.head_dns_name, "HEAD_POD_ID"
-    elif settings.primary_addr:
-        target, how = settings.primary_addr, "PRIMARY_ADDR"
-    else:
+    location = head_location(settings)
+    if location is None:
         return CheckResult(name, Status.FAIL, "no head location on this worker",
-                           "set HEAD_POD_ID (or PODAGENT_HEAD_ADDR, or PRIMARY_ADDR)"), None
-    if _is_ip(target):
+                           f"set HEAD_POD_ID {OTHER_WAYS}"), None
+    target, how = location.target, location.setting
+    if location.is_address:
         return CheckResult(name, Status.OK, f"given by {how}: {target}"), target
     server = (f"{settings.dns_server[0]}:{settings.dns_server[1]}" if settings.dns_server
               else "the system resolver")

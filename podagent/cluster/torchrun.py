@@ -23,6 +23,7 @@ import math
 import os
 import re
 import selectors
+import shlex
 import socket
 import sys
 import time
@@ -30,13 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
-
-from podagent import process
+from podagent import __version__, process
 from podagent.config import Settings, child_environ
 from podagent.errors import HeadUnreachable, PortInUse, WorkersTimeout
-from podagent.platform.roles import Role
+from podagent.platform.roles import Role, detect_role
 from podagent.report import Progress, Reporter
+from podagent.waiting import Backoff, Deadline, NotYet, Signals, retry
 
 LINE_LIMIT = 4096  # bytes: a hello or an answer is one short JSON line
 CONNECT_TIMEOUT = 5.0  # seconds for one connection attempt to the head
@@ -104,6 +104,48 @@ def execute(torchrun_plan: TorchrunPlan) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(torchrun_plan.argv[0], list(torchrun_plan.argv), env)
+
+
+def run(settings: Settings, user_args: Sequence[str], dry_run: bool = False) -> None:
+    """`podagent torchrun` on this pod: find the head (a worker) or be it, work out torchrun's
+    options, hold podagent's rendezvous, then become torchrun (never returns). A dry run says
+    what it would run and returns."""
+    from podagent.cluster import node
+    from podagent.cluster.run import reporter_for
+    from podagent.platform import discovery
+
+    decision = detect_role(settings)
+    name = settings.pod_id or socket.gethostname()
+    reporter = reporter_for(settings, decision.role.value, pod=name)
+    reporter.say(f"podagent {__version__} torchrun: this pod is the {decision.role.value} "
+                 f"({decision.reason})")
+    finder = None
+    if decision.role is Role.HEAD:
+        setup = node.prepare(settings, Role.HEAD, reporter)
+        head_ip = setup.node_ip
+    else:
+        finder = discovery.HeadFinder(settings, reporter, Signals())
+        where = finder.locate()
+        reporter.say(f"head found at {where.ip} ({where.how})")
+        setup = node.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
+        head_ip = where.ip
+    torchrun_plan = plan(settings, decision.role, setup.node_ip, head_ip, setup.gpus,
+                         setup.nccl.variables, user_args)
+    reporter.say(f"rendezvous {torchrun_plan.rdzv_id} at {head_ip}:{settings.rendezvous_port}, "
+                 f"{settings.expected_workers + 1} node(s) x {setup.gpus or 1} process(es)")
+    if dry_run:
+        reporter.say(f"would run: {shlex.join(torchrun_plan.argv)}")
+        return
+    rendezvous = Rendezvous(torchrun_plan.rdzv_id, head_ip, settings.rendezvous_port,
+                            settings.expected_workers)
+    me = Peer(setup.node_ip, name)
+    if finder is not None:
+        join_head(rendezvous, me, finder.deadline, settings.head_timeout, reporter,
+                  finder.signals.sleep)
+    elif rendezvous.workers:
+        gather_workers(rendezvous, me, settings.worker_timeout, reporter)
+    reporter.say(f"exec: {shlex.join(torchrun_plan.argv)}")
+    execute(torchrun_plan)
 
 
 # --- podagent's rendezvous before torchrun's ------------------------------------------------------
@@ -249,20 +291,14 @@ def gather_workers(rv: Rendezvous, head: Peer, timeout: float,
         sel.close()
 
 
-class _NotYet(Exception):
-    pass
-
-
 def join_head(rv: Rendezvous, me: Peer, deadline: float, timeout: float,
               reporter: Reporter, sleep: Callable[[float], None]) -> None:
     """On a worker: say hello to the head's rendezvous and wait for its answer, both before
     `deadline` (monotonic; `timeout` is what the user set). Raises HeadUnreachable when the
     head never answered, WorkersTimeout with the head's line when the head gave up."""
-    last = "not tried yet"
     progress = Progress(reporter)
 
     def connect() -> socket.socket:
-        nonlocal last
         left = deadline - time.monotonic()
         try:
             return socket.create_connection((rv.head_ip, rv.port),
@@ -271,16 +307,13 @@ def join_head(rv: Rendezvous, me: Peer, deadline: float, timeout: float,
             last = exc.strerror or str(exc) or type(exc).__name__
             progress(f"waiting for the head's {rv}: {last} "
                      f"({timeout - max(0.0, left):.0f} s)")
-            raise _NotYet from None
+            raise NotYet(last) from None
 
-    try:
-        conn = Retrying(stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
-                        wait=wait_exponential(multiplier=0.1, max=2.0),
-                        retry=retry_if_exception_type(_NotYet), sleep=sleep,
-                        reraise=True)(connect)
-    except _NotYet:
-        raise HeadUnreachable(f"{rv}: the head's podagent torchrun did not answer within "
-                              f"{timeout:g} s (last try: {last})") from None
+    conn = retry(connect, awaited=f"the head's {rv}", backoff=Backoff(0.1, 2.0),
+                 deadline=Deadline(lambda: deadline), sleep=sleep,
+                 expired=lambda gave_up: HeadUnreachable(
+                     f"{rv}: the head's podagent torchrun did not answer within {timeout:g} s "
+                     f"(last try: {gave_up.seen})"))
     with conn, conn.makefile("rb") as reader:
         # The head greets first. Anything else on that port (torchrun's own store, once the
         # others have started) says nothing, and a head of another run says another id.

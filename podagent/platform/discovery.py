@@ -1,30 +1,35 @@
-"""Where the head is: an explicit address, the Instant Cluster's PRIMARY_ADDR, or DNS for
-<HEAD_POD_ID>.<suffix>; then wait until the head's Ray GCS answers its health RPC."""
+"""Where the head is: the address or DNS name that head_location picks (an explicit address,
+DNS for <HEAD_POD_ID>.<suffix>, or the Instant Cluster's PRIMARY_ADDR), resolved; then wait
+until the head's Ray GCS answers its health RPC."""
 
 from __future__ import annotations
 
 import enum
 import ipaddress
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import dns.exception
 import dns.resolver
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent import runstate
 from podagent.config import Settings
 from podagent.errors import AuthRefused, HeadUnreachable
+from podagent.platform.head_location import require_head_location
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
 from podagent.report import Progress, Reporter
-from podagent.waiting import Signals
+from podagent.waiting import Backoff, Deadline, NotYet, Signals, retry
 
 # Retry spacing caps: DNS is a shared service, so at most one lookup a second; a refused
 # connection to the GCS costs nothing, and every second saved here is saved on the join.
 DNS_MAX_WAIT = 1.0
 GCS_MAX_WAIT = 0.25
 GCS_PROBE_TIMEOUT = 2.0  # one address's health RPC (an address that drops packets costs this)
+
+T = TypeVar("T")
 
 
 class DnsOutcome(str, enum.Enum):
@@ -90,10 +95,6 @@ def resolve(name: str, resolver: dns.resolver.Resolver) -> DnsResult:
         return DnsResult(name, DnsOutcome.ERROR, detail=str(exc))
 
 
-class _NotYet(Exception):
-    """A transient miss: retried until the deadline."""
-
-
 @dataclass(frozen=True)
 class HeadLocation:
     ip: str  # the head's address: the first found, then the one whose GCS answered
@@ -111,7 +112,7 @@ class HeadFinder:
     """Resolves the head and waits for its GCS, all within the head-wait timeout."""
 
     def __init__(self, settings: Settings, reporter: Reporter, signals: Signals):
-        self.s, self.reporter, self.signals = settings, reporter, signals
+        self.settings, self.reporter, self.signals = settings, reporter, signals
         self.deadline = time.monotonic() + settings.head_timeout
         self.last_dns: DnsResult | None = None
         self.last_probe = "not tried yet"
@@ -119,39 +120,27 @@ class HeadFinder:
         self._resolver: dns.resolver.Resolver | None = None
         self._looked_up_at = float("-inf")
 
-    def _retrying(self, max_wait: float) -> Retrying:
-        remaining = max(0.0, self.deadline - time.monotonic())
-        return Retrying(
-            stop=stop_after_delay(remaining),
-            wait=wait_exponential(multiplier=0.1, max=max_wait),
-            retry=retry_if_exception_type(_NotYet),
-            sleep=self.signals.sleep,
-            reraise=True,
-        )
+    def _retry(self, probe: Callable[[], T], awaited: Callable[[], str], max_wait: float) -> T:
+        """`probe` until it answers, within the head-wait timeout; a signal ends the pauses."""
+        return retry(probe, awaited=awaited(), backoff=Backoff(0.1, max_wait),
+                     deadline=Deadline(lambda: self.deadline), sleep=self.signals.sleep,
+                     expired=lambda _: self._timeout(awaited()))
 
     def _timeout(self, awaited: str) -> HeadUnreachable:
         dns_part = self.last_dns.describe() if self.last_dns else "no DNS lookup was needed"
         return HeadUnreachable(
-            f"gave up after {self.s.head_timeout:g} s waiting for {awaited}; "
+            f"gave up after {self.settings.head_timeout:g} s waiting for {awaited}; "
             f"last DNS answer: {dns_part}; last GCS probe: {self.last_probe}"
         )
 
     def locate(self) -> HeadLocation:
-        s = self.s
-        if s.head_addr:
-            return self._by_name(s.head_addr, s.source_name("head_addr"))
-        if s.head_pod_id:
-            return self._by_name(s.head_dns_name or "", "DNS")
-        if s.primary_addr:
-            return self._by_name(s.primary_addr, "PRIMARY_ADDR")
-        raise HeadUnreachable(
-            "no head location: set HEAD_POD_ID, PODAGENT_HEAD_ADDR or PRIMARY_ADDR")
+        """Resolve where head_location points (NoHeadLocation when nowhere)."""
+        target = require_head_location(self.settings)
+        if target.is_address:
+            return HeadLocation(str(ipaddress.ip_address(target.target)), target.how)
+        return self._by_name(target.target, target.how)
 
     def _by_name(self, name: str, how: str) -> HeadLocation:
-        try:
-            return HeadLocation(str(ipaddress.ip_address(name)), how)
-        except ValueError:
-            pass
         progress = Progress(self.reporter)
         started = time.monotonic()
 
@@ -160,17 +149,14 @@ class HeadFinder:
             if result.outcome is not DnsOutcome.ANSWER:
                 progress(f"waiting for the head's DNS name: {result.describe()} "
                          f"({time.monotonic() - started:.0f} s)")
-                raise _NotYet(result.describe())
+                raise NotYet(result.describe())
             return result.addresses
 
-        try:
-            addresses = self._retrying(DNS_MAX_WAIT)(attempt)
-        except _NotYet:
-            raise self._timeout(f"DNS name {name}") from None
+        addresses = self._retry(attempt, lambda: f"DNS name {name}", DNS_MAX_WAIT)
         return HeadLocation(addresses[0], f"{how} ({name})", addresses, name)
 
     def _look_up(self, name: str) -> DnsResult:
-        self._resolver = self._resolver or make_resolver(self.s.dns_server)
+        self._resolver = self._resolver or make_resolver(self.settings.dns_server)
         self.last_dns = resolve(name, self._resolver)
         self._looked_up_at = time.monotonic()
         return self.last_dns
@@ -195,8 +181,8 @@ class HeadFinder:
         def ask(ip: str) -> bool:
             client = clients.get(ip)
             if client is None:
-                client = clients[ip] = GcsClient(f"{ip}:{self.s.ray_port}",
-                                                 metadata=self.s.grpc_metadata())
+                client = clients[ip] = GcsClient(f"{ip}:{self.settings.ray_port}",
+                                                 metadata=self.settings.grpc_metadata())
             try:
                 self.head_ray_version = client.check_alive(timeout=GCS_PROBE_TIMEOUT)
                 if not self._head_start_is_final() and not client.head_node_alive(
@@ -208,10 +194,11 @@ class HeadFinder:
                     # Joining it now would end with its Ray in a moment: wait for its next one.
                     raise GcsUnavailable("its head is closing this start of the run")
             except GcsAuthRefused as exc:
-                which = "a different cluster token" if self.s.auth_token else "no cluster token"
+                which = ("a different cluster token" if self.settings.auth_token
+                         else "no cluster token")
                 raise AuthRefused(
-                    f"the head's Ray at {ip}:{self.s.ray_port} refused this pod: it has {which} "
-                    f"({exc}); set the same PODAGENT_TOKEN (or RAY_AUTH_TOKEN) on every pod"
+                    f"the head's Ray at {ip}:{self.settings.ray_port} refused this pod: it has "
+                    f"{which} ({exc}); set the same PODAGENT_TOKEN (or RAY_AUTH_TOKEN) on every pod"
                 ) from None
             except GcsUnavailable as exc:
                 probes[ip] = str(exc)
@@ -230,7 +217,7 @@ class HeadFinder:
                                         for ip in addresses["now"])
             progress(f"waiting for the head's Ray at {self._ports(addresses['now'])}: "
                      f"{self.last_probe} ({time.monotonic() - started:.0f} s)")
-            raise _NotYet(self.last_probe)
+            raise NotYet(self.last_probe)
 
         def close_all_but(keep: str | None) -> None:
             for other, client in clients.items():
@@ -238,12 +225,9 @@ class HeadFinder:
                     client.close()
 
         try:
-            ip = self._retrying(GCS_MAX_WAIT)(attempt)
-        except _NotYet:
-            close_all_but(None)
-            raise self._timeout(f"the head's Ray GCS at {self._ports(addresses['now'])}"
-                                ) from None
-        except BaseException:  # a signal, a refused token
+            ip = self._retry(attempt, lambda: f"the head's Ray GCS at "
+                                              f"{self._ports(addresses['now'])}", GCS_MAX_WAIT)
+        except BaseException:  # the time ran out, a signal, a refused token
             close_all_but(None)
             raise
         close_all_but(ip)
@@ -254,7 +238,7 @@ class HeadFinder:
         return HeadLocation(ip, where.how, addresses["now"], where.name), clients[ip]
 
     def _ports(self, addresses: tuple[str, ...]) -> str:
-        return " or ".join(f"{ip}:{self.s.ray_port}" for ip in addresses)
+        return " or ".join(f"{ip}:{self.settings.ray_port}" for ip in addresses)
 
     def _head_start_is_final(self) -> bool:
         """Once its GCS answers, does the head's `ray start` always go on to succeed? Not on a

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-from podagent.config import Settings
+from podagent.config import Settings, is_secret
 from podagent.errors import ConfigError
 from podagent.platform import nccl
+from podagent.platform.roles import detect_role
 
 ALL_INTERFACES = "0.0.0.0"
 LOOPBACK = "127.0.0.1"
@@ -104,3 +106,27 @@ def require_private(settings: Settings, node_ip: str, how: str) -> None:
         f"({how}) is not one (private: 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16, "
         f"100.64.0.0/10, fc00::/7, loopback): set PODAGENT_NODE_IP to this pod's private "
         f"address, or PODAGENT_LISTEN=all with a cluster token (PODAGENT_TOKEN)")
+
+
+def environment_lines(settings: Settings, as_export: bool = False) -> list[str]:
+    """`podagent env`: this pod's role and the environment podagent would apply on it (the
+    NCCL preset's variables, RAY_DEBUG, W&B's), secrets named but never shown."""
+    decision = detect_role(settings)
+    effective = nccl.effective(settings)
+    variables = dict(effective.variables)
+    if settings.debug_ray:
+        variables["RAY_DEBUG"] = "legacy"
+    variables.update({k: v for k, v in settings.environ.items() if k.startswith("WANDB_")})
+    lines = [f"# role: {decision.role.value} ({decision.reason})",
+             f"# NCCL preset {effective.preset}: {effective.reason}"]
+    lines += [f"# {name} is your own ({settings.environ[name]}); the preset's value yields"
+              for name in effective.user_wins]
+    lines += [f"# WARNING: {warning}" for warning in effective.warnings]
+    for key in sorted(variables):
+        if is_secret(key):
+            lines.append(f"# {key} is set (value redacted)")
+        elif as_export:
+            lines.append(f"export {key}={shlex.quote(variables[key])}")
+        else:
+            lines.append(f"{key}={variables[key]}")
+    return lines

@@ -16,7 +16,8 @@ import enum
 from dataclasses import dataclass
 
 from podagent.config import Settings
-from podagent.errors import ConfigError, RoleConflict
+from podagent.errors import RoleConflict
+from podagent.platform.head_location import require_head_location
 
 
 class Role(str, enum.Enum):
@@ -30,39 +31,40 @@ class RoleDecision:
     reason: str
 
 
-def _facts(s: Settings) -> list[tuple[Role, str]]:
+def _facts(settings: Settings) -> list[tuple[Role, str]]:
     """Every independent fact about the role, strongest first."""
     facts: list[tuple[Role, str]] = []
-    if s.ray_worker is not None:
-        facts.append((Role.WORKER if s.ray_worker else Role.HEAD,
-                      f"RAY_WORKER={int(s.ray_worker)}"))
-    if s.head_pod_id and s.pod_id:
-        if s.head_pod_id == s.pod_id:
-            facts.append((Role.HEAD, f"RUNPOD_POD_ID={s.pod_id} equals HEAD_POD_ID"))
+    if settings.ray_worker is not None:
+        facts.append((Role.WORKER if settings.ray_worker else Role.HEAD,
+                      f"RAY_WORKER={int(settings.ray_worker)}"))
+    if settings.head_pod_id and settings.pod_id:
+        if settings.head_pod_id == settings.pod_id:
+            facts.append((Role.HEAD, f"RUNPOD_POD_ID={settings.pod_id} equals HEAD_POD_ID"))
         else:
-            facts.append((Role.WORKER,
-                          f"RUNPOD_POD_ID={s.pod_id} differs from HEAD_POD_ID={s.head_pod_id}"))
-    if s.node_rank is not None:
-        facts.append((Role.HEAD if s.node_rank == 0 else Role.WORKER,
-                      f"NODE_RANK={s.node_rank} (Instant Cluster)"))
+            facts.append((Role.WORKER, f"RUNPOD_POD_ID={settings.pod_id} differs from "
+                                       f"HEAD_POD_ID={settings.head_pod_id}"))
+    if settings.node_rank is not None:
+        facts.append((Role.HEAD if settings.node_rank == 0 else Role.WORKER,
+                      f"NODE_RANK={settings.node_rank} (Instant Cluster)"))
     return facts
 
 
-def detect_role(s: Settings, explicit: Role | None = None) -> RoleDecision:
-    facts = _facts(s)
+def detect_role(settings: Settings, explicit: Role | None = None) -> RoleDecision:
+    facts = _facts(settings)
     if explicit is not None:
         decision = RoleDecision(explicit, f"the subcommand `podagent {explicit.value}`")
     elif facts:
         role, reason = facts[0]
         decision = RoleDecision(role, reason)
-    elif s.primary_addr is not None:
-        decision = RoleDecision(Role.WORKER, f"PRIMARY_ADDR={s.primary_addr} names the head")
-    elif s.head_pod_id:
+    elif settings.primary_addr is not None:
+        decision = RoleDecision(Role.WORKER,
+                                f"PRIMARY_ADDR={settings.primary_addr} names the head")
+    elif settings.head_pod_id:
         decision = RoleDecision(Role.HEAD, "HEAD_POD_ID is set but RUNPOD_POD_ID is not, and "
                                            "RAY_WORKER is unset: the head")
     else:
-        alone = "a standalone head" if s.expected_workers == 0 else (
-            f"the head of {s.expected_workers} expected worker(s)")
+        alone = "a standalone head" if settings.expected_workers == 0 else (
+            f"the head of {settings.expected_workers} expected worker(s)")
         decision = RoleDecision(Role.HEAD, f"no role variable is set: {alone}")
     for role, reason in facts:
         if role is not decision.role:
@@ -71,13 +73,5 @@ def detect_role(s: Settings, explicit: Role | None = None) -> RoleDecision:
                 f"but {reason} makes it a {role.value}; fix one of them"
             )
     if decision.role is Role.WORKER:
-        _require_head_location(s)
+        require_head_location(settings)  # a worker that could not find its head: bad input
     return decision
-
-
-def _require_head_location(s: Settings) -> None:
-    if s.head_addr or s.head_pod_id or s.primary_addr:
-        return
-    raise ConfigError(
-        "HEAD_POD_ID", "", "must be set on a worker (or PODAGENT_HEAD_ADDR, or PRIMARY_ADDR)"
-    )

@@ -1,0 +1,209 @@
+"""Running this pod's role: the head's or the worker's lifecycle under podagent's signal
+handling, with its report, W&B's bring-up record and what the pod does once the run is over;
+or a dry run of it, which touches nothing.
+
+Exit codes are chosen only by the command line, which hands its mapping in (`exit_code` for an
+error, `outcome_code` for a finished run's recorded outcome); 0 is success.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+import psutil
+
+from podagent import __version__, config, extras, process
+from podagent.platform.head_location import head_location
+from podagent.platform.roles import Role, RoleDecision, detect_role
+from podagent.ray_access import ray_compat
+from podagent.report import Reporter
+from podagent.waiting import Signals
+
+if TYPE_CHECKING:  # the lifecycles load only when a role runs
+    from podagent.cluster.lifecycle import Lifecycle
+
+SUCCESS = 0
+
+
+def secret_values(settings: config.Settings) -> list[str]:
+    """What the output must never show: secret variables' values, and the cluster token, which
+    may come from a file (RAY_AUTH_TOKEN_PATH) rather than the environment."""
+    values = [v for k, v in settings.environ.items() if config.is_secret(k) and v]
+    return [*values, settings.auth_token] if settings.auth_token else values
+
+
+def reporter_for(settings: config.Settings, who: str, pod: str | None = None,
+                 run_dir: Path | None = None, stream: TextIO | None = None) -> Reporter:
+    """A reporter that hides the secrets and speaks as the settings say; on screen only unless
+    given the run's directory. `pod`: this pod's id (or host name) unless given."""
+    return Reporter(who, pod or settings.pod_id or socket.gethostname(), run_dir,
+                    secrets=secret_values(settings), stream=stream,
+                    log_format=settings.log_format, quiet=settings.quiet)
+
+
+def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool,
+             exit_code: Callable[[BaseException], int],
+             outcome_code: Callable[[str], int]) -> int:
+    """Work out the role, check what it needs, and run it (or say what it would do); the exit
+    code. Bad input raises before anything starts."""
+    _warn_early(settings)
+    decision = detect_role(settings, explicit)
+    ray = ray_compat.require()
+    ray_compat.check(settings, ray)
+    _require_parts(settings, decision.role)
+    if dry_run:
+        _dry_run(settings, decision, ray)
+        return SUCCESS
+    return _run(settings, decision, ray, exit_code, outcome_code)
+
+
+def _warn_early(settings: config.Settings) -> None:
+    """What a run and a dry run say first, before anything can fail: a misspelt variable may
+    be why a part is missing or a role is unclear."""
+    if not settings.warnings:
+        return
+    early = reporter_for(settings, "podagent")
+    for warning in settings.warnings:  # e.g. a PODAGENT_* variable with a typo in its name
+        early.warn(warning)
+
+
+def _say_untested(reporter: Reporter, ray: ray_compat.RayVersion) -> None:
+    note = ray_compat.untested_note(ray)
+    if note:
+        reporter.warn(note)
+
+
+def _require_parts(settings: config.Settings, role: Role) -> None:
+    """The optional parts this run will need, checked before anything starts (exit 2)."""
+    if role is not Role.HEAD:
+        return
+    if settings.reward == "builtin":
+        default = " (the default)" if settings.sources.get("reward") == "default" else ""
+        extras.require("reward", f"{settings.source_name('reward')}=builtin{default}",
+                       instead="set PODAGENT_REWARD=none to run without it")
+    if not settings.job:
+        extras.require_torch("the built-in cluster check (the default job)",
+                             "give your own job (PODAGENT_JOB or `podagent head -- CMD`)")
+
+
+def _dry_run(settings: config.Settings, decision: RoleDecision,
+             ray: ray_compat.RayVersion) -> None:
+    """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
+    from podagent.cluster import node, ray_node
+
+    reporter = reporter_for(settings, decision.role.value, pod="dry-run")
+    reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}) "
+                 f"with {ray}; run {settings.run_name}, logs in {settings.run_dir}")
+    _say_untested(reporter, ray)
+    if decision.role is Role.WORKER:
+        where = head_location(settings)  # a worker has one: detect_role made sure
+        reporter.say(f"would find the head at {where.target if where else None} within "
+                     f"{settings.head_timeout:g} s, then join it (grace "
+                     f"{settings.head_grace:g} s once joined)")
+    setup = node.prepare(settings, decision.role, reporter)  # e.g. a head with only a public IP
+    # A worker learns the head's address only by looking it up, which a dry run does not do.
+    plan = ray_node.plan(settings, decision.role, setup.node_ip, setup.gpus,
+                         setup.nccl.variables, head_ip="HEAD")
+    reporter.say(f"would run: {shlex.join(plan.argv)}")
+    for key in sorted(plan.env_overrides):
+        value = config.REDACTED_VALUE if config.is_secret(key) else plan.env_overrides[key]
+        reporter.say(f"  with {key}={value}")
+    if decision.role is Role.HEAD:
+        job = shlex.join(settings.job) if settings.job else "the built-in cluster check"
+        reward = settings.reward if settings.reward != "cmd" else shlex.join(
+            settings.reward_cmd or ())
+        reporter.say(f"would wait for {settings.expected_workers} worker(s) "
+                     f"(timeout {settings.worker_timeout:g} s), start reward server: {reward}, "
+                     f"then run the job: {job}")
+
+
+def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayVersion,
+         exit_code: Callable[[BaseException], int], outcome_code: Callable[[str], int]) -> int:
+    from podagent.cluster.head import Head
+    from podagent.cluster.worker import Worker
+    from podagent.errors import Interrupted, PodagentError
+
+    # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
+    # service) inherits the key. The settings keep their own copy of the environment.
+    os.environ.pop(config.RUNPOD_API_KEY, None)
+    reporter = reporter_for(settings, decision.role.value, run_dir=settings.run_dir)
+    for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
+        reporter.log_only(f"WARNING: {warning}")
+    reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
+                 f"({decision.reason}); run {settings.run_name}")
+    _say_untested(reporter, ray)
+    reporter.event("role", role=decision.role.value, reason=decision.reason,
+                   run=settings.run_name, version=__version__, ray=ray.version)
+    from podagent.report import wandb_run
+
+    bringup = wandb_run.attach(reporter, settings, decision.role)
+
+    signals = Signals()
+
+    def force(signum: int) -> None:
+        # A second signal: no more patience. Kill everything we started and leave. This runs
+        # in the main thread, which may be anywhere (holding the reporter's lock in a stalled
+        # write): so the children go first, and the last line takes no lock and cannot block.
+        # Further signals are ignored from here: a handler run again inside this one (while it
+        # waits for the log) would start over, and never reach the exit.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        for proc in process.descendants():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
+        os._exit(128 + signum)
+
+    signals.install(on_second=force)
+    process.become_subreaper()
+    lifecycle: Lifecycle | None = None
+    code = SUCCESS
+    try:
+        lifecycle = (Head if decision.role is Role.HEAD else Worker)(
+            settings, decision, reporter, signals)
+        lifecycle.run()
+        # A head that found its run finished earlier exits as that run did.
+        earlier = lifecycle.earlier_outcome()
+        code = outcome_code(earlier) if earlier else SUCCESS
+    except PodagentError as exc:
+        code = exit_code(exc)
+        if not isinstance(exc, Interrupted):
+            reporter.error(str(exc))
+        reporter.event("exit", code=code, error=str(exc))
+    except Exception as exc:  # a bug: one line on screen, the traceback in the log
+        code = exit_code(exc)
+        reporter.error(f"internal error: {type(exc).__name__}: {exc} "
+                       f"(traceback in {settings.run_dir})")
+        reporter.event("exit", code=code, error=traceback.format_exc())
+    else:
+        reporter.event("exit", code=code)
+    finally:
+        if bringup:
+            bringup.finish(code)
+    if lifecycle is not None:
+        _after_run(lifecycle, settings, reporter, signals, code)
+    reporter.close()
+    return code
+
+
+def _after_run(lifecycle: Lifecycle, settings: config.Settings, reporter: Reporter,
+               signals: Signals, code: int) -> None:
+    """A run that is over for good: stay, stop the pod or exit (PODAGENT_AFTER_RUN). A run
+    cut short (a signal, a lost Ray) is left to a restart, which resumes it."""
+    from podagent.cluster import after_run
+
+    lifecycle.record_exit(code)
+    policy = lifecycle.after_run()
+    if policy is None or signals.received:
+        return
+    summary = (f"run {settings.run_name} is over ({'exit ' + str(code)}); logs in "
+               f"{settings.run_dir}")
+    after_run.settle(policy, settings, reporter, signals, summary)
