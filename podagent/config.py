@@ -165,10 +165,23 @@ def choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
-def preset_name(raw: str) -> str:
-    from podagent.platform import nccl  # late: nccl reads the preset files
+def preset_dir() -> Path:
+    """Where the NCCL presets are: installed wheels carry them inside the package; a source
+    checkout has env/ at its top."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "presets", package.parent / "env"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("no NCCL preset directory (env/) found")
 
-    names = ("auto", *nccl.preset_names())
+
+def preset_names() -> tuple[str, ...]:
+    """The presets' names (their files' stems), which PODAGENT_NCCL_PRESET accepts."""
+    return tuple(sorted(file.stem for file in preset_dir().glob("*.env")))
+
+
+def preset_name(raw: str) -> str:
+    names = ("auto", *preset_names())
     if raw not in names:
         raise ValueError(f"must be one of {', '.join(names)}")
     return raw

@@ -12,15 +12,7 @@ from types import MappingProxyType
 
 import psutil
 
-_PACKAGE = Path(__file__).resolve().parent.parent  # podagent/
-
-
-def preset_dir() -> Path:
-    # Installed wheels carry the presets inside the package; a source checkout has env/.
-    for candidate in (_PACKAGE / "presets", _PACKAGE.parent / "env"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("no NCCL preset directory (env/) found")
+from podagent.config import preset_dir, preset_names  # noqa: F401 (named here too)
 
 
 @dataclass(frozen=True)
@@ -56,10 +48,6 @@ def load_presets() -> Mapping[str, Preset]:
         description, variables = parse_env_file(file.read_text(), str(file.name))
         presets[file.stem] = Preset(file.stem, description, MappingProxyType(variables))
     return MappingProxyType(presets)
-
-
-def preset_names() -> tuple[str, ...]:
-    return tuple(load_presets())
 
 
 # --- interfaces ----------------------------------------------------------------------------------
