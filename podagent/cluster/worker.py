@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from podagent import process, runstate
 from podagent.choices import AfterRun
@@ -45,6 +46,13 @@ class WorkerState(str, enum.Enum):
     LEFT = "left"
 
 
+@dataclass(frozen=True)
+class FoundHead:
+    """What FINDING_HEAD finds: where the head is, and a client of its Ray's GCS."""
+    where: HeadLocation
+    gcs: GcsClient
+
+
 class Worker(Lifecycle[WorkerState]):
     FIRST, LAST, SUCCESS = WorkerState.FINDING_HEAD, WorkerState.LEFT, "left"
 
@@ -52,15 +60,20 @@ class Worker(Lifecycle[WorkerState]):
                  signals: Signals):
         super().__init__(settings, decision, reporter, signals)
         self.finder = HeadFinder(settings, reporter, signals)
-        self.head: HeadLocation | None = None
-        self.gcs: GcsClient | None = None
-        self.setup: node.NodeSetup | None = None
+        self._found: FoundHead | None = None  # from FINDING_HEAD on
+        self.setup: node.NodeSetup | None = None  # from PREPARING on
         self._after_run: AfterRun | None = None  # what the head's closing announcement asked
         # The head's start this pod joined (runstate.KV_HEAD_START): another one at the same
         # address is a new Ray, which knows nothing of this pod's.
         self._head_start: bytes | None = None
         self._silent_since: float | None = None
         self._join_progress = 0.0
+
+    @property
+    def found(self) -> FoundHead:
+        if self._found is None:
+            raise RuntimeError(f"state {self.state.value}: no head found yet")
+        return self._found
 
     def handlers(self) -> dict[WorkerState, Callable[[], WorkerState]]:
         return {
@@ -72,9 +85,9 @@ class Worker(Lifecycle[WorkerState]):
         }
 
     def _find_head(self) -> WorkerState:
-        if self.gcs is not None:  # finding it again: a fresh deadline, the DNS name anew
-            self.gcs.close()
-            self.gcs = None
+        if self._found is not None:  # finding it again: a fresh deadline, the DNS name anew
+            self._found.gcs.close()
+            self._found = None
             self.finder = HeadFinder(self.settings, self.reporter, self.signals)
         self._head_start = None
         # At once, not after the wait for a head: a pod with someone else's Ray is refused.
@@ -83,33 +96,33 @@ class Worker(Lifecycle[WorkerState]):
             found = self.finder.locate()
             self.reporter.say(f"head is {', '.join(found.candidates)} (from {found.how}); "
                               f"waiting for its Ray to answer")
-            self.head, self.gcs = self.finder.wait_for_gcs(found)
-            self._check_same_ray(self.finder.head_ray_version)
-            step.done(f"head's Ray answers at {self.head.ip}:{self.settings.ray_port}",
-                      head=self.head.ip, how=self.head.how)
+            where, gcs = self.finder.wait_for_gcs(found)
+            self._found = FoundHead(where, gcs)
+            self._check_same_ray(where.ip, self.finder.head_ray_version)
+            step.done(f"head's Ray answers at {where.ip}:{self.settings.ray_port}",
+                      head=where.ip, how=where.how)
         return WorkerState.PREPARING
 
     def _read_head_start(self) -> bytes | None:
-        assert self.gcs
         try:
-            return self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+            return self.found.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
                                    timeout=WATCH_INTERVAL)
         except GcsUnavailable:
             return None  # watched next: the first id seen then
 
-    def _check_same_ray(self, head_version: str) -> None:
+    def _check_same_ray(self, head_ip: str, head_version: str) -> None:
         """Ray needs one version on every node and in the job: refuse a head of another Ray
         here, in one line, instead of a `ray start` that fails obscurely or a job that breaks."""
         ours = ray_compat.installed()
         if head_version and ours and head_version != ours.version:
             raise RayVersionMismatch(
-                f"the head {self.head.ip if self.head else '?'} runs Ray {head_version} and "
+                f"the head {head_ip} runs Ray {head_version} and "
                 f"this pod has Ray {ours.version}: Ray needs the same version on every node "
                 f"and in the job; start every pod from the same image")
 
     def _prepare(self) -> WorkerState:
-        assert self.head
-        self.setup = node.prepare(self.settings, Role.WORKER, self.reporter, head_ip=self.head.ip)
+        self.setup = node.prepare(self.settings, Role.WORKER, self.reporter,
+                                  head_ip=self.found.where.ip)
         node.raise_limits(self.settings, Role.WORKER, self.reporter)
         return WorkerState.CLEANING
 
@@ -123,8 +136,9 @@ class Worker(Lifecycle[WorkerState]):
         Seen on loaded machines: "The current node timed out during startup" from one attempt,
         success on the next.
         """
-        assert self.setup and self.head
-        setup, head, settings = self.setup, self.head, self.settings
+        setup, head, settings = self.setup, self.found.where, self.settings
+        if setup is None:
+            raise RuntimeError("JOINING before PREPARING")
         remaining = max(1.0, self.finder.deadline - time.monotonic())
         failed: list[str] = []  # each failed attempt's last line
 
@@ -153,28 +167,28 @@ class Worker(Lifecycle[WorkerState]):
                 return self._rejoin(f"{gone} while this pod was joining: stopped the attempt")
             # The head's start this pod's Ray joined: another one later is a new Ray.
             self._head_start = self._read_head_start()
-            step.done(f"joined the cluster at {self.head.ip}:{self.settings.ray_port} as "
-                      f"{self.setup.node_ip} ({self.setup.gpus} GPUs)",
-                      node_ip=self.setup.node_ip, gpus=self.setup.gpus, attempts=len(failed) + 1)
+            step.done(f"joined the cluster at {head.ip}:{settings.ray_port} as "
+                      f"{setup.node_ip} ({setup.gpus} GPUs)",
+                      node_ip=setup.node_ip, gpus=setup.gpus, attempts=len(failed) + 1)
         return WorkerState.WATCHING
 
     def _watch_join(self, elapsed: float) -> None:
         """Called every second while `ray start --address` runs: a signal, a head that went
         away, or a long join is acted on now, not after the attempt's two minutes."""
-        assert self.gcs and self.head
+        head = self.found
         self.signals.check()
         if elapsed - self._join_progress >= JOIN_PROGRESS_EVERY:
             self._join_progress = elapsed
-            self.reporter.say(f"still joining the head at {self.head.ip}:{self.settings.ray_port} "
-                              f"({elapsed:.0f} s)")
+            self.reporter.say(f"still joining the head at {head.where.ip}:"
+                              f"{self.settings.ray_port} ({elapsed:.0f} s)")
         try:
-            self.gcs.check_alive(timeout=1.0)
+            head.gcs.check_alive(timeout=1.0)
             self._silent_since = None
         except GcsUnavailable as exc:
             now = time.monotonic()
             self._silent_since = self._silent_since or now
             if now - self._silent_since >= JOIN_HEAD_GRACE:
-                raise _HeadWentAway(f"the head {self.head.ip} stopped answering ({exc})"
+                raise _HeadWentAway(f"the head {head.where.ip} stopped answering ({exc})"
                                     ) from None
 
     def _rejoin(self, why: str) -> WorkerState:
@@ -189,7 +203,7 @@ class Worker(Lifecycle[WorkerState]):
 
     def _watch(self) -> WorkerState:
         """Stay in the foreground; leave when the head closes the run or is gone too long."""
-        assert self.gcs and self.head
+        gcs, head_ip = self.found.gcs, self.found.where.ip
         self.reporter.say(f"watching the head (leaving if unreachable for "
                           f"{self.settings.head_grace:g} s)")
         last_ok = time.monotonic()
@@ -201,16 +215,16 @@ class Worker(Lifecycle[WorkerState]):
             self.signals.sleep(WATCH_INTERVAL)
             process.reap_orphans()
             try:
-                state = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
-                                        timeout=WATCH_INTERVAL)
-                start = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
-                                        timeout=WATCH_INTERVAL)
+                state = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
+                                   timeout=WATCH_INTERVAL)
+                start = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+                                   timeout=WATCH_INTERVAL)
             except GcsUnavailable as exc:
                 last_error = str(exc)
                 gone = time.monotonic() - last_ok
                 if gone > self.settings.head_grace:
                     return self._rejoin(
-                        f"the head {self.head.ip}:{self.settings.ray_port} has been unreachable "
+                        f"the head {head_ip}:{self.settings.ray_port} has been unreachable "
                         f"for {gone:.1f} s (grace {self.settings.head_grace:g} s): {last_error}")
                 continue
             if last_error:
@@ -221,7 +235,7 @@ class Worker(Lifecycle[WorkerState]):
             if self._head_start is None:
                 self._head_start = start  # joined before the head wrote it: the first seen
             elif start != self._head_start:
-                return self._rejoin(f"the head {self.head.ip} answers with a new Ray (its pod "
+                return self._rejoin(f"the head {head_ip} answers with a new Ray (its pod "
                                     f"was started again): this pod's Ray belongs to the "
                                     f"earlier one")
             if state:
@@ -246,8 +260,8 @@ class Worker(Lifecycle[WorkerState]):
         return self._after_run
 
     def _teardown(self, outcome: str) -> None:
-        if self.gcs:
-            self.gcs.close()
+        if self._found:
+            self._found.gcs.close()
         ray_node.stop_at_teardown(self.settings, self.reporter, self._deadline, outcome,
                                   gcs_gone=outcome == HeadLost.__name__)
         self.reporter.say(f"worker done: {outcome} after {time.monotonic() - self.started:.1f} s")
