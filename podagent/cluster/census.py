@@ -14,19 +14,42 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import enum
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from tenacity import Retrying, retry_if_result, wait_fixed
-
-from podagent.errors import RayStartError, WorkersTimeout
+from podagent.errors import RayUnhealthy, WorkersTimeout
 from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
-from podagent.waiting import Deadline
+from podagent.waiting import Backoff, Deadline, Expired, retry
 
+NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
 PROBES_AT_ONCE = 64  # raylet probes in flight when a failed job is looked into
 RECOUNT_EVERY = 1.0  # seconds: a worker that leaves again while the head waits shows this late
+DEPARTURES_POLL = 0.2  # at the end: how often the head looks whether the workers left
+
+
+class Loss(str, enum.Enum):
+    """What became of a worker that left: LOST while the job ran -> MISSING once a restart
+    takes it out of the census -> REPLACED when a pod joins in its place."""
+    LOST = "lost"
+    MISSING = "missing"
+    REPLACED = "replaced"
+
+
+@dataclass
+class LostWorker:
+    worker: NodeInfo  # as it joined
+    state: Loss
+    noticed: float | None = None  # wall clock: when its loss was seen while the job ran
+    replaced_by: str | None = None  # the address of the pod in its place
+
+    @property
+    def departed(self) -> bool:
+        """Out of the census for good: Ray may list its node as alive a few seconds more."""
+        return self.state is not Loss.LOST
 
 
 class WorkerCensus:
@@ -36,14 +59,11 @@ class WorkerCensus:
         self._registered = registered  # how many nodes the table holds (None: read every poll)
         self.reporter = reporter
         self.workers: dict[str, NodeInfo] = {}  # node id -> the worker as it joined
-        self.lost: set[str] = set()  # node ids lost while the job ran
-        # Workers lost by the job being restarted, oldest first: a pod that joins while the
-        # census waits for the cluster to be whole again takes the place of the first one.
-        self.missing: list[NodeInfo] = []
-        self.replaced: list[tuple[str, str]] = []  # (lost ip, ip of the pod in its place)
-        self.lost_at: dict[str, float] = {}  # node id -> when its loss was noticed
-        self.departed: set[str] = set()  # node ids never counted again (Ray may list them a
-        # few seconds more after a restart began)
+        # Node id -> every worker that left while the job ran or was taken out for a restart.
+        # Kept in order: the MISSING ones in the order they left (a pod that joins while the
+        # census waits for the cluster to be whole again takes the place of the first), the
+        # REPLACED ones in the order they were replaced (moved to the end then).
+        self.lost: dict[str, LostWorker] = {}
         self._size: int | None = None  # the table's size before the last read
         self._read_at = float("-inf")
 
@@ -57,12 +77,33 @@ class WorkerCensus:
     def ips(self) -> list[str]:
         return sorted(w.ip for w in self.workers.values())
 
+    def _in(self, state: Loss) -> list[LostWorker]:
+        return [g for g in self.lost.values() if g.state is state]
+
+    def _departed(self, node_id: str) -> bool:
+        return node_id in self.lost and self.lost[node_id].departed
+
+    def lost_now(self) -> list[NodeInfo]:
+        """The workers lost while this job ran, in the census's order."""
+        return [w for node_id, w in self.workers.items()
+                if node_id in self.lost and self.lost[node_id].state is Loss.LOST]
+
+    def first_noticed(self) -> float | None:
+        """When the first loss of this job was seen (wall clock), if one was."""
+        return min((g.noticed for g in self._in(Loss.LOST) if g.noticed is not None),
+                   default=None)
+
+    @property
+    def replaced(self) -> list[tuple[str, str]]:
+        """(lost ip, ip of the pod in its place), in the order they were replaced."""
+        return [(g.worker.ip, g.replaced_by or "") for g in self._in(Loss.REPLACED)]
+
     def poll_joins(self, expected: int) -> int:
         """While waiting for the workers: record who joined and who left again; returns how
         many are in."""
         if not self._table_changed():
             return len(self.workers)
-        alive = {w.node_id: w for w in self.alive() if w.node_id not in self.departed}
+        alive = {w.node_id: w for w in self.alive() if not self._departed(w.node_id)}
         for node_id in [n for n in self.workers if n not in alive]:
             gone = self.workers.pop(node_id)
             self.reporter.warn(f"worker {gone.ip} left again before the job started")
@@ -70,25 +111,26 @@ class WorkerCensus:
         for worker in alive.values():
             if worker.node_id not in self.workers:
                 self.workers[worker.node_id] = worker
-                instead = self._in_place_of(worker)
+                lost = self._in_place_of(worker)
+                instead = ("" if lost is None else f" (the lost pod {lost.ip} is back)"
+                           if lost.ip == worker.ip else f" (in place of the lost {lost.ip})")
                 self.reporter.say(f"worker joined: {worker.ip} ({worker.gpus:g} GPUs) "
                                   f"[{len(self.workers)}/{expected}]{instead}")
                 self.reporter.event("worker_joined", ip=worker.ip, gpus=worker.gpus,
                                     node_id=worker.node_id, registered_ms=worker.start_time_ms,
-                                    replaces=self.replaced[-1][0] if instead else None)
+                                    replaces=lost.ip if lost else None)
         return len(self.workers)
 
-    def _in_place_of(self, worker: NodeInfo) -> str:
+    def _in_place_of(self, worker: NodeInfo) -> NodeInfo | None:
         """A join while lost workers are missing replaces one: the same address first (the
-        lost pod restarted), else the one lost first (a new pod). Returns the line's tail."""
-        if not self.missing:
-            return ""
-        lost = next((m for m in self.missing if m.ip == worker.ip), self.missing[0])
-        self.missing.remove(lost)
-        self.replaced.append((lost.ip, worker.ip))
-        if lost.ip == worker.ip:
-            return f" (the lost pod {lost.ip} is back)"
-        return f" (in place of the lost {lost.ip})"
+        lost pod restarted), else the one lost first (a new pod). Returns the one replaced."""
+        missing = self._in(Loss.MISSING)
+        if not missing:
+            return None
+        lost = next((m for m in missing if m.worker.ip == worker.ip), missing[0])
+        lost.state, lost.replaced_by = Loss.REPLACED, worker.ip
+        self.lost[lost.worker.node_id] = self.lost.pop(lost.worker.node_id)  # to the end
+        return lost.worker
 
     def _table_changed(self) -> bool:
         """Whether this poll reads the table: the size is asked first, so a node registering
@@ -96,7 +138,7 @@ class WorkerCensus:
         now = time.monotonic()
         size = None
         if self._registered is not None:
-            with contextlib.suppress(GcsUnavailable, RayStartError):  # the read says why
+            with contextlib.suppress(GcsUnavailable, RayUnhealthy):  # the read says why
                 size = self._registered()
         if size is not None and size == self._size and now - self._read_at < RECOUNT_EVERY:
             return False
@@ -127,24 +169,23 @@ class WorkerCensus:
                             ips=self.ips())
 
     def begin_recovery(self) -> list[NodeInfo]:
-        """The job is being restarted: the lost workers leave the census (a replacement will
-        take their place) and the losses are forgotten. Returns the workers that left."""
-        gone = [w for node_id, w in self.workers.items() if node_id in self.lost]
+        """The job is being restarted: the lost workers, and any other no longer alive, leave
+        the census as MISSING (a replacement will take their place). Returns them."""
+        gone = self.lost_now()
         alive = {w.node_id for w in self.alive()}
         gone += [w for node_id, w in self.workers.items()
                  if node_id not in alive and node_id not in self.lost]
         for worker in gone:
             del self.workers[worker.node_id]
-            self.departed.add(worker.node_id)
-        self.missing += gone
-        self.lost.clear()
-        self.lost_at.clear()
+            entry = self.lost.pop(worker.node_id, None) or LostWorker(worker, Loss.MISSING)
+            entry.state = Loss.MISSING
+            self.lost[worker.node_id] = entry  # in the order they left the census
         return gone
 
     def departed_still_listed(self) -> list[str]:
         """Addresses of departed workers that Ray's node table still lists as alive (its
         health checks take seconds): a job submitted now would place ranks on them."""
-        return [w.ip for w in self.alive() if w.node_id in self.departed]
+        return [w.ip for w in self.alive() if self._departed(w.node_id)]
 
     def unreachable(self, timeout: float = 1.0) -> list[NodeInfo]:
         """Workers whose raylet refuses or ignores a connection now. A killed pod breaks the
@@ -170,8 +211,8 @@ class WorkerCensus:
         for worker in workers:
             if worker.node_id in self.lost:
                 continue
-            self.lost.add(worker.node_id)
-            now = self.lost_at[worker.node_id] = time.time()
+            now = time.time()
+            self.lost[worker.node_id] = LostWorker(worker, Loss.LOST, noticed=now)
             at = time.strftime("%H:%M:%S", time.gmtime(now))
             self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran ({how}; "
                                f"noticed {at} UTC); {then}")
@@ -197,12 +238,14 @@ class WorkerCensus:
         def remaining() -> int:
             try:
                 return len(self.alive())
-            except RayStartError:
+            except RayUnhealthy:
                 return 0  # the GCS no longer answers: nobody is left to wait for
 
-        deadline = Deadline.of(grace)
-        left = Retrying(stop=lambda _state: deadline.passed, wait=wait_fixed(0.2),
-                        retry=retry_if_result(lambda n: n > 0),
-                        retry_error_callback=lambda state: state.outcome.result())(remaining)
+        try:
+            left = retry(remaining, awaited="the workers to leave",
+                         backoff=Backoff.every(DEPARTURES_POLL), deadline=grace,
+                         until=lambda n: n == 0)
+        except Expired as expired:
+            left = expired.last
         if left:
             self.reporter.warn(f"{left} worker(s) still connected; stopping Ray anyway")

@@ -1,13 +1,21 @@
 """What the head submits: the job's entrypoint (with a resume flag when a checkpoint is there)
-and the environment it gets from podagent."""
+and the environment it gets from podagent; one submission of it (JobAttempt), stopped when
+the run ends or restarts."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
 
+from podagent import process
+from podagent.choices import JOB_TERMINAL
 from podagent.cluster import checkpoint
+from podagent.cluster.jobs import JobRunner
 from podagent.config import FIELD_BY_ATTR, Settings, is_secret
 from podagent.report import Reporter
+from podagent.waiting import Deadline
 
 CLUSTER_CHECK = (sys.executable, "-m", "podagent.checks.clustercheck")
 
@@ -51,3 +59,45 @@ def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str
     variables.update({k: v for k, v in settings.environ.items()
                       if k.startswith("WANDB_") and not is_secret(k)})
     return variables
+
+
+def set_aside_job_log(run_dir: Path) -> None:
+    """Following a job again streams its log from the start: the earlier podagent's copy
+    (a prefix of it) is kept beside, so job.log holds the job's output exactly once."""
+    job_log = run_dir / "job.log"
+    if job_log.exists() and job_log.stat().st_size:
+        job_log.replace(run_dir / "job-before-reattach.log")
+
+
+@dataclass
+class JobAttempt:
+    """One submission of the job, from SUBMITTING until it ends (or a restart drops it)."""
+    runner: JobRunner
+    status: str | None = None  # Ray's status once it ended or was stopped
+    stopped_by_us: bool = False  # stopped for a restart, not ended by itself
+    ended_at: float | None = None  # wall clock
+
+    @property
+    def submission_id(self) -> str:
+        return self.runner.submission_id
+
+    def stop(self, timeout: float | Deadline, reporter: Reporter,
+             own: Collection[int] = ()) -> None:
+        """Ask Ray to stop it and wait (bounded); `own`: the pids of podagent's own children
+        that are no part of the job (the reward server's)."""
+        # Ray kills the job's shell and its children at once; a child that outlives its shell
+        # by a moment is re-parented to podagent (a subreaper), and Ray, which waits until
+        # every one of them is gone, counts it alive while it is an unreaped zombie: STOPPED
+        # would come only after Ray's 3 s SIGKILL deadline. So reap them while waiting.
+        status = self.runner.stop(timeout, while_waiting=lambda: process.reap_zombies(own))
+        name = self.submission_id
+        if status is None:
+            reporter.warn(f"asked Ray to stop job {name}; the dashboard did not confirm it "
+                          f"(Ray is stopped next either way)")
+        elif status not in JOB_TERMINAL:  # still going at the deadline: stopping Ray ends it
+            reporter.warn(f"asked Ray to stop job {name}; still {status} at the deadline (Ray "
+                          f"is stopped next, which ends it)")
+        else:
+            reporter.say(f"job {name} stopped (status {status})")
+            self.status = status  # the workers' closing announcement carries it
+        reporter.event("job_stopped", status=status)

@@ -13,10 +13,12 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from podagent.errors import LedgerError
+from podagent.report import Reporter
 
 LEDGER = "ledger.json"
 # The outcome of a start that ended in a bug of podagent's (the CLI's exit 70).
@@ -161,6 +163,42 @@ class Ledger:
             raise LedgerError(f"cannot write the run's ledger {self.path} "
                               f"({exc.strerror or exc}): a restarted head will not know what "
                               f"this one did") from None
+
+
+def record_or_warn(write: Callable[[], None], reporter: Reporter) -> None:
+    """A ledger entry while the run goes on: one the volume refuses is a warning, not the
+    run's end (the job's own outcome matters more). The records that keep a job from running
+    twice (the start, each submission) are not written through here: without them nothing is
+    submitted (LedgerError)."""
+    try:
+        write()
+    except LedgerError as exc:
+        reporter.warn(str(exc))
+
+
+def recall(ledger: Ledger, run_name: str, run_dir: Path,
+           reporter: Reporter) -> dict[str, Any] | None:
+    """A head's first step: the run's end when an earlier start finished it (not run again);
+    otherwise this start is recorded, and a job it interrupted is said to run again."""
+    finished = ledger.finished
+    if finished:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(finished["at"]))
+        job = f", job {finished['job_status']}" if finished.get("job_status") else ""
+        why = f": {finished['reason']}" if finished.get("reason") else ""
+        reporter.say(f"run {run_name} finished earlier ({finished['outcome']}{job}, {at} UTC"
+                     f"{why}): not running it again; logs in {run_dir} (a new "
+                     f"PODAGENT_RUN_NAME starts a new run)")
+        reporter.event("finished_earlier", **finished)
+        return finished
+    ledger.started(reporter.pod)
+    interrupted = ledger.interrupted()
+    if interrupted:
+        reporter.say(f"run {run_name} was interrupted (job {interrupted['id']}: "
+                     f"{interrupted.get('status') or 'running when its head stopped'}); it "
+                     f"runs again, resuming from a checkpoint if there is one")
+        reporter.event("run_interrupted_earlier", submission=interrupted["id"],
+                       status=interrupted.get("status"))
+    return None
 
 
 def _now() -> float:

@@ -1,5 +1,6 @@
 """What the head's and the worker's lifecycles share: one loop over named states, teardown
-from `finally`, and stopping this pod's Ray with a report."""
+from `finally` within a budget, each of its steps guarded. What a teardown stops (the job,
+this pod's Ray: ray_node.stop_at_teardown) is the roles' own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
 from podagent.choices import AfterRun
-from podagent.cluster import ray_node
 from podagent.cluster.ledger import INTERNAL_ERROR
 from podagent.config import Settings
 from podagent.errors import Interrupted, PodagentError
@@ -44,16 +44,21 @@ class Lifecycle(Generic[State]):
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
-        self.s, self.decision, self.reporter, self.signals = settings, decision, reporter, signals
+        self.settings, self.decision = settings, decision
+        self.reporter, self.signals = reporter, signals
         self.state: State = self.FIRST  # type: ignore[assignment]
         self.started = time.monotonic()
-        # True once this podagent took over a Ray an earlier podagent of the run started: its
-        # daemons are no longer our descendants, so stopping them means finding them.
-        self.adopted_ray = False
         self._ends_by: float | None = None  # set when a signal ends the run
 
     def handlers(self) -> dict[State, Callable[[], State]]:
         raise NotImplementedError
+
+    @property
+    def adopted_ray(self) -> bool:
+        """Whether this start took over a Ray an earlier podagent of the run started: its
+        daemons are not our descendants, so stopping them means finding them. Only a head
+        re-attaches (its HeadRay knows)."""
+        return False
 
     def run(self) -> None:
         handlers = self.handlers()
@@ -131,17 +136,3 @@ class Lifecycle(Generic[State]):
             self.reporter.warn(f"teardown: could not {what} ({error}); going on")
             self.reporter.event("teardown_step_failed", step=what, error=error)
             return None
-
-    def _stop_ray(self, outcome: str, gcs_gone: bool) -> None:
-        """Stop every process podagent started; a node without its GCS gets a short deadline."""
-        want = self.s.stop_timeout
-        if gcs_gone:
-            want = min(want, ray_node.DEAD_GCS_STOP_TIMEOUT)
-        termed, killed = ray_node.RayNode.stop(self._deadline(want),
-                                               adopted_from=self.s.ray_temp_dir,
-                                               adopted=self.adopted_ray)
-        if termed or killed:
-            extra = f", {killed} needed SIGKILL" if killed else ""
-            self.reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
-        self.reporter.event("teardown", outcome=outcome, processes=termed + killed,
-                            killed=killed)

@@ -70,6 +70,23 @@ def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
     reporter.event("stale_ray_stopped", processes=termed + killed, killed=killed)
 
 
+def make_room_for_head(settings: Settings, node_ip: str, listen: str,
+                       reporter: Reporter) -> None:
+    """Before `ray start --head`: this pod's stale Ray stopped, every port the head will take
+    free, and the record of Ray's last cluster forgotten (ray_node.forget_last_cluster)."""
+    clean_stale_ray(settings, reporter)
+    # Ray's dashboard agent (its default port): without it the Jobs API accepts no job.
+    # The dashboard and the reward server are checked where they will listen (with
+    # PODAGENT_LISTEN=all, a holder on any address of the port is in the way).
+    ports = [(node_ip, settings.ray_port), (listen, settings.dashboard_port),
+             (node_ip, ray_node.DASHBOARD_AGENT_PORT)]
+    if settings.reward != "none":
+        ports.append((listen, settings.reward_port))
+    for address, port in ports:
+        ray_node.check_port_free(address, port)
+    ray_node.forget_last_cluster(settings)
+
+
 RAY_DAEMONS = ("gcs_server", "raylet")  # what a person recognises a Ray by, named first
 SHOWN = 2
 # Ray's daemons name the GCS they belong to: --gcs-address=IP:PORT (raylet, dashboard,

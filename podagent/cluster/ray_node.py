@@ -22,6 +22,7 @@ from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.platform import pod
 from podagent.platform.roles import Role
+from podagent.report import Reporter
 from podagent.waiting import Deadline
 
 
@@ -221,6 +222,26 @@ class RayNode:
             return list(found.values())
 
         return process.stop_in_phases(RAY_STOP_ORDER, timeout, candidates=candidates)
+
+
+def stop_timeout(settings: Settings, gcs_gone: bool) -> float:
+    """How long stopping this pod's Ray may take: a node without its GCS gets a short deadline
+    (DEAD_GCS_STOP_TIMEOUT)."""
+    return min(settings.stop_timeout, DEAD_GCS_STOP_TIMEOUT) if gcs_gone else settings.stop_timeout
+
+
+def stop_at_teardown(settings: Settings, reporter: Reporter,
+                     deadline: Callable[[float], Deadline], outcome: str, gcs_gone: bool,
+                     adopted: bool = False) -> None:
+    """The last step of a head's or worker's teardown: stop every process podagent started
+    (and with `adopted` the Ray an earlier podagent of the run left), with a report.
+    `deadline(seconds)` is the teardown's: it may be shorter once a signal ends the run."""
+    termed, killed = RayNode.stop(deadline(stop_timeout(settings, gcs_gone)),
+                                  adopted_from=settings.ray_temp_dir, adopted=adopted)
+    if termed or killed:
+        extra = f", {killed} needed SIGKILL" if killed else ""
+        reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
+    reporter.event("teardown", outcome=outcome, processes=termed + killed, killed=killed)
 
 
 def _find(wanted: Callable[[psutil.Process], bool], adopted_from: str | None,

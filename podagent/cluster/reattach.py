@@ -5,19 +5,14 @@ submitted twice. Needs the run name set explicitly; anything else is cleaned as 
 from __future__ import annotations
 
 import requests
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from podagent.config import Settings
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.waiting import Signals
+from podagent.waiting import Backoff, Expired, NotYet, Signals, retry
 
 REATTACH_PROBE_TIMEOUT = 15.0  # a live Ray's Jobs API gets this long to say what job it runs
 LIVE_JOB = ("PENDING", "RUNNING")
-
-
-class _NoAnswer(Exception):
-    pass
 
 
 def live_run(settings: Settings, submission_id: str, address: str, dashboard_url: str,
@@ -47,19 +42,16 @@ def job_status(settings: Settings, submission_id: str, dashboard_url: str,
                signals: Signals) -> str:
     """This run's job status in the Jobs API on this pod ('no such job', 'no answer: ...')."""
     url = f"{dashboard_url}/api/jobs/{submission_id}"
-    last = {"answer": "no answer"}
 
     def attempt() -> str:
         try:
             reply = requests.get(url, timeout=5.0, headers=settings.auth_headers())
         except requests.RequestException as exc:
-            last["answer"] = f"the Jobs API does not answer: {exc}"
-            raise _NoAnswer(str(exc)) from None
+            raise NotYet(f"the Jobs API does not answer: {exc}") from None
         if reply.status_code == 404:
             return "no such job"
         if reply.status_code >= 500:  # busy, not an answer: the job may well be running
-            last["answer"] = f"the Jobs API answered HTTP {reply.status_code}"
-            raise _NoAnswer(last["answer"])
+            raise NotYet(f"the Jobs API answered HTTP {reply.status_code}")
         if reply.status_code >= 400:
             return f"the Jobs API answered HTTP {reply.status_code}"
         try:
@@ -70,9 +62,8 @@ def job_status(settings: Settings, submission_id: str, dashboard_url: str,
     try:
         # A dashboard busy for a moment (no answer, or a 5xx) must not get its job killed:
         # ask again for a while.
-        return Retrying(stop=stop_after_delay(REATTACH_PROBE_TIMEOUT),
-                        wait=wait_exponential(multiplier=0.2, max=2.0),
-                        retry=retry_if_exception_type(_NoAnswer), sleep=signals.sleep,
-                        reraise=True)(attempt)
-    except _NoAnswer:
-        return last["answer"]
+        return retry(attempt, awaited=f"the Jobs API to tell job {submission_id}'s status",
+                     backoff=Backoff(0.2, 2.0), deadline=REATTACH_PROBE_TIMEOUT,
+                     sleep=signals.sleep)
+    except Expired as expired:
+        return expired.seen

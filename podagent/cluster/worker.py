@@ -5,8 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from dataclasses import dataclass
 
 from podagent import process, runstate
 from podagent.choices import AfterRun
@@ -19,7 +18,7 @@ from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.waiting import Signals
+from podagent.waiting import Backoff, Signals, retry
 
 WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period
 JOIN_ATTEMPT_TIMEOUT = 120.0
@@ -47,6 +46,13 @@ class WorkerState(str, enum.Enum):
     LEFT = "left"
 
 
+@dataclass(frozen=True)
+class FoundHead:
+    """What FINDING_HEAD finds: where the head is, and a client of its Ray's GCS."""
+    where: HeadLocation
+    gcs: GcsClient
+
+
 class Worker(Lifecycle[WorkerState]):
     FIRST, LAST, SUCCESS = WorkerState.FINDING_HEAD, WorkerState.LEFT, "left"
 
@@ -54,15 +60,20 @@ class Worker(Lifecycle[WorkerState]):
                  signals: Signals):
         super().__init__(settings, decision, reporter, signals)
         self.finder = HeadFinder(settings, reporter, signals)
-        self.head: HeadLocation | None = None
-        self.gcs: GcsClient | None = None
-        self.setup: node.NodeSetup | None = None
+        self._found: FoundHead | None = None  # from FINDING_HEAD on
+        self.setup: node.NodeSetup | None = None  # from PREPARING on
         self._after_run: AfterRun | None = None  # what the head's closing announcement asked
         # The head's start this pod joined (runstate.KV_HEAD_START): another one at the same
         # address is a new Ray, which knows nothing of this pod's.
         self._head_start: bytes | None = None
         self._silent_since: float | None = None
         self._join_progress = 0.0
+
+    @property
+    def found(self) -> FoundHead:
+        if self._found is None:
+            raise RuntimeError(f"state {self.state.value}: no head found yet")
+        return self._found
 
     def handlers(self) -> dict[WorkerState, Callable[[], WorkerState]]:
         return {
@@ -74,49 +85,49 @@ class Worker(Lifecycle[WorkerState]):
         }
 
     def _find_head(self) -> WorkerState:
-        if self.gcs is not None:  # finding it again: a fresh deadline, the DNS name anew
-            self.gcs.close()
-            self.gcs = None
-            self.finder = HeadFinder(self.s, self.reporter, self.signals)
+        if self._found is not None:  # finding it again: a fresh deadline, the DNS name anew
+            self._found.gcs.close()
+            self._found = None
+            self.finder = HeadFinder(self.settings, self.reporter, self.signals)
         self._head_start = None
         # At once, not after the wait for a head: a pod with someone else's Ray is refused.
-        node.refuse_foreign_ray(self.s)
+        node.refuse_foreign_ray(self.settings)
         with self.reporter.step("head_found") as step:
             found = self.finder.locate()
             self.reporter.say(f"head is {', '.join(found.candidates)} (from {found.how}); "
                               f"waiting for its Ray to answer")
-            self.head, self.gcs = self.finder.wait_for_gcs(found)
-            self._check_same_ray(self.finder.head_ray_version)
-            step.done(f"head's Ray answers at {self.head.ip}:{self.s.ray_port}",
-                      head=self.head.ip, how=self.head.how)
+            where, gcs = self.finder.wait_for_gcs(found)
+            self._found = FoundHead(where, gcs)
+            self._check_same_ray(where.ip, self.finder.head_ray_version)
+            step.done(f"head's Ray answers at {where.ip}:{self.settings.ray_port}",
+                      head=where.ip, how=where.how)
         return WorkerState.PREPARING
 
     def _read_head_start(self) -> bytes | None:
-        assert self.gcs
         try:
-            return self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+            return self.found.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
                                    timeout=WATCH_INTERVAL)
         except GcsUnavailable:
             return None  # watched next: the first id seen then
 
-    def _check_same_ray(self, head_version: str) -> None:
+    def _check_same_ray(self, head_ip: str, head_version: str) -> None:
         """Ray needs one version on every node and in the job: refuse a head of another Ray
         here, in one line, instead of a `ray start` that fails obscurely or a job that breaks."""
         ours = ray_compat.installed()
         if head_version and ours and head_version != ours.version:
             raise RayVersionMismatch(
-                f"the head {self.head.ip if self.head else '?'} runs Ray {head_version} and "
+                f"the head {head_ip} runs Ray {head_version} and "
                 f"this pod has Ray {ours.version}: Ray needs the same version on every node "
                 f"and in the job; start every pod from the same image")
 
     def _prepare(self) -> WorkerState:
-        assert self.head
-        self.setup = node.prepare(self.s, Role.WORKER, self.reporter, head_ip=self.head.ip)
-        node.raise_limits(self.s, Role.WORKER, self.reporter)
+        self.setup = node.prepare(self.settings, Role.WORKER, self.reporter,
+                                  head_ip=self.found.where.ip)
+        node.raise_limits(self.settings, Role.WORKER, self.reporter)
         return WorkerState.CLEANING
 
     def _clean(self) -> WorkerState:
-        node.clean_stale_ray(self.s, self.reporter)
+        node.clean_stale_ray(self.settings, self.reporter)
         return WorkerState.JOINING
 
     def _join(self) -> WorkerState:
@@ -125,79 +136,76 @@ class Worker(Lifecycle[WorkerState]):
         Seen on loaded machines: "The current node timed out during startup" from one attempt,
         success on the next.
         """
-        assert self.setup and self.head
+        setup, head, settings = self.setup, self.found.where, self.settings
+        if setup is None:
+            raise RuntimeError("JOINING before PREPARING")
         remaining = max(1.0, self.finder.deadline - time.monotonic())
-        attempts = {"n": 0, "last": ""}
+        failed: list[str] = []  # each failed attempt's last line
 
         def attempt() -> None:
-            attempts["n"] += 1
             self._join_progress = 0.0  # each attempt's elapsed time starts again at 0
             try:
-                ray_node.RayNode(self.setup.plan, self.s.run_dir / "ray-start-worker.log",
+                ray_node.RayNode(setup.plan, settings.run_dir / "ray-start-worker.log",
                                  min(JOIN_ATTEMPT_TIMEOUT, remaining)).start(self._watch_join)
             except RayStartError as exc:
-                last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else "?"
-                attempts["last"] = last_line
-                self.reporter.warn(f"joining failed (attempt {attempts['n']}): {last_line}; "
+                failed.append(str(exc).strip().splitlines()[-1] if str(exc).strip() else "?")
+                self.reporter.warn(f"joining failed (attempt {len(failed)}): {failed[-1]}; "
                                    f"cleaning up and retrying")
-                ray_node.RayNode.stop(self.s.stop_timeout)
+                ray_node.RayNode.stop(settings.stop_timeout)
                 raise
 
         self._silent_since = None
         with self.reporter.step("joined") as step:
             try:
-                Retrying(stop=stop_after_delay(remaining),
-                         wait=wait_exponential(multiplier=0.5, max=5.0),
-                         retry=retry_if_exception_type(RayStartError),
-                         sleep=self.signals.sleep, reraise=True)(attempt)
+                retry(attempt, awaited=f"this pod to join the head's Ray at {head.ip}",
+                      backoff=Backoff(0.5, 5.0), deadline=remaining, sleep=self.signals.sleep,
+                      on=(RayStartError,), expired=lambda _: HeadUnreachable(
+                          f"could not join the head's Ray at {head.ip}:{settings.ray_port} in "
+                          f"{len(failed)} attempt(s) within {settings.head_timeout:g} s; "
+                          f"last error: {failed[-1]}"))
             except _HeadWentAway as gone:
                 return self._rejoin(f"{gone} while this pod was joining: stopped the attempt")
-            except RayStartError:
-                raise HeadUnreachable(
-                    f"could not join the head's Ray at {self.head.ip}:{self.s.ray_port} in "
-                    f"{attempts['n']} attempt(s) within {self.s.head_timeout:g} s; "
-                    f"last error: {attempts['last']}") from None
             # The head's start this pod's Ray joined: another one later is a new Ray.
             self._head_start = self._read_head_start()
-            step.done(f"joined the cluster at {self.head.ip}:{self.s.ray_port} as "
-                      f"{self.setup.node_ip} ({self.setup.gpus} GPUs)",
-                      node_ip=self.setup.node_ip, gpus=self.setup.gpus, attempts=attempts["n"])
+            step.done(f"joined the cluster at {head.ip}:{settings.ray_port} as "
+                      f"{setup.node_ip} ({setup.gpus} GPUs)",
+                      node_ip=setup.node_ip, gpus=setup.gpus, attempts=len(failed) + 1)
         return WorkerState.WATCHING
 
     def _watch_join(self, elapsed: float) -> None:
         """Called every second while `ray start --address` runs: a signal, a head that went
         away, or a long join is acted on now, not after the attempt's two minutes."""
-        assert self.gcs and self.head
+        head = self.found
         self.signals.check()
         if elapsed - self._join_progress >= JOIN_PROGRESS_EVERY:
             self._join_progress = elapsed
-            self.reporter.say(f"still joining the head at {self.head.ip}:{self.s.ray_port} "
-                              f"({elapsed:.0f} s)")
+            self.reporter.say(f"still joining the head at {head.where.ip}:"
+                              f"{self.settings.ray_port} ({elapsed:.0f} s)")
         try:
-            self.gcs.check_alive(timeout=1.0)
+            head.gcs.check_alive(timeout=1.0)
             self._silent_since = None
         except GcsUnavailable as exc:
             now = time.monotonic()
             self._silent_since = self._silent_since or now
             if now - self._silent_since >= JOIN_HEAD_GRACE:
-                raise _HeadWentAway(f"the head {self.head.ip} stopped answering ({exc})"
+                raise _HeadWentAway(f"the head {head.where.ip} stopped answering ({exc})"
                                     ) from None
 
     def _rejoin(self, why: str) -> WorkerState:
         """Stop this pod's Ray and find the head again, or (PODAGENT_REJOIN=0) leave."""
-        if not self.s.rejoin:
+        if not self.settings.rejoin:
             raise HeadLost(f"{why} (PODAGENT_REJOIN=0: not waiting for it)")
-        ray_node.RayNode.stop(min(self.s.stop_timeout, ray_node.DEAD_GCS_STOP_TIMEOUT))
+        ray_node.RayNode.stop(ray_node.stop_timeout(self.settings, gcs_gone=True))
         self.reporter.warn(f"{why}; this pod's Ray is stopped and podagent waits for the head "
-                           f"again (up to {self.s.head_timeout:g} s)")
+                           f"again (up to {self.settings.head_timeout:g} s)")
         self.reporter.event("rejoining", reason=why)
         return WorkerState.FINDING_HEAD
 
     def _watch(self) -> WorkerState:
         """Stay in the foreground; leave when the head closes the run or is gone too long."""
-        assert self.gcs and self.head
+        gcs, head_ip = self.found.gcs, self.found.where.ip
         self.reporter.say(f"watching the head (leaving if unreachable for "
-                          f"{self.s.head_grace:g} s)")
+                          f"{self.settings.head_grace:g} s)")
         last_ok = time.monotonic()
         last_error = ""
         # Found once, then checked by pid: a full process-table scan every second costs more
@@ -207,17 +215,17 @@ class Worker(Lifecycle[WorkerState]):
             self.signals.sleep(WATCH_INTERVAL)
             process.reap_orphans()
             try:
-                state = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
-                                        timeout=WATCH_INTERVAL)
-                start = self.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
-                                        timeout=WATCH_INTERVAL)
+                state = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
+                                   timeout=WATCH_INTERVAL)
+                start = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
+                                   timeout=WATCH_INTERVAL)
             except GcsUnavailable as exc:
                 last_error = str(exc)
                 gone = time.monotonic() - last_ok
-                if gone > self.s.head_grace:
+                if gone > self.settings.head_grace:
                     return self._rejoin(
-                        f"the head {self.head.ip}:{self.s.ray_port} has been unreachable for "
-                        f"{gone:.1f} s (grace {self.s.head_grace:g} s): {last_error}")
+                        f"the head {head_ip}:{self.settings.ray_port} has been unreachable "
+                        f"for {gone:.1f} s (grace {self.settings.head_grace:g} s): {last_error}")
                 continue
             if last_error:
                 self.reporter.say(f"head reachable again after "
@@ -227,7 +235,7 @@ class Worker(Lifecycle[WorkerState]):
             if self._head_start is None:
                 self._head_start = start  # joined before the head wrote it: the first seen
             elif start != self._head_start:
-                return self._rejoin(f"the head {self.head.ip} answers with a new Ray (its pod "
+                return self._rejoin(f"the head {head_ip} answers with a new Ray (its pod "
                                     f"was started again): this pod's Ray belongs to the "
                                     f"earlier one")
             if state:
@@ -238,7 +246,7 @@ class Worker(Lifecycle[WorkerState]):
     def _on_closing(self, closing: dict) -> WorkerState:
         what = f"{closing.get('outcome')}, job {closing.get('job_status')}"
         asked = closing.get("after_run") or AfterRun.EXIT.value
-        if asked == runstate.REJOIN and self.s.rejoin:
+        if asked == runstate.REJOIN and self.settings.rejoin:
             return self._rejoin(f"the head closed this start of the run ({what}) and will be "
                                 f"back")
         try:
@@ -252,7 +260,8 @@ class Worker(Lifecycle[WorkerState]):
         return self._after_run
 
     def _teardown(self, outcome: str) -> None:
-        if self.gcs:
-            self.gcs.close()
-        self._stop_ray(outcome, gcs_gone=outcome == HeadLost.__name__)
+        if self._found:
+            self._found.gcs.close()
+        ray_node.stop_at_teardown(self.settings, self.reporter, self._deadline, outcome,
+                                  gcs_gone=outcome == HeadLost.__name__)
         self.reporter.say(f"worker done: {outcome} after {time.monotonic() - self.started:.1f} s")

@@ -17,9 +17,9 @@ from podagent import config, runstate
 from podagent.cluster import census as census_mod
 from podagent.cluster import exposure, job_spec
 from podagent.cluster.census import RECOUNT_EVERY, WorkerCensus
-from podagent.cluster.head import restart_reason
 from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
 from podagent.cluster.lifecycle import EndRequested
+from podagent.cluster.recovery import restart_reason
 from podagent.cluster.stop_watch import StopWatch
 from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.ray_access.gcs import GcsUnavailable, NodeInfo

@@ -1,0 +1,164 @@
+"""Restarts of the job after a lost node (PODAGENT_ON_NODE_LOSS) or a failed job
+(PODAGENT_RETRY_FAILED_JOB): the policy, kept apart from the head's states as torch's elastic
+agent keeps its restart loop apart from starting and watching its workers.
+
+The head tells `Recovery` what it sees (losses while the job runs, the job's end) and asks it
+whether the job runs again. A restart is counted against PODAGENT_RESTARTS across container
+restarts (the ledger keeps them), said loudly and recorded; once the cluster is whole again
+(the census pairs each join with a lost worker) the restart backs off, and its figures are
+recorded when the job is submitted again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from podagent.cluster.census import NODE_POLL, WorkerCensus
+from podagent.cluster.job_spec import JobAttempt
+from podagent.cluster.ledger import Ledger, record_or_warn
+from podagent.config import Settings
+from podagent.errors import RestartsExhausted
+from podagent.ray_access.gcs import NodeInfo
+from podagent.report import Reporter
+from podagent.waiting import Backoff, Expired, Signals, retry
+
+RESTART_BACKOFF_MAX = 300.0
+# Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
+# twice that means Ray's own checks are configured otherwise.
+DEPARTED_TIMEOUT = 15.0
+# What follows a worker lost while the job runs, by PODAGENT_ON_NODE_LOSS.
+AFTER_LOSS = {"restart": "stopping the job to restart it",
+              "wait": "the job decides whether it goes on (restarted if it fails)",
+              "fail": "the job decides whether it goes on"}
+
+
+def restart_reason(settings: Settings, job_status: str | None, lost: list[str]) -> str | None:
+    """Why the job that just ended is run again, or None: it succeeded, was stopped by someone
+    else, or failed by itself (unless PODAGENT_RETRY_FAILED_JOB=1); with
+    PODAGENT_ON_NODE_LOSS=fail a lost node changes nothing."""
+    if job_status == "SUCCEEDED":
+        return None
+    if lost and settings.on_node_loss != "fail":
+        return f"lost {', '.join(lost)}"
+    if not lost and settings.retry_failed_job and job_status == "FAILED":
+        return "the job failed (PODAGENT_RETRY_FAILED_JOB=1)"
+    return None
+
+
+class NodeLost(Exception):
+    """While the job runs (PODAGENT_ON_NODE_LOSS=restart): a worker was lost; the head stops
+    the job at once instead of waiting for NCCL's timeout."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The restart under way: which one, and the times its figures are measured from."""
+    n: int
+    noticed: float  # wall clock: the run stopped making progress (a loss seen or the job ended)
+    stopped: float  # wall clock: the restart began
+    earliest: float  # monotonic: the job is not submitted again before (the backoff)
+
+
+class Recovery:
+    def __init__(self, settings: Settings, ledger: Ledger, census: WorkerCensus,
+                 reporter: Reporter, signals: Signals):
+        self.settings, self.ledger, self.census = settings, ledger, census
+        self.reporter, self.signals = reporter, signals
+        self.under_way: Restart | None = None
+
+    # --- while the job runs and when it ends ----------------------------------------------------
+
+    def note_alive(self, alive: set[str]) -> None:
+        """The workers alive now (one look at the node table while the job runs): a loss is
+        reported once, and with PODAGENT_ON_NODE_LOSS=restart ends the job's follow."""
+        policy = self.settings.on_node_loss
+        if self.census.note_losses(alive, AFTER_LOSS[policy]) and policy == "restart":
+            raise NodeLost()
+
+    def losses(self, job_status: str | None) -> list[NodeInfo]:
+        """The workers lost while the job ran. A job that failed with no loss seen yet: a
+        killed pod breaks the collectives before Ray's health checks notice, so the workers'
+        raylets are asked directly."""
+        lost = self.census.lost_now()
+        if job_status != "SUCCEEDED" and not lost and self.settings.on_node_loss != "fail":
+            lost = self.census.unreachable()
+            self.census.mark_lost(lost, "its raylet does not answer", "the job failed meanwhile")
+        return lost
+
+    def restart_reason(self, job_status: str | None, lost: list[NodeInfo]) -> str | None:
+        return restart_reason(self.settings, job_status, [w.ip for w in lost])
+
+    # --- a restart ----------------------------------------------------------------------------
+
+    def begin(self, why: str, lost: list[NodeInfo], job: JobAttempt) -> Restart:
+        """Counts the restart against PODAGENT_RESTARTS (across container restarts: the ledger
+        keeps them), says it loudly and records it."""
+        settings = self.settings
+        done = len(self.ledger.restarts)
+        if done >= settings.restarts:
+            raise RestartsExhausted(
+                f"{why}; the run was already restarted {done} time(s) "
+                f"(PODAGENT_RESTARTS={settings.restarts}): giving up; logs in "
+                f"{settings.run_dir}" + (f", checkpoints kept in {settings.checkpoint_dir}"
+                                         if settings.checkpoint_dir else ""))
+        number, now = done + 1, time.time()
+        # The run stopped making progress when the job ended or the loss was seen, if earlier.
+        noticed = min(t for t in (self.census.first_noticed(), job.ended_at, now)
+                      if t is not None)
+        self.census.begin_recovery()
+        ended = "stopped" if job.stopped_by_us else f"ended {job.status or 'LOST'}"
+        submission = job.submission_id
+        self.reporter.warn(f"RESTART {number}/{settings.restarts}: {why}; job {submission} "
+                           f"{ended}; waiting for {settings.expected_workers} worker(s) (a "
+                           f"replacement pod counts), then the job is submitted again, "
+                           f"resuming from the newest checkpoint")
+        backoff = min(RESTART_BACKOFF_MAX, settings.restart_backoff * 2 ** (number - 1))
+        self.under_way = Restart(number, noticed, now, time.monotonic() + backoff)
+        ips = [w.ip for w in lost]
+        entry = {"n": number, "reason": why, "lost": ips, "job": submission,
+                 "job_status": job.status}
+        record_or_warn(lambda: self.ledger.restarting(entry), self.reporter)
+        self.reporter.event("restart", n=number, of=settings.restarts, reason=why, lost=ips,
+                            job=submission)
+        return self.under_way
+
+    def before_resubmitting(self) -> None:
+        """The cluster is whole again: wait until Ray no longer lists the lost nodes as alive
+        (the job would place ranks there), then for what is left of the backoff."""
+        self._await_departed_gone()
+        restart = self.under_way
+        wait = restart.earliest - time.monotonic() if restart else 0.0
+        if restart and wait > 0:
+            self.reporter.say(f"restart {restart.n}: backing off {wait:.1f} s "
+                              f"(PODAGENT_RESTART_BACKOFF)")
+            self.signals.sleep(wait)
+
+    def _await_departed_gone(self) -> None:
+        """Ray lists a lost node as alive until its health checks fail (a few seconds)."""
+        try:
+            retry(self.census.departed_still_listed, awaited="Ray to mark the lost nodes dead",
+                  backoff=Backoff.every(NODE_POLL), deadline=DEPARTED_TIMEOUT,
+                  sleep=self.signals.sleep, until=lambda listed: not listed)
+        except Expired as expired:
+            self.reporter.warn(f"Ray still lists the lost {', '.join(expired.last)} as alive "
+                               f"after {DEPARTED_TIMEOUT:g} s; submitting anyway")
+
+    def resubmitted(self, submission_id: str) -> None:
+        """The job of the restart under way was submitted: its figures, said and recorded."""
+        restart = self.under_way
+        if restart is None:
+            return
+        now = time.time()
+        # Seconds without a running job: the job's own start-up and the steps it redoes from
+        # its checkpoint come on top (podagent cannot see those; bench/recovery.py measures).
+        figures = {"time_lost_s": round(now - restart.noticed, 3),
+                   "waited_s": round(now - restart.stopped, 3),
+                   "replaced": [list(pair) for pair in self.census.replaced]}
+        record_or_warn(lambda: self.ledger.resubmitted(submission_id, **figures),
+                       self.reporter)
+        self.reporter.say(f"restart {restart.n}: job {submission_id} submitted "
+                          f"{figures['time_lost_s']:.1f} s after the run stopped (the job's "
+                          f"own start and the steps since its checkpoint come on top)")
+        self.reporter.event("restarted", n=restart.n, submission_id=submission_id, **figures)
+        self.under_way = None
