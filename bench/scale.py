@@ -39,8 +39,7 @@ import psutil
 
 from bench import bringup
 from bench.bringup import Run, Setup
-from podagent.cluster.census import WorkerCensus
-from podagent.cluster.head import NODE_POLL
+from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL
 from podagent.ray_access.gcs import GcsClient
 from podagent.report import Reporter

@@ -199,7 +199,7 @@ class Up:
                 pod = self.client.create_pod(specs.pod_body(self.spec, rank, self.head_id))
                 self.record.got(asked, str(pod["id"]))
                 self.pod_ids[name] = str(pod["id"])
-                self._show(row, pod)
+                row.show(pod)
             if rank == 0:
                 self.head_id = self.pod_ids[name]
             row.id = self.pod_ids[name]
@@ -213,16 +213,6 @@ class Up:
             cluster = self.client.create_cluster(specs.cluster_body(self.spec))
             self.record.got(asked, str(cluster["id"]))
             self.cluster_id = str(cluster["id"])
-
-    def _show(self, row: Any, pod: Mapping[str, Any]) -> None:
-        status = str(pod.get("status") or "?")
-        if status != row.status:
-            row.status, row.since = status, time.monotonic()
-        cost = pod.get("cost")
-        row.cost = float(cost) if isinstance(cost, (int, float)) else None
-        where = (pod.get("cluster") or {}).get("ip") or (pod.get("globalNetworking") or {}).get(
-            "ip")
-        row.ip = str(where or row.ip)
 
     def _look(self) -> dict[str, str | None]:
         """Every pod's status now (one API call), onto the board."""
@@ -251,7 +241,7 @@ class Up:
                 row.status = "GONE"
                 statuses[name] = None
             else:
-                self._show(row, pod)
+                row.show(pod)
                 statuses[name] = row.status
         self.view.update(self.board)
         return statuses

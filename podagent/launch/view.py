@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 
 @dataclass
@@ -19,6 +20,17 @@ class PodRow:
     cost: float | None = None  # USD per hour, as RunPod reports it
     ip: str = ""  # its private address (Global Networking or the cluster's network)
     joined: bool = False  # in the head's Ray (the head's own row: its Ray is up)
+
+    def show(self, pod: Mapping[str, Any]) -> None:
+        """The pod as RunPod lists it: its status (and since when), cost and address."""
+        status = str(pod.get("status") or "?")
+        if status != self.status:
+            self.status, self.since = status, time.monotonic()
+        cost = pod.get("cost")
+        self.cost = float(cost) if isinstance(cost, (int, float)) else None
+        where = (pod.get("cluster") or {}).get("ip") or (pod.get("globalNetworking") or {}).get(
+            "ip")
+        self.ip = str(where or self.ip)
 
 
 @dataclass

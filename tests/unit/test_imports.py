@@ -20,8 +20,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "podagent"
 
 LAYERS = ("foundation", "ray_access", "platform", "packages", "top")
@@ -207,9 +205,6 @@ def test_leaves_import_nothing_of_podagent():
     assert not leaning, "\n".join(f"  {i}" for i in leaning)
 
 
-# Fails today on cluster/head.py (Head), cluster/jobs.py (JobRunner) and launch/up.py (Up),
-# which other branches of issue 23 are splitting; the mark goes when they land.
-@pytest.mark.xfail(strict=False, reason="issue 23 in progress")
 def test_no_class_is_over_the_limit():
     long = []
     for path in MODULES.values():
