@@ -17,15 +17,47 @@ class Named(str, enum.Enum):
 
 
 class AfterRun(Named):
-    """What a pod does once its run is over for good (PODAGENT_AFTER_RUN)."""
+    """What a pod does once its run is over for good (PODAGENT_AFTER_RUN); what each does is in
+    `meaning` (the setting's help) and in cluster/after_run.py."""
 
-    STAY = "stay"  # idle and healthy until the pod is stopped (RunPod restarts what exits)
-    EXIT = "exit"  # exit with the run's code
-    STOP_POD = "stop-pod"  # ask RunPod's API to stop this pod, then stay until it does
+    STAY = "stay"
+    EXIT = "exit"
+    STOP_POD = "stop-pod"
 
     @classmethod
     def default(cls, on_runpod: bool) -> AfterRun:
         return cls.STAY if on_runpod else cls.EXIT
+
+    @property
+    def meaning(self) -> str:
+        return _AFTER_RUN_MEANING[self]
+
+
+_AFTER_RUN_MEANING = {
+    AfterRun.STAY: "stay up idle until SIGTERM; RunPod would otherwise restart the container and "
+                   "run again",
+    AfterRun.EXIT: "exit with the run's outcome",
+    AfterRun.STOP_POD: "ask RunPod's API to stop this pod, which ends its GPU billing; needs "
+                       "RUNPOD_API_KEY",
+}
+
+
+class OnNodeLoss(Named):
+    """What the head does when a node of the running job is lost (PODAGENT_ON_NODE_LOSS)."""
+
+    RESTART = "restart"  # stop the job at once; once the cluster is whole, submit it again
+    WAIT = "wait"  # leave the job to decide; restart it if it fails
+    FAIL = "fail"  # leave the job to decide, never restart
+
+    @classmethod
+    def default(cls, restarts: int) -> OnNodeLoss:
+        return cls.RESTART if restarts else cls.FAIL
+
+
+def one_of(described: list[str]) -> str:
+    """'a, b or c'."""
+    return " or ".join([", ".join(described[:-1]), described[-1]] if len(described) > 1
+                       else described)
 
 
 # A job in Ray's Jobs API is over once its status is one of these.

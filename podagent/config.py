@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from podagent.choices import PROMPT_TEMPLATES, SCORING, AfterRun
+from podagent.choices import PROMPT_TEMPLATES, SCORING, AfterRun, OnNodeLoss, one_of
 from podagent.errors import ConfigError
 
 # Variables whose values must never be shown or put on a command line.
@@ -269,7 +269,7 @@ def existing_file(raw: str) -> str:
 # --- the table ----------------------------------------------------------------------------------
 
 AFTER_RUN = tuple(policy.value for policy in AfterRun)
-ON_NODE_LOSS = ("restart", "wait", "fail")
+ON_NODE_LOSS = tuple(policy.value for policy in OnNodeLoss)
 
 
 @dataclass(frozen=True)
@@ -339,7 +339,8 @@ FIELDS: tuple[Field, ...] = (
           "once, wait until the cluster is whole again, a replacement pod counting, and submit "
           "it again resuming from the newest checkpoint), wait (leave the job to decide; if it "
           "fails, restart it as above) or fail (leave the job to decide, never restart).",
-          default="restart", default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
+          default=OnNodeLoss.RESTART.value,
+          default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
     Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
           "How many times a run may be restarted after a lost node (or a failed job with "
           "PODAGENT_RETRY_FAILED_JOB=1); then the run ends with exit code 16.", default=3),
@@ -352,10 +353,9 @@ FIELDS: tuple[Field, ...] = (
     Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
           "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
     Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
-          "What podagent does when the run is over: stay (stay up idle until SIGTERM; RunPod "
-          "would otherwise restart the container and run again), exit (exit with the run's "
-          "outcome) or stop-pod (ask RunPod's API to stop this pod, which ends its GPU "
-          "billing; needs RUNPOD_API_KEY).", default=AfterRun.EXIT.value,
+          "What podagent does when the run is over: "
+          + one_of([f"{policy} ({policy.meaning})" for policy in AfterRun]) + ".",
+          default=AfterRun.EXIT.value,
           default_doc="stay on RunPod (RUNPOD_POD_ID set), else exit"),
     Field("runpod_api_url", "PODAGENT_RUNPOD_API_URL", "--runpod-api-url", http_url,
           "Base URL of RunPod's REST API (for PODAGENT_AFTER_RUN=stop-pod).",
@@ -658,7 +658,7 @@ def build(
     # A RunPod pod whose process exits is restarted, and would run again: stay up instead.
     values.setdefault("after_run", AfterRun.default(on_runpod=bool(values.get("pod_id"))).value)
     restarts = values.get("restarts", FIELD_BY_ATTR["restarts"].default)
-    values.setdefault("on_node_loss", "restart" if restarts else "fail")
+    values.setdefault("on_node_loss", OnNodeLoss.default(restarts).value)
     values.setdefault("log_dir", _default_log_dir())
     if "checkpoint_dir" not in values and _default_checkpoint_dir():
         values["checkpoint_dir"] = _default_checkpoint_dir()

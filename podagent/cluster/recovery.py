@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from podagent.choices import OnNodeLoss
 from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.job_spec import JobAttempt
 from podagent.cluster.ledger import Ledger, record_or_warn
@@ -28,9 +29,9 @@ RESTART_BACKOFF_MAX = 300.0
 # twice that means Ray's own checks are configured otherwise.
 DEPARTED_TIMEOUT = 15.0
 # What follows a worker lost while the job runs, by PODAGENT_ON_NODE_LOSS.
-AFTER_LOSS = {"restart": "stopping the job to restart it",
-              "wait": "the job decides whether it goes on (restarted if it fails)",
-              "fail": "the job decides whether it goes on"}
+AFTER_LOSS = {OnNodeLoss.RESTART: "stopping the job to restart it",
+              OnNodeLoss.WAIT: "the job decides whether it goes on (restarted if it fails)",
+              OnNodeLoss.FAIL: "the job decides whether it goes on"}
 
 
 def restart_reason(settings: Settings, job_status: str | None, lost: list[str]) -> str | None:
@@ -39,7 +40,7 @@ def restart_reason(settings: Settings, job_status: str | None, lost: list[str]) 
     PODAGENT_ON_NODE_LOSS=fail a lost node changes nothing."""
     if job_status == "SUCCEEDED":
         return None
-    if lost and settings.on_node_loss != "fail":
+    if lost and settings.on_node_loss != OnNodeLoss.FAIL:
         return f"lost {', '.join(lost)}"
     if not lost and settings.retry_failed_job and job_status == "FAILED":
         return "the job failed (PODAGENT_RETRY_FAILED_JOB=1)"
@@ -72,8 +73,8 @@ class Recovery:
     def note_alive(self, alive: set[str]) -> None:
         """The workers alive now (one look at the node table while the job runs): a loss is
         reported once, and with PODAGENT_ON_NODE_LOSS=restart ends the job's follow."""
-        policy = self.settings.on_node_loss
-        if self.census.note_losses(alive, AFTER_LOSS[policy]) and policy == "restart":
+        policy = OnNodeLoss(self.settings.on_node_loss)
+        if self.census.note_losses(alive, AFTER_LOSS[policy]) and policy is OnNodeLoss.RESTART:
             raise NodeLost()
 
     def losses(self, job_status: str | None) -> list[NodeInfo]:
@@ -81,7 +82,8 @@ class Recovery:
         killed pod breaks the collectives before Ray's health checks notice, so the workers'
         raylets are asked directly."""
         lost = self.census.lost_now()
-        if job_status != "SUCCEEDED" and not lost and self.settings.on_node_loss != "fail":
+        if (job_status != "SUCCEEDED" and not lost
+                and self.settings.on_node_loss != OnNodeLoss.FAIL):
             lost = self.census.unreachable()
             self.census.mark_lost(lost, "its raylet does not answer", "the job failed meanwhile")
         return lost
