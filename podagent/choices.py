@@ -65,7 +65,11 @@ JOB_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 # The built-in reward server's scoring profiles (its --scoring, PODAGENT_REWARD_SCORING).
-SCORING = ("openrlhf-m", "boxed")
+SCORING = ("openrlhf-m", "boxed", "openrlhf-boxed")
+
+# What the head runs as its reward server (PODAGENT_REWARD): podagent's own server scoring by a
+# profile, podagent's server serving the user's reward_func file, the user's own command, none.
+REWARD_KINDS = ("builtin", "func", "cmd", "none")
 
 # OpenRLHF-M's --prompt-template values (the reward server's --prompt-template,
 # PODAGENT_REWARD_TEMPLATE); rewards.openrlhf_m gives each its assistant prefix.

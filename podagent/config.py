@@ -10,6 +10,7 @@ without this module importing the reward server.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
 import inspect
@@ -26,7 +27,14 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from podagent.choices import PROMPT_TEMPLATES, SCORING, AfterRun, OnNodeLoss, one_of
+from podagent.choices import (
+    PROMPT_TEMPLATES,
+    REWARD_KINDS,
+    SCORING,
+    AfterRun,
+    OnNodeLoss,
+    one_of,
+)
 from podagent.errors import ConfigError
 
 # Variables whose values must never be shown or put on a command line.
@@ -266,6 +274,37 @@ def existing_file(raw: str) -> str:
     return raw
 
 
+REWARD_FUNC_RULE = "must be a Python file defining reward_func(queries, prompts, labels)"
+
+
+def reward_func_file(raw: str) -> str:
+    """A file upstream OpenRLHF's --remote_rm_url could name: read and compiled, never run
+    (running it is the reward server's business, in its own processes)."""
+    if "\x00" in raw or not os.path.isfile(raw):
+        raise ValueError(f"{REWARD_FUNC_RULE} (no such file)")
+    try:
+        tree = ast.parse(Path(raw).read_bytes(), filename=raw)
+    except SyntaxError as exc:
+        raise ValueError(f"{REWARD_FUNC_RULE} (line {exc.lineno}: {exc.msg})") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{REWARD_FUNC_RULE} (cannot be read: {exc})") from None
+    if not any(_binds(node, "reward_func") for node in tree.body):
+        raise ValueError(f"{REWARD_FUNC_RULE} (it defines no reward_func at the top level)")
+    return raw
+
+
+def _binds(node: ast.stmt, name: str) -> bool:
+    """Whether a top-level statement binds `name` (def, assignment or import)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(t, ast.Name) and t.id == name for t in targets)
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name) == name for alias in node.names)
+    return False
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 AFTER_RUN = tuple(policy.value for policy in AfterRun)
@@ -379,9 +418,14 @@ FIELDS: tuple[Field, ...] = (
           "Directory uploaded as the job's working dir."),
     Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,
           "Ray's temp dir on this pod.", default_doc="Ray's default (/tmp/ray)"),
-    Field("reward", "PODAGENT_REWARD", "--reward", choice("builtin", "none", "cmd"),
-          "Reward server the head runs: builtin, none, or cmd (PODAGENT_REWARD_CMD).",
-          default="builtin"),
+    Field("reward", "PODAGENT_REWARD", "--reward", choice(*REWARD_KINDS),
+          "Reward server the head runs: builtin (scoring by PODAGENT_REWARD_SCORING), func "
+          "(the built-in server serving PODAGENT_REWARD_FUNC), cmd (PODAGENT_REWARD_CMD) or "
+          "none.", default="builtin"),
+    Field("reward_func", "PODAGENT_REWARD_FUNC", "--reward-func", reward_func_file,
+          "PODAGENT_REWARD=func: a Python file defining reward_func(queries, prompts, labels) "
+          "as upstream OpenRLHF's --remote_rm_url takes; served with pooled CPUs and a "
+          "per-item timeout."),
     Field("reward_cmd", "PODAGENT_REWARD_CMD", "--reward-cmd", command_line,
           "Reward server command line for PODAGENT_REWARD=cmd (split without a shell); it "
           "must listen on PODAGENT_REWARD_HOST:PODAGENT_REWARD_PORT, which podagent sets."),
@@ -433,6 +477,7 @@ FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
 # --- the reward server's table (`podagent reward-server`, PODAGENT_REWARD_*) --------------------
 
 REWARD_ENV_PREFIX = "PODAGENT_REWARD_"
+REWARD_PRELOAD = "PODAGENT_REWARD_PRELOAD"
 # The weight of the format rule in a reward (rewards.verify scores with it by default).
 FORMAT_WEIGHT = 0.5
 
@@ -459,9 +504,26 @@ class RewardField:
 
 REWARD_FIELDS: tuple[RewardField, ...] = (
     RewardField("scoring", choice(*SCORING),
-                "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item) or "
-                "boxed (the last \\boxed{} or <answer> block; see docs/reward-server.md).",
+                "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item), "
+                "boxed (the last \\boxed{} or <answer> block) or openrlhf-boxed (upstream "
+                "OpenRLHF's math reward function, item for item); see docs/reward-server.md.",
                 "openrlhf-m"),
+    RewardField("func", reward_func_file,
+                "Serve this file's reward_func(queries, prompts, labels) instead of a profile "
+                "(upstream OpenRLHF's reward function contract), one item per call, in the "
+                "verifier processes."),
+    RewardField("default_reward", number(-1e9, 1e9),
+                "--func and openrlhf-boxed: the reward and score of an item whose function "
+                "raised or ran past --item-timeout (each such item is logged).", 0.0),
+    # Upstream OpenRLHF logs an extra_logs dict; OpenRLHF-M's client makes a tensor of every
+    # reply key, so a dict there would crash the trainer: off unless asked for.
+    RewardField("extra_logs", zero_one,
+                "1 adds extra_logs (per-item format and accuracy lists) to every reply, for "
+                "upstream OpenRLHF; 0 keeps every key a list of numbers, as OpenRLHF-M's "
+                "client needs.", False),
+    RewardField("batch_wait", number(0, 50),
+                "Milliseconds a small request may wait for others to be verified with it "
+                "(trainers that send one sample per request); 0 sends each on its own.", 2.0),
     RewardField("template", choice(*PROMPT_TEMPLATES),
                 "openrlhf-m: the chat template whose assistant prefix starts the response "
                 "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
@@ -750,6 +812,8 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_UP_RUN": "set by `podagent up` on the pods it creates: the run they belong to "
                        "(how `podagent down` finds them)",
     RAY_OWNER: "set by podagent on every Ray it starts (and so on that Ray's jobs): its mark",
+    REWARD_PRELOAD: "set by the reward server for its verifier pool: the reward rule (a "
+                    "reward_func file, openrlhf-boxed) every worker starts with",
 })
 
 
@@ -863,6 +927,9 @@ def _check_relations(settings: Settings) -> None:
     if settings.reward == "cmd" and not settings.reward_cmd:
         raise ConfigError(settings.source_name("reward_cmd"), "",
                           "must be set when PODAGENT_REWARD=cmd")
+    if settings.reward == "func" and not settings.reward_func:
+        raise ConfigError(settings.source_name("reward_func"), "",
+                          "must be set when PODAGENT_REWARD=func")
 
 
 def _check_after_run(settings: Settings) -> None:

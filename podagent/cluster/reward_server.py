@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -67,10 +68,16 @@ class RewardServer:
             "--host", self.listen_host, "--port", str(settings.reward_port))
         # The scoring settings go by name too, so that a flag given to the head reaches the
         # server (a custom PODAGENT_REWARD=cmd server may read them as well).
-        # Built-in: no secret at all (it runs sympy on model output); a server of the user's
-        # own may need theirs (a model hub's token, a judge's key), never the cluster token.
+        # Built-in: no secret at all (it runs sympy on model output); the user's own code (a
+        # reward_func file, a server) may need theirs (a model hub's token, a judge's key),
+        # never the cluster token.
         drop = is_secret if settings.reward == "builtin" else CLUSTER_TOKEN.__contains__
-        env = {**child_environ(os.environ, drop), **env,
+        inherited = child_environ(os.environ, drop)
+        # Only PODAGENT_REWARD=func serves a file, whatever the environment says.
+        inherited.pop("PODAGENT_REWARD_FUNC", None)
+        if settings.reward == "func":
+            env = {**env, "PODAGENT_REWARD_FUNC": str(settings.reward_func)}
+        env = {**inherited, **env,
                "PODAGENT_REWARD_HOST": self.listen_host,
                "PODAGENT_REWARD_PORT": str(settings.reward_port),
                "PODAGENT_REWARD_SCORING": settings.reward_scoring,
@@ -86,7 +93,9 @@ class RewardServer:
 
     @property
     def label(self) -> str:
-        return "built-in reward server" if self.settings.reward == "builtin" else "reward server"
+        return {"builtin": "built-in reward server",
+                "func": "reward server (reward_func file)"}.get(self.settings.reward,
+                                                                "reward server")
 
     @property
     def scoring(self) -> str:
@@ -94,15 +103,24 @@ class RewardServer:
         from podagent.rewards.settings import describe
 
         settings = self.settings
-        return describe(settings.reward_scoring, settings.reward_template, settings.reward_strict)
+        return describe(settings.reward_scoring, settings.reward_template, settings.reward_strict,
+                        settings.reward_func if settings.reward == "func" else None)
 
     def start(self) -> None:
-        if self.settings.reward == "builtin":
+        if self.settings.reward in ("builtin", "func"):
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
-            settings = self.settings
-            self.reporter.event("reward_scoring", scoring=settings.reward_scoring,
-                                template=settings.reward_template, strict=settings.reward_strict)
+            self.reporter.event("reward_scoring", **self.asked())
         self.process.start()
+
+    def asked(self) -> dict[str, Any]:
+        """How this run asks the server to score, as the server's /health says it."""
+        settings = self.settings
+        if settings.reward == "func":
+            return {"scoring": "func", "func": str(Path(str(settings.reward_func)).resolve())}
+        if settings.reward_scoring == "openrlhf-m":
+            return {"scoring": "openrlhf-m", "template": settings.reward_template,
+                    "strict": settings.reward_strict}
+        return {"scoring": settings.reward_scoring}
 
     def keep_or_start(self, reattached: bool) -> None:
         """On re-attach, keep a server of this run that still answers; otherwise start one."""
@@ -127,7 +145,7 @@ class RewardServer:
         except (requests.RequestException, ValueError):
             return False
         self.adopted = _listener(self.settings.reward_port)
-        if self.settings.reward == "builtin":
+        if self.settings.reward in ("builtin", "func"):
             self._say_adopted_scoring()
         return True
 
@@ -141,10 +159,7 @@ class RewardServer:
         if not isinstance(health, dict):
             return
         kept = health.get("scoring")
-        same = kept == self.settings.reward_scoring and (kept == "boxed" or (
-            health.get("template"), health.get("strict")) == (self.settings.reward_template,
-                                                              self.settings.reward_strict))
-        if same:
+        if all(health.get(key) == value for key, value in self.asked().items()):
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
         else:
             self.reporter.warn(f"{self.label} kept from before scores with {kept} "

@@ -54,8 +54,7 @@ def reward_server(**flags: str | None) -> None:
 
     \b
     POST /get_reward {"query": [...], "prompts": [...], "labels": [...]}
-      -> {"rewards", "format_rewards", "acc_rewards"}: one number per query
-         (boxed adds "scores", the accuracies).
+      -> {"rewards", "scores", "format_rewards", "acc_rewards"}: one number per query
     GET /health -> {"status": "ok", "scoring": ..., counters}
 
     \b
@@ -72,6 +71,14 @@ def reward_server(**flags: str | None) -> None:
     --scoring boxed: the last \\boxed{} (else the last <answer> block) against the gold
       (labels[i], else the --dataset answer for the prompt); format: 1 if the response gives
       exactly one boxed answer or one <answer> block.
+    --scoring openrlhf-boxed: upstream OpenRLHF's math reward function, item for item
+      (the last \\boxed{} of the response, graded by its rules); reward = accuracy.
+    --func FILE: the file's reward_func(queries, prompts, labels), upstream OpenRLHF's
+      contract, one item per call in the verifier processes (--item-timeout, --default-reward).
+
+    \b
+    Replies add "scores" (the accuracy, or the function's scores); --extra-logs 1 adds
+    "extra_logs" (a dict of lists: upstream OpenRLHF logs it; OpenRLHF-M's client cannot take it).
 
     Stops cleanly on SIGTERM or SIGINT (exit 0). docs/reward-server.md has the full rules.
     """
@@ -94,8 +101,13 @@ def reward_server(**flags: str | None) -> None:
                 f"records ({exc})")
         _fail(str(ConfigError(settings.source_name("dataset"), settings.dataset, rule)),
               EXIT_BAD_INPUT)
+    from podagent.rewards.func import FuncError
+
     try:
         code = server.serve(settings, golds)
+    except FuncError as exc:  # the file's import failed in the workers: bad input, one line
+        _fail(str(ConfigError(settings.source_name("func"), settings.func or "", str(exc))),
+              EXIT_BAD_INPUT)
     except OSError as exc:  # binding the address: the only OSError that reaches here
         if exc.errno == errno.EADDRINUSE:
             _fail(str(PortInUse(settings.port, settings.host, None)), EXIT_PORT_IN_USE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,11 +20,14 @@ from typing import Any
 
 import pebble
 
+from podagent.config import REWARD_PRELOAD
 from podagent.errors import PodagentError
 from podagent.rewards import verify
 from podagent.rewards.verify import short
 
 log = logging.getLogger("podagent.rewards")
+
+PRELOAD_ENV = REWARD_PRELOAD
 
 
 class WorkersFailed(PodagentError):
@@ -55,8 +59,12 @@ def _init_worker() -> None:
 
 
 class VerifierPool:
-    def __init__(self, workers: int, item_timeout: float):
+    def __init__(self, workers: int, item_timeout: float, preload: str | None = None):
+        """`preload`: a reward rule's source (`func`) the forkserver loads once, so that every
+        worker, replacements included, starts with it loaded."""
         self.workers, self.item_timeout = workers, item_timeout
+        if preload:  # read by `warm` in the forkserver, which starts with the first pool
+            os.environ[PRELOAD_ENV] = preload
         # forkserver, not fork: the server has threads (pebble's, the event loop's executor)
         # and forking a threaded process can copy a held lock into the child. The preload
         # makes each new worker (also every replacement after a timeout) a cheap fork of a
@@ -89,6 +97,11 @@ class VerifierPool:
             return Ran("ok", await asyncio.wrap_future(future))
         except Exception as exc:
             return Ran(self._failed(exc, what))
+
+    async def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """`function(*args)` in a worker with no item limit (the caller bounds the wait): its
+        value, or what it raised."""
+        return await asyncio.wrap_future(self._pool.schedule(function, args=args))
 
     async def check(self, answer: str, gold: str) -> Outcome:
         """The boxed profile's verdict for one canonical pair."""

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from podagent.rewards import openrlhf_m, verify
+from podagent.rewards import batching, openrlhf_m, verify
 from podagent.rewards import openrlhf_m_verify as seed
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
@@ -85,6 +85,8 @@ class Stats:
     unlabeled: int = 0  # items with no gold (no label, not in the dataset): accuracy 0
     no_answer: int = 0  # items whose response gave no final answer
     quirks: int = 0  # openrlhf-m: items scored by the seed's quirks (unparseable gold, ...)
+    func_errors: int = 0  # --func, openrlhf-boxed: items the rule failed on (default score)
+    batched: int = 0  # small requests answered as part of a batch (`batching`)
 
 
 @dataclass(frozen=True)
@@ -165,9 +167,12 @@ class Scorer:
     profile = ""
 
     def __init__(self, pool: VerifierPool, *, max_items: int = RewardSettings.max_items,
-                 format_weight: float = verify.FORMAT_WEIGHT, golds: GoldIndex | None = None):
+                 format_weight: float = verify.FORMAT_WEIGHT, golds: GoldIndex | None = None,
+                 extra_logs: bool = False, batch_wait: float = 0.0):
         self.pool, self.max_items, self.format_weight = pool, max_items, format_weight
-        self.golds = golds
+        self.golds, self.extra_logs = golds, extra_logs
+        # Small requests wait up to batch_wait seconds to be scored together (0: never).
+        self._batcher = batching.Batcher(self._score_bodies, batch_wait) if batch_wait else None
         self.stats = Stats()
         self.started = time.monotonic()
         self._verdicts = verify.LRU(VERDICT_CACHE_SIZE)
@@ -192,6 +197,8 @@ class Scorer:
             "pool_size": self.pool.workers,
             "item_timeout_s": self.pool.item_timeout, "format_weight": self.format_weight,
             "verdict_cache_entries": len(self._verdicts),
+            "batches": self._batcher.batches if self._batcher else 0,
+            "extra_logs": self.extra_logs,
             "dataset_prompts": len(self.golds) if self.golds is not None else None,
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
@@ -199,25 +206,62 @@ class Scorer:
     def in_flight(self) -> int:
         return 0
 
+    def with_logs(self, reply: dict[str, Any], formats: list[float],
+                  accuracy: list[float]) -> dict[str, Any]:
+        """`reply`, with extra_logs (whether each item is well formed, its accuracy) when the
+        server gives them: upstream OpenRLHF logs each key; OpenRLHF-M's client would crash on
+        a dict, so the default leaves them out."""
+        if self.extra_logs:
+            reply["extra_logs"] = {"format": formats, "accuracy": accuracy}
+        return reply
+
     def prepare_steps(self, body: bytes) -> Steps[list[Any]]:
         """The request's items, prepared in steps (one item, or one dataset prompt compared,
         per step); raises BadRequest."""
         raise NotImplementedError
 
-    async def score(self, items: list[Any]) -> dict[str, list[float]]:
+    async def score(self, items: list[Any]) -> dict[str, Any]:
+        """One reply for the items: a list per key (a dict of lists for extra_logs)."""
         raise NotImplementedError
 
     async def probe(self) -> bool:
         """One known-good item through a worker: True when it comes back right."""
         raise NotImplementedError
 
-    async def score_body(self, body: bytes) -> dict[str, list[float]]:
+    async def score_body(self, body: bytes) -> dict[str, Any]:
+        if self._batcher is not None and len(body) <= batching.SMALL_BODY:
+            return await self._batcher.submit(body)
+        items = await self._prepare(self.prepare_steps(body))
+        self.stats.requests += 1
+        return await self.score(items)
+
+    async def _score_bodies(self, bodies: list[bytes]) -> list[dict[str, Any] | BadRequest]:
+        """Small requests as one batch: prepared in one pass, scored together, then each
+        request's share of the reply (or its BadRequest)."""
+        prepared = await self._prepare(self._each(bodies))
+        good = [items for items in prepared if not isinstance(items, BadRequest)]
+        self.stats.requests += len(good)
+        self.stats.batched += len(good)
+        self.stats.bad_requests += len(bodies) - len(good)
+        shares = iter(batching.split(await self.score([i for items in good for i in items]),
+                                     [len(items) for items in good]) if good else [])
+        return [items if isinstance(items, BadRequest) else next(shares) for items in prepared]
+
+    def _each(self, bodies: list[bytes]) -> Steps[list[list[Any] | BadRequest]]:
+        prepared: list[list[Any] | BadRequest] = []
+        for body in bodies:
+            try:
+                prepared.append((yield from self.prepare_steps(body)))
+            except BadRequest as exc:
+                prepared.append(exc)
+        return prepared
+
+    async def _prepare(self, steps: Steps[Any]) -> Any:
         # A slice at a time, each queued behind the slices of the requests already waiting:
-        # requests take turns, so a small one (the head's health probe is a one-item request,
-        # upstream OpenRLHF sends one item per request) waits for one slice of each request
-        # ahead of it, not for a whole batch to be prepared.
+        # requests take turns, so a small one (the head's health probe is a one-item request)
+        # waits for one slice of each request ahead of it, not for a whole batch to be
+        # prepared.
         loop = asyncio.get_running_loop()
-        steps = self.prepare_steps(body)
         self.preparing += 1
         try:
             done, items = False, None
@@ -228,8 +272,7 @@ class Scorer:
             raise
         finally:
             self.preparing -= 1
-        assert items is not None
-        return await self.score(items)
+        return items
 
 
 class BoxedScorer(Scorer):
@@ -284,7 +327,6 @@ class BoxedScorer(Scorer):
 
     async def score(self, items: list[Item]) -> dict[str, list[float]]:
         stats = self.stats
-        stats.requests += 1
         stats.items += len(items)
         accuracy = [0.0] * len(items)
         pending: dict[tuple[str, str], list[int]] = {}
@@ -318,8 +360,9 @@ class BoxedScorer(Scorer):
         weight = self.format_weight
         rewards = [acc + weight * fmt for acc, fmt in zip(accuracy, formats, strict=True)]
         # scores: accuracy in [0, 1], what OpenRLHF's dynamic filtering averages per prompt.
-        return {"rewards": rewards, "scores": accuracy, "format_rewards": formats,
-                "acc_rewards": accuracy}
+        return self.with_logs({"rewards": rewards, "scores": accuracy,
+                               "format_rewards": formats, "acc_rewards": accuracy},
+                              formats, accuracy)
 
     async def _verdict(self, key: tuple[str, str]) -> bool:
         task = self._inflight.get(key)
@@ -435,7 +478,6 @@ class OpenrlhfMScorer(Scorer):
 
     async def score(self, items: list[SeedItem]) -> dict[str, list[float]]:
         stats = self.stats
-        stats.requests += 1
         stats.items += len(items)
         verdicts: list[str | None] = [None] * len(items)
         waiting: dict[bytes, list[int]] = {}
@@ -490,8 +532,11 @@ class OpenrlhfMScorer(Scorer):
         weight = self.format_weight
         formats = [weight if item.format else 0.0 for item in items]
         rewards = [acc + fmt for acc, fmt in zip(accuracy, formats, strict=True)]
-        # The seed's keys, and only those: the trainer logs what it would log with the seed.
-        return {"rewards": rewards, "format_rewards": formats, "acc_rewards": accuracy}
+        # The seed's keys, and scores (the accuracy: what upstream OpenRLHF filters on), all
+        # lists of numbers, which OpenRLHF-M's client turns into tensors.
+        return self.with_logs({"rewards": rewards, "scores": accuracy,
+                               "format_rewards": formats, "acc_rewards": accuracy},
+                              [1.0 if item.format else 0.0 for item in items], accuracy)
 
     def _schedule(self, new: dict[bytes, tuple[str, str]]) -> None:
         """Start verifying `new` items, a prompt's samples (one gold) per task."""
@@ -566,12 +611,3 @@ class OpenrlhfMScorer(Scorer):
     @staticmethod
     def _what(gold: str, responses: list[str]) -> str:
         return (f"response={short(openrlhf_m.readable(responses[0]))} gold={short(gold)}")
-
-
-def make_scorer(settings: RewardSettings, pool: VerifierPool,
-                golds: GoldIndex | None = None) -> Scorer:
-    common: dict[str, Any] = {"max_items": settings.max_items,
-                              "format_weight": settings.format_weight, "golds": golds}
-    if settings.scoring == "boxed":
-        return BoxedScorer(pool, **common)
-    return OpenrlhfMScorer(pool, template=settings.template, strict=settings.strict, **common)

@@ -24,12 +24,20 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
+from podagent.rewards import func
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
-from podagent.rewards.scorer import BadRequest, OverLimit, Scorer, make_scorer
+from podagent.rewards.scorer import (
+    BadRequest,
+    BoxedScorer,
+    OpenrlhfMScorer,
+    OverLimit,
+    Scorer,
+)
 from podagent.rewards.settings import RewardSettings, describe
 
 log = logging.getLogger("podagent.rewards")
@@ -118,6 +126,20 @@ class Running:
         return f"http://{host}:{self.port}"
 
 
+def make_scorer(settings: RewardSettings, pool: VerifierPool,
+                golds: GoldIndex | None = None) -> Scorer:
+    common: dict[str, Any] = {"max_items": settings.max_items,
+                              "format_weight": settings.format_weight, "golds": golds,
+                              "extra_logs": settings.extra_logs,
+                              "batch_wait": settings.batch_wait / 1000}
+    source = func.source_of(settings.scoring, settings.func)
+    if source is not None:
+        return func.FuncScorer(pool, source, default=settings.default_reward, **common)
+    if settings.scoring == "boxed":
+        return BoxedScorer(pool, **common)
+    return OpenrlhfMScorer(pool, template=settings.template, strict=settings.strict, **common)
+
+
 def load_golds(settings: RewardSettings) -> GoldIndex | None:
     """The dataset's gold table, or None without --dataset. Raises DatasetError."""
     if settings.dataset is None:
@@ -133,7 +155,8 @@ async def running(settings: RewardSettings,
     """The server, listening, inside the current event loop; stopped (pool too) on exit.
 
     Raises OSError if the address cannot be bound."""
-    pool = VerifierPool(settings.workers, settings.item_timeout)
+    pool = VerifierPool(settings.workers, settings.item_timeout,
+                        preload=func.source_of(settings.scoring, settings.func))
     try:
         scorer = make_scorer(settings, pool, golds)
         # Listening only once the workers answer: a probe that gets 200 means ready.
@@ -167,7 +190,8 @@ async def _serve(settings: RewardSettings, golds: GoldIndex | None) -> None:
     async with running(settings, golds) as server:
         log.info("listening on %s: scoring %s; %d workers, item timeout %g s, format weight "
                  "%g%s", server.url,
-                 describe(settings.scoring, settings.template, settings.strict), settings.workers,
+                 describe(settings.scoring, settings.template, settings.strict, settings.func),
+                 settings.workers,
                  settings.item_timeout, settings.format_weight,
                  f", {len(golds)} dataset prompts" if golds is not None else "")
         await stop.wait()

@@ -53,11 +53,15 @@ def build(flags: Mapping[str, str | None] | None = None,
     return RewardSettings(**values, sources=sources)
 
 
-def describe(scoring: str, template: str, strict: bool) -> str:
+def describe(scoring: str, template: str, strict: bool, func: str | None = None) -> str:
     """The profile in a few words, for the server's log and the head's output."""
+    if func:
+        return f"func (reward_func of {func}, one item per call)"
     if scoring == "openrlhf-m":
         return (f"openrlhf-m (OpenRLHF-M's reward rule, prompt template {template}"
                 f"{', strict' if strict else ''})")
+    if scoring == "openrlhf-boxed":
+        return "openrlhf-boxed (upstream OpenRLHF's math reward function: the last \\boxed{})"
     return "boxed (the last \\boxed{} or <answer> block against the gold)"
 
 

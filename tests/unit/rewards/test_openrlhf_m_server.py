@@ -40,7 +40,9 @@ def test_a_prompts_samples_are_verified_together_and_then_cached(pool):
     assert first["acc_rewards"] == [1, 1, 1, 0, 1, 1, 0, 1]
     assert first["format_rewards"] == [FORMAT_WEIGHT] * 8
     assert first["rewards"] == [a + FORMAT_WEIGHT for a in first["acc_rewards"]]
-    assert set(first) == {"rewards", "format_rewards", "acc_rewards"}  # the seed's keys
+    # The seed's keys and scores (the accuracy), all lists of numbers: no extra_logs unless asked
+    assert set(first) == {"rewards", "scores", "format_rewards", "acc_rewards"}
+    assert first["scores"] == first["acc_rewards"]
     s = scorer.stats
     # One gold, one worker: parsed at most once; equal answers shared a verdict in the worker.
     assert s.gold_parses <= 1
@@ -191,7 +193,7 @@ def test_the_server_gives_the_seeds_rewards_for_the_whole_corpus(servers, source
             payload["labels"] = [c["gold"] for c in cases]
         reply = servers[template].post(payload)
         assert reply.status_code == 200, reply.text
-        assert set(reply.json()) == {"rewards", "format_rewards", "acc_rewards"}
+        assert set(reply.json()) == {"rewards", "scores", "format_rewards", "acc_rewards"}
         wrong += _check(reply.json(), cases)
     assert not wrong, wrong[:20]
 
