@@ -55,6 +55,16 @@ def _listener(port: int) -> psutil.Process | None:
     return None
 
 
+def asked(settings: Settings) -> dict[str, Any]:
+    """How this run asks the built-in server to score, as the server's /health says it."""
+    if settings.reward == "func":
+        return {"scoring": "func", "func": str(Path(str(settings.reward_func)).resolve())}
+    if settings.reward_scoring == "openrlhf-m":
+        return {"scoring": "openrlhf-m", "template": settings.reward_template,
+                "strict": settings.reward_strict}
+    return {"scoring": settings.reward_scoring}
+
+
 class RewardServer:
     def __init__(self, settings: Settings, host_ip: str, run_dir: Path, reporter: Reporter,
                  env: Mapping[str, str]):
@@ -109,18 +119,8 @@ class RewardServer:
     def start(self) -> None:
         if self.settings.reward in ("builtin", "func"):
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
-            self.reporter.event("reward_scoring", **self.asked())
+            self.reporter.event("reward_scoring", **asked(self.settings))
         self.process.start()
-
-    def asked(self) -> dict[str, Any]:
-        """How this run asks the server to score, as the server's /health says it."""
-        settings = self.settings
-        if settings.reward == "func":
-            return {"scoring": "func", "func": str(Path(str(settings.reward_func)).resolve())}
-        if settings.reward_scoring == "openrlhf-m":
-            return {"scoring": "openrlhf-m", "template": settings.reward_template,
-                    "strict": settings.reward_strict}
-        return {"scoring": settings.reward_scoring}
 
     def keep_or_start(self, reattached: bool) -> None:
         """On re-attach, keep a server of this run that still answers; otherwise start one."""
@@ -159,7 +159,7 @@ class RewardServer:
         if not isinstance(health, dict):
             return
         kept = health.get("scoring")
-        if all(health.get(key) == value for key, value in self.asked().items()):
+        if all(health.get(key) == value for key, value in asked(self.settings).items()):
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
         else:
             self.reporter.warn(f"{self.label} kept from before scores with {kept} "
@@ -226,6 +226,24 @@ class RewardServer:
         retry(attempt, awaited=f"the {self.label} to answer a real request",
               backoff=Backoff(0.1, 2.0), deadline=self.settings.reward_timeout,
               sleep=signals.sleep, expired=timed_out)
+        self._report_dataset()
+
+    def _report_dataset(self) -> None:
+        """The built-in server's audit of the dataset's gold answers (rewards/audit.py): an
+        event always, a warning when some cannot be read."""
+        if self.settings.reward == "cmd":
+            return
+        try:
+            health = requests.get(self.url.replace("/get_reward", "/health"),
+                                  timeout=PROBE_TIMEOUT).json()
+        except (requests.RequestException, ValueError):
+            return  # the server answered a real request: its audit is a nicety, not a gate
+        found = health.get("dataset_audit") if isinstance(health, dict) else None
+        if not isinstance(found, dict):
+            return
+        self.reporter.event("reward_dataset", **{k: v for k, v in found.items() if k != "line"})
+        if found.get("line"):
+            self.reporter.warn(str(found["line"]))
 
     # --- while the job runs --------------------------------------------------------------------
 

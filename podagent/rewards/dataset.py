@@ -60,6 +60,10 @@ class GoldIndex:
                         "is used", Path(path).name, conflicts, repeated)
         return cls(golds)
 
+    def answers(self) -> list[str]:
+        """The distinct gold answers, in the file's order."""
+        return list(dict.fromkeys(self._all.values()))
+
     def lookup(self, prompt: str | None, query: str) -> tuple[str | None, str | None]:
         """(gold, the dataset prompt it was found by): the exact prompt, else the longest
         dataset prompt that starts the query; (None, None) when neither."""

@@ -183,6 +183,7 @@ class Scorer:
         # interpreter lock back to the loop within its switch interval and /health answers.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-prep")
         self.preparing = 0  # requests being prepared
+        self.dataset_audit: dict[str, Any] | None = None  # `audit`, once the server ran it
 
     def close(self) -> None:
         self._prep.shutdown(wait=False, cancel_futures=True)
@@ -200,6 +201,7 @@ class Scorer:
             "batches": self._batcher.batches if self._batcher else 0,
             "extra_logs": self.extra_logs,
             "dataset_prompts": len(self.golds) if self.golds is not None else None,
+            "dataset_audit": self.dataset_audit,
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
 

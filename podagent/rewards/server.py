@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from podagent.rewards import func
+from podagent.rewards import audit, func
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
 from podagent.rewards.scorer import (
@@ -140,6 +140,19 @@ def make_scorer(settings: RewardSettings, pool: VerifierPool,
     return OpenrlhfMScorer(pool, template=settings.template, strict=settings.strict, **common)
 
 
+async def _audit(settings: RewardSettings, golds: GoldIndex | None, scorer: Scorer,
+                 pool: VerifierPool) -> None:
+    """The dataset's gold answers the profile cannot read, said once (`audit`)."""
+    if golds is None:
+        return
+    scoring = "func" if settings.func else settings.scoring
+    found = await audit.audit(golds, scoring, settings.strict, pool)
+    if found is not None:
+        scorer.dataset_audit = found.to_json()
+        if found.line:
+            log.warning("%s", found.line)
+
+
 def load_golds(settings: RewardSettings) -> GoldIndex | None:
     """The dataset's gold table, or None without --dataset. Raises DatasetError."""
     if settings.dataset is None:
@@ -162,6 +175,7 @@ async def running(settings: RewardSettings,
         # Listening only once the workers answer: a probe that gets 200 means ready.
         try:
             await pool.warm(scorer.probe)
+            await _audit(settings, golds, scorer, pool)
         except BaseException:
             scorer.close()
             raise

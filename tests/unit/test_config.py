@@ -269,6 +269,7 @@ def test_expected_workers_flag_wins_over_derivation():
     ({"PODAGENT_REWARD_PORT": "8265"}, {}, "PODAGENT_REWARD_PORT",
      ["PODAGENT_DASHBOARD_PORT", "'8265'"]),
     ({"PODAGENT_REWARD": "cmd"}, {}, "PODAGENT_REWARD_CMD", ["PODAGENT_REWARD=cmd"]),
+    ({"PODAGENT_REWARD": "func"}, {}, "PODAGENT_REWARD_FUNC", ["PODAGENT_REWARD=func"]),
 ])
 def test_relation_checks(env, flags, name, words):
     with pytest.raises(ConfigError) as info:
@@ -278,6 +279,34 @@ def test_relation_checks(env, flags, name, words):
     assert "\n" not in message
     for word in words:
         assert word in message
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    (None, "(no such file)"),
+    ("def reward_func(q, p, l)\n", "(line 1: expected ':')"),
+    ("def judge(q, p, l):\n    pass\n", "(it defines no reward_func at the top level)"),
+])
+def test_a_reward_func_file_is_checked_without_running_it(tmp_path, text, words):
+    """The head's own check (exit 2 before anything starts); the file is read, never run."""
+    path = tmp_path / "reward.py"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        build({"PODAGENT_REWARD": "func"}, {"reward_func": str(path)})
+    assert str(info.value) == (f"--reward-func={str(path)!r} must be a Python file defining "
+                               f"reward_func(queries, prompts, labels) {words}")
+
+
+@pytest.mark.parametrize("text", [
+    "def reward_func(queries, prompts, labels):\n    raise SystemExit(3)\n",
+    "from judge import score as reward_func\n",
+    "reward_func = lambda q, p, l: {'rewards': [0]}\n",
+])
+def test_a_reward_func_file_that_defines_it_is_accepted(tmp_path, text):
+    path = tmp_path / "reward.py"
+    path.write_text(text)
+    assert build({"PODAGENT_REWARD": "func", "PODAGENT_REWARD_FUNC": str(path)}).reward_func \
+        == str(path)
 
 
 def test_relations_that_hold_are_accepted():
