@@ -438,7 +438,8 @@ FIELDS: tuple[Field, ...] = (
           default=3),
     Field("reward_scoring", "PODAGENT_REWARD_SCORING", "--reward-scoring", reward_scoring,
           "Built-in reward server's scoring: openrlhf-m (OpenRLHF-M's reward server, item for "
-          "item) or boxed (see Reward server).", default="openrlhf-m"),
+          "item), boxed or openrlhf-boxed (upstream OpenRLHF's math reward function); see "
+          "Reward server.", default="openrlhf-m"),
     Field("reward_template", "PODAGENT_REWARD_TEMPLATE", "--reward-template", reward_template,
           "openrlhf-m: the chat template of the trainer's queries (chatml, qwen1 or base, as "
           "OpenRLHF-M's --prompt-template).", default="chatml"),
@@ -508,6 +509,12 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
                 "boxed (the last \\boxed{} or <answer> block) or openrlhf-boxed (upstream "
                 "OpenRLHF's math reward function, item for item); see docs/reward-server.md.",
                 "openrlhf-m"),
+    RewardField("template", choice(*PROMPT_TEMPLATES),
+                "openrlhf-m: the chat template whose assistant prefix starts the response "
+                "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
+    RewardField("strict", zero_one,
+                "openrlhf-m: 1 scores an unparseable gold answer, or a comparison that raises, "
+                "as accuracy 0; 0 scores them 1, as OpenRLHF-M's server does.", False),
     RewardField("func", reward_func_file,
                 "Serve this file's reward_func(queries, prompts, labels) instead of a profile "
                 "(upstream OpenRLHF's reward function contract), one item per call, in the "
@@ -521,15 +528,6 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
                 "1 adds extra_logs (per-item format and accuracy lists) to every reply, for "
                 "upstream OpenRLHF; 0 keeps every key a list of numbers, as OpenRLHF-M's "
                 "client needs.", False),
-    RewardField("batch_wait", number(0, 50),
-                "Milliseconds a small request may wait for others to be verified with it "
-                "(trainers that send one sample per request); 0 sends each on its own.", 2.0),
-    RewardField("template", choice(*PROMPT_TEMPLATES),
-                "openrlhf-m: the chat template whose assistant prefix starts the response "
-                "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
-    RewardField("strict", zero_one,
-                "openrlhf-m: 1 scores an unparseable gold answer, or a comparison that raises, "
-                "as accuracy 0; 0 scores them 1, as OpenRLHF-M's server does.", False),
     # Loopback by default: the server has no authentication. The head passes its
     # cluster-private address.
     RewardField("host", host, "Address to listen on.", "127.0.0.1"),
@@ -539,6 +537,9 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
     RewardField("item_timeout", number(0.1, 600),
                 "Seconds one item may take to verify; past it the worker is killed and the "
                 "item scores 0.", 5.0),
+    RewardField("batch_wait", number(0, 50),
+                "Milliseconds a small request may wait for others to be verified with it "
+                "(trainers that send one sample per request); 0 sends each on its own.", 2.0),
     # A request's budget: preparing it takes time linear in its bytes, a slice at a time,
     # turn about with other requests; the limits bound its memory and its share. The defaults
     # are four times the batches trainers send (OpenRLHF-M: one batch per call, 256 to 1,024

@@ -294,9 +294,15 @@ def checker() -> Checker:
 def worker_check_group(gold: str, responses: list[str]) -> tuple[list[tuple[str, str]], int]:
     """Run in a pool worker: one gold, several responses (GRPO's samples of one prompt).
     The verdicts and how many golds this call parsed (0 or 1)."""
+    return worker_check_pairs([(gold, response) for response in responses])
+
+
+def worker_check_pairs(pairs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int]:
+    """Run in a pool worker: (gold, response) pairs, a prompt's samples next to each other
+    (each gold is parsed once). The verdicts and how many golds this call parsed."""
     c = checker()
     before = c.gold_parses
-    verdicts = [c.check(response, gold) for response in responses]
+    verdicts = [c.check(response, gold) for gold, response in pairs]
     return verdicts, c.gold_parses - before
 
 

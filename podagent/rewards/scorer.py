@@ -397,8 +397,8 @@ def _cacheable(key: tuple[str, str]) -> bool:
 
 # --- openrlhf-m ----------------------------------------------------------------------------------
 
-# A prompt's samples go to one worker together (it parses their gold once), at most this many
-# per task; fewer when that would leave workers idle.
+# Items per pool task (a prompt's samples side by side, so a worker parses their gold once);
+# fewer when that would leave workers idle.
 MAX_GROUP = 8
 _QUIRKS = (seed.GOLD_UNPARSED, seed.VERIFY_RAISED)
 _QUIRK_TEXT = {seed.GOLD_UNPARSED: "does not parse",
@@ -541,43 +541,42 @@ class OpenrlhfMScorer(Scorer):
                               [1.0 if item.format else 0.0 for item in items], accuracy)
 
     def _schedule(self, new: dict[bytes, tuple[str, str]]) -> None:
-        """Start verifying `new` items, a prompt's samples (one gold) per task."""
+        """Start verifying `new` items, a few per pool task, a prompt's samples (one gold)
+        next to each other. Items from many requests (`batching`) share tasks: one sample per
+        request must not mean one task per sample."""
         if not new:
             return
         loop = asyncio.get_running_loop()
-        by_gold: dict[str, list[bytes]] = defaultdict(list)
-        for key, (gold, _) in new.items():
-            by_gold[gold].append(key)
+        for key in new:
             future: asyncio.Future[str | None] = loop.create_future()
             self._inflight[key] = future
             future.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
+        ordered = sorted(new, key=lambda key: new[key][0])
         size = max(1, min(MAX_GROUP, math.ceil(len(new) / self.pool.workers)))
-        for gold, keys in by_gold.items():
-            for start in range(0, len(keys), size):
-                group = keys[start : start + size]
-                task = asyncio.ensure_future(self._verify_group(
-                    gold, group, [new[k][1] for k in group]))
-                self._tasks.add(task)  # the loop keeps only a weak reference
-                task.add_done_callback(self._tasks.discard)
+        for start in range(0, len(ordered), size):
+            keys = ordered[start : start + size]
+            task = asyncio.ensure_future(self._verify(keys, [new[k] for k in keys]))
+            self._tasks.add(task)  # the loop keeps only a weak reference
+            task.add_done_callback(self._tasks.discard)
 
-    async def _verify_group(self, gold: str, keys: list[bytes], responses: list[str]) -> None:
+    async def _verify(self, keys: list[bytes], pairs: list[tuple[str, str]]) -> None:
         try:
-            ran = await self.pool.run(seed.worker_check_group, (gold, responses),
-                                      what=None if len(keys) > 1 else self._what(gold, responses))
+            ran = await self.pool.run(seed.worker_check_pairs, (pairs,),
+                                      what=None if len(keys) > 1 else self._what(*pairs[0]))
             if ran.status == "ok":
                 found, parses = ran.value
                 self.stats.gold_parses += parses
-                for key, (verdict, how) in zip(keys, found, strict=True):
+                for key, (gold, _), (verdict, how) in zip(keys, pairs, found, strict=True):
                     self._done(key, gold, verdict, how)
                 return
             if len(keys) == 1:
                 self._failed(keys[0], ran.status)
                 return
-            # One item of the group may be the slow one: each gets its own time limit now.
-            log.info("%d items of one prompt ran past %g s together; verifying them one by one",
+            # One item of the task may be the slow one: each gets its own time limit now.
+            log.info("%d items ran past %g s together; verifying them one by one",
                      len(keys), self.pool.item_timeout)
-            await asyncio.gather(*(self._verify_group(gold, [k], [r])
-                                   for k, r in zip(keys, responses, strict=True)))
+            await asyncio.gather(*(self._verify([k], [p]) for k, p in zip(keys, pairs,
+                                                                           strict=True)))
         finally:
             for key in keys:  # nothing may wait forever (e.g. this task was cancelled)
                 future = self._inflight.get(key)
@@ -611,5 +610,5 @@ class OpenrlhfMScorer(Scorer):
             future.set_result(None)  # scores 0
 
     @staticmethod
-    def _what(gold: str, responses: list[str]) -> str:
-        return (f"response={short(openrlhf_m.readable(responses[0]))} gold={short(gold)}")
+    def _what(gold: str, response: str) -> str:
+        return f"response={short(openrlhf_m.readable(response))} gold={short(gold)}"
