@@ -1,9 +1,9 @@
 """verl's reward function, answered by the head's reward server.
 
-verl scores rollouts in the trainer, by a function it loads from a file:
+verl scores rollouts in the trainer by a function it loads from a file (see the docs on verl):
 
-    custom_reward_function.path=<this file>   # python -c "import podagent.rewards.client as c;
-    custom_reward_function.name=compute_score #            print(c.__file__)"
+    path=$(python -c "import podagent.rewards.client as c; print(c.__file__)")
+    ... custom_reward_function.path=$path custom_reward_function.name=compute_score
 
 What verl does with it, as its sources (volcengine/verl: verl/trainer/ppo/reward.py,
 verl/utils/import_utils.py, verl/workers/reward_manager/naive.py and batch.py,
@@ -48,8 +48,8 @@ TIMEOUT = 180.0
 # Items per request in the batch form: a quarter of the server's default --max-items, and a
 # body well under its --max-body even with long chains of thought.
 MAX_ITEMS = 1024
-# Pauses between tries: 1, 2, 4, 8, 16, 30, 30 s (8 tries) ride out a restart of the server by
-# the head.
+# Pauses between tries: 1, 2, 4, 8, 16, 30, 30 s (8 tries, as Retries has it) ride out a
+# restart of the server by the head.
 BACKOFF = Backoff(1.0, 30.0)
 # Connections kept open: verl's reward loop calls the function from a pool of threads.
 POOL_SIZE = 32
