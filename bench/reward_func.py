@@ -116,11 +116,12 @@ def served(url: str, count: int, seed: int, in_flight: int) -> dict[str, float]:
         query, prompt, label = items[index]
         async with semaphore:
             started = time.perf_counter()
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as s:
-                async with s.post(url, json={"query": [query], "prompts": [prompt],
-                                             "labels": [label]}) as reply:
-                    reply.raise_for_status()
-                    body = await reply.json()
+            payload = {"query": [query], "prompts": [prompt], "labels": [label]}
+            # A new session per request, as upstream's client opens one.
+            async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as s,
+                        s.post(url, json=payload) as reply):
+                reply.raise_for_status()
+                body = await reply.json()
             latencies.append(time.perf_counter() - started)
             rewards[index] = body["scores"][0]
 

@@ -813,6 +813,8 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_UP_RUN": "set by `podagent up` on the pods it creates: the run they belong to "
                        "(how `podagent down` finds them)",
     RAY_OWNER: "set by podagent on every Ray it starts (and so on that Ray's jobs): its mark",
+    "PODAGENT_REWARD_URL": "verl's reward function (podagent.rewards.client): the reward "
+                           "server's URL, used before the REMOTE_RM_URL the head sets for the job",
     REWARD_PRELOAD: "set by the reward server for its verifier pool: the reward rule (a "
                     "reward_func file, openrlhf-boxed) every worker starts with",
 })
