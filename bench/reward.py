@@ -8,6 +8,8 @@ requests in alternation, so machine noise falls on both alike. Run from the repo
 
     python bench/reward.py --quick        # a smoke check: a few requests per batch size
     python bench/reward.py                # the full run (several minutes on 2 cores)
+    python bench/reward.py --per-sample-only               # only the per-sample load (below)
+    python bench/reward.py --per-sample-only --server-arg=--item-timeout=10   # and a variant
 
 The workload is GRPO-like and generated from --seed: prompts with realistic LaTeX golds
 (fractions, radicals, multiples of pi, intervals, points, polynomials, sets, percentages,
@@ -33,6 +35,21 @@ verdicts cached by one request help a later one only where a real run would repe
 
 Latency is one request's round trip (requests are sent one at a time); items/s is items
 divided by the sum of that server's latencies. Warm-up requests are not timed.
+
+Per-sample load (openrlhf-m, after the table above or alone with --per-sample-only): upstream
+OpenRLHF posts every sample alone as it finishes, hundreds in flight; OpenRLHF-M posts a batch
+per trainer node. Each run's client is a process of its own (`bench/_reward_load.py`: its CPU
+is measured, and it shares no interpreter lock), on this machine like the servers, so its cost
+per request bounds what any server can show here: the table gives its share of the machine's
+CPUs, and the servers' (each process and its children). Rows: podagent and the baseline under
+--samples one-sample requests, --in-flight at once, a new aiohttp session per request (as
+upstream's client); podagent under batches of --batch items from one client and from 8 clients
+at once (requests.post, as OpenRLHF-M's). samples/s is samples over the wall time from the first
+send to the last reply. Golds are written `$…$` in the dataset, so every item is verified. Every
+round's workloads are new (the per-sample one shared by the servers, so their rewards are
+compared sample by sample), the order of the runs is reversed every other round, and each row
+shows its best round. --server-arg (repeated) starts a second podagent server with those
+arguments, which gets the same loads.
 """
 
 from __future__ import annotations
@@ -537,8 +554,8 @@ IN_FLIGHT = 256
 BATCH = 256  # the batched rows' request size (quick: QUICK_BATCH)
 QUICK_BATCH = 16
 CLIENTS = 8  # trainer nodes posting batches at once
-ROUNDS = 3
-WARMUP_SAMPLES = 32
+ROUNDS = 4  # even: each order of the runs comes up as often
+WARMUP_SAMPLES = 256  # and one batch: the verdict and parse caches warm before round 0
 PER_SAMPLE_MODES = ("per-sample", "batched-1", f"batched-{CLIENTS}")
 
 
@@ -624,16 +641,17 @@ def load_row(row: Row, label: str, cpus: int) -> dict[str, Any]:
             "p99_ms": 1000 * percentile(best.latencies, 99),
             "client_cpu_share": best.client_cpu_s / (best.wall_s * cpus),
             "server_cpu_share": best.server_cpu_s / (best.wall_s * cpus),
+            "server_cpu_ms_per_sample": 1000 * best.server_cpu_s / best.samples,
             "retries": best.retries, "failures": best.failures}
 
 
 def render_load(rows: list[dict[str, Any]], markdown: bool) -> str:
     head = ("mode", "server", "samples", "requests", "samples/s", "p50 ms", "p99 ms",
-            "client CPU share", "server CPU share", "retries")
+            "client CPU share", "server CPU share", "server CPU ms/sample", "retries")
     lines = [(r["mode"], r["server"], str(r["samples"]), str(r["requests"]),
               f"{r['samples_per_s']:.1f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
               f"{100 * r['client_cpu_share']:.0f} %", f"{100 * r['server_cpu_share']:.0f} %",
-              str(r["retries"])) for r in rows]
+              f"{r['server_cpu_ms_per_sample']:.1f}", str(r["retries"])) for r in rows]
     return _layout(head, lines, markdown)
 
 
@@ -651,7 +669,7 @@ def ratio_notes(rows: dict[tuple[str, str], Row], podagents: list[str],
         per_round = [ours.rate(a) / seed.rate(b)
                      for a, b in zip(ours.loads, seed.loads, strict=True)]
         notes.append(
-            f"- {labels[name]} per-sample / seed's server per-sample: "
+            f"- {labels[name]} per-sample / {labels['baseline']} per-sample: "
             f"**{ours.rate() / seed.rate():.2f}x** (rounds: "
             f"{', '.join(f'{r:.2f}x' for r in per_round)}); {labels[name]} per-sample / "
             f"{labels[name]} batched ({batch} per request) from {CLIENTS} clients: "
@@ -672,10 +690,10 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     (OpenRLHF-M's), podagent and the seed-shaped baseline, in one run on this machine."""
     variant = ["podagent-variant"] if args.server_arg else []
     podagents = ["podagent", *variant]
-    labels = {"podagent": "podagent", "baseline": "seed's server",
+    labels = {"podagent": "podagent", "baseline": "baseline (seed-shaped)",
               "podagent-variant": "podagent " + " ".join(args.server_arg)}
     records: list[dict[str, str]] = []
-    warm = _samples(args.seed * 100 + 99, WARMUP_SAMPLES, records)
+    warm = _samples(args.seed * 100 + 99, min(WARMUP_SAMPLES, args.samples), records)
     warm_batch = _batches(args.seed * 100 + 98, args.batch, 1, records)
     steps = per_sample_plan(args, podagents, records)
     dataset = out / "per-sample-dataset.jsonl"
@@ -703,7 +721,7 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
             str(port), *common], port, out / "per-sample-baseline.log", probe)
         for name, server in servers.items():  # warm-up, not timed
             url = f"{server.url}/get_reward"
-            run_load(Job("per-sample", url, warm, in_flight=WARMUP_SAMPLES), server.proc.pid,
+            run_load(Job("per-sample", url, warm, in_flight=args.in_flight), server.proc.pid,
                      out, f"warm-{name}")
             if name != "baseline":
                 run_load(Job("batched", url, warm_batch), server.proc.pid, out, f"warm-{name}")
@@ -735,8 +753,8 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     for name in podagents:
         ours = rows["per-sample", name]
         diff = sum(differences(a, b) for a, b in zip(ours.loads, seed.loads, strict=True))
-        checks.append(f"- per-sample rewards that differ between {labels[name]} and the seed's "
-                      f"server: **{diff}** of {sum(a.samples for a in ours.loads)} samples.")
+        checks.append(f"- per-sample rewards that differ between {labels[name]} and the "
+                      f"baseline: **{diff}** of {sum(a.samples for a in ours.loads)} samples.")
     if variant:
         for mode in PER_SAMPLE_MODES:
             a, b = rows[mode, "podagent"], rows[mode, "podagent-variant"]
