@@ -663,14 +663,14 @@ def differences(a: Load, b: Load) -> int:
 def ratio_notes(rows: dict[tuple[str, str], Row], podagents: list[str],
                 labels: dict[str, str], batch: int) -> list[str]:
     notes = []
-    seed = rows["per-sample", "baseline"]
+    base = rows["per-sample", "baseline"]
     for name in podagents:
         ours, batched = rows["per-sample", name], rows[PER_SAMPLE_MODES[2], name]
-        per_round = [ours.rate(a) / seed.rate(b)
-                     for a, b in zip(ours.loads, seed.loads, strict=True)]
+        per_round = [ours.rate(a) / base.rate(b)
+                     for a, b in zip(ours.loads, base.loads, strict=True)]
         notes.append(
             f"- {labels[name]} per-sample / {labels['baseline']} per-sample: "
-            f"**{ours.rate() / seed.rate():.2f}x** (rounds: "
+            f"**{ours.rate() / base.rate():.2f}x** (rounds: "
             f"{', '.join(f'{r:.2f}x' for r in per_round)}); {labels[name]} per-sample / "
             f"{labels[name]} batched ({batch} per request) from {CLIENTS} clients: "
             f"**{ours.rate() / batched.rate():.2f}x**.")
@@ -685,11 +685,63 @@ def ratio_notes(rows: dict[tuple[str, str], Row], podagents: list[str],
     return notes
 
 
+def reward_checks(rows: dict[tuple[str, str], Row], podagents: list[str],
+                  labels: dict[str, str]) -> list[str]:
+    """Rewards that differ, sample by sample: each podagent vs the baseline (per-sample), and
+    the variant vs podagent (every mode)."""
+    base = rows["per-sample", "baseline"]
+    checks = []
+    for name in podagents:
+        ours = rows["per-sample", name]
+        diff = sum(differences(a, b) for a, b in zip(ours.loads, base.loads, strict=True))
+        checks.append(f"- per-sample rewards that differ between {labels[name]} and the "
+                      f"baseline: **{diff}** of {sum(a.samples for a in ours.loads)} samples.")
+    for name in podagents[1:]:
+        for mode in PER_SAMPLE_MODES:
+            a, b = rows[mode, "podagent"], rows[mode, name]
+            diff = sum(differences(x, y) for x, y in zip(a.loads, b.loads, strict=True))
+            checks.append(f"- {mode}: rewards that differ between podagent and "
+                          f"{labels[name]}: {diff} requests.")
+    return checks
+
+
+def start_servers(args: argparse.Namespace, podagents: list[str], dataset: Path, out: Path,
+                  probe: dict[str, list[str]], servers: dict[str, Server]) -> None:
+    """Into `servers`, as each answers (so the caller can stop those that started)."""
+    common = ["--scoring", "openrlhf-m", "--workers", str(args.workers), "--dataset",
+              str(dataset)]
+    for name in podagents:
+        port = free_port()
+        extra = args.server_arg if name == "podagent-variant" else []
+        servers[name] = start(name, [
+            sys.executable, "-m", "podagent.rewards", "--port", str(port), *common, *extra],
+            port, out / f"per-sample-{name}.log", probe)
+    port = free_port()
+    servers["baseline"] = start("baseline", [
+        sys.executable, str(Path(__file__).resolve()), "--serve-baseline", "--port",
+        str(port), *common], port, out / "per-sample-baseline.log", probe)
+
+
+def run_steps(steps: list[Step], servers: dict[str, Server], in_flight: int, out: Path,
+              labels: dict[str, str]) -> dict[tuple[str, str], Row]:
+    rows: dict[tuple[str, str], Row] = {}
+    for step in steps:
+        server = servers[step.server]
+        load = run_load(step.job(f"{server.url}/get_reward", in_flight), server.proc.pid, out,
+                        f"{step.mode}-{step.server}-{step.round}")
+        rows.setdefault((step.mode, step.server), Row(step.mode, step.server, [])
+                        ).loads.append(load)
+        print(f"round {step.round}: {step.mode:>10} {labels[step.server]}: "
+              f"{load.samples / load.wall_s:.1f} samples/s, {load.wall_s:.1f} s, "
+              f"client CPU {load.client_cpu_s:.1f} s, server CPU {load.server_cpu_s:.1f} s"
+              f"{f', {load.failures} FAILED' if load.failures else ''}", flush=True)
+    return rows
+
+
 def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     """openrlhf-m under per-sample load (upstream OpenRLHF's client) and batched load
     (OpenRLHF-M's), podagent and the seed-shaped baseline, in one run on this machine."""
-    variant = ["podagent-variant"] if args.server_arg else []
-    podagents = ["podagent", *variant]
+    podagents = ["podagent", *(["podagent-variant"] if args.server_arg else [])]
     labels = {"podagent": "podagent", "baseline": "baseline (seed-shaped)",
               "podagent-variant": "podagent " + " ".join(args.server_arg)}
     records: list[dict[str, str]] = []
@@ -698,44 +750,21 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     steps = per_sample_plan(args, podagents, records)
     dataset = out / "per-sample-dataset.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in records))
-    common = ["--scoring", "openrlhf-m", "--workers", str(args.workers), "--dataset",
-              str(dataset)]
-    probe = warm[0]
     servers: dict[str, Server] = {}
     cpus = os.cpu_count() or 1
     load_before = os.getloadavg()
     print(f"\nper-sample load (openrlhf-m): {args.samples} samples per run, {args.in_flight} in "
           f"flight; batched: {args.batch} per request from 1 and {CLIENTS} clients; "
           f"{args.rounds} rounds; {args.workers} workers each", flush=True)
-    exit_codes: dict[str, int | None] = {}
     try:
-        for name in podagents:
-            port = free_port()
-            extra = args.server_arg if name == "podagent-variant" else []
-            servers[name] = start(name, [
-                sys.executable, "-m", "podagent.rewards", "--port", str(port), *common, *extra],
-                port, out / f"per-sample-{name}.log", probe)
-        port = free_port()
-        servers["baseline"] = start("baseline", [
-            sys.executable, str(Path(__file__).resolve()), "--serve-baseline", "--port",
-            str(port), *common], port, out / "per-sample-baseline.log", probe)
+        start_servers(args, podagents, dataset, out, warm[0], servers)
         for name, server in servers.items():  # warm-up, not timed
             url = f"{server.url}/get_reward"
             run_load(Job("per-sample", url, warm, in_flight=args.in_flight), server.proc.pid,
                      out, f"warm-{name}")
             if name != "baseline":
                 run_load(Job("batched", url, warm_batch), server.proc.pid, out, f"warm-{name}")
-        rows: dict[tuple[str, str], Row] = {}
-        for step in steps:
-            server = servers[step.server]
-            load = run_load(step.job(f"{server.url}/get_reward", args.in_flight),
-                            server.proc.pid, out, f"{step.mode}-{step.server}-{step.round}")
-            rows.setdefault((step.mode, step.server), Row(step.mode, step.server, [])
-                            ).loads.append(load)
-            print(f"round {step.round}: {step.mode:>10} {labels[step.server]}: "
-                  f"{load.samples / load.wall_s:.1f} samples/s, {load.wall_s:.1f} s, "
-                  f"client CPU {load.client_cpu_s:.1f} s, server CPU {load.server_cpu_s:.1f} s"
-                  f"{f', {load.failures} FAILED' if load.failures else ''}", flush=True)
+        rows = run_steps(steps, servers, args.in_flight, out, labels)
         counters = {}
         for name in podagents:
             health = servers[name].session.get(f"{servers[name].url}/health", timeout=10).json()
@@ -748,19 +777,6 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     ordered = [rows[mode, name] for mode in PER_SAMPLE_MODES for name in servers
                if (mode, name) in rows]
     table_rows = [load_row(row, labels[row.server], cpus) for row in ordered]
-    seed = rows["per-sample", "baseline"]
-    checks = []
-    for name in podagents:
-        ours = rows["per-sample", name]
-        diff = sum(differences(a, b) for a, b in zip(ours.loads, seed.loads, strict=True))
-        checks.append(f"- per-sample rewards that differ between {labels[name]} and the "
-                      f"baseline: **{diff}** of {sum(a.samples for a in ours.loads)} samples.")
-    if variant:
-        for mode in PER_SAMPLE_MODES:
-            a, b = rows[mode, "podagent"], rows[mode, "podagent-variant"]
-            diff = sum(differences(x, y) for x, y in zip(a.loads, b.loads, strict=True))
-            checks.append(f"- {mode}: rewards that differ between podagent and "
-                          f"{labels['podagent-variant']}: {diff} requests.")
     notes = [
         f"- best of {args.rounds} rounds per row (the round with the most samples/s; its p50, "
         f"p99 and CPU shown); each round's workload is new, the per-sample one shared by the "
@@ -770,7 +786,8 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
         f"{100 / cpus:.0f} %), on the same machine as the servers.",
         f"- {args.workers} verifier processes per server; seed {args.seed}; load average "
         f"(1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
-        *ratio_notes(rows, podagents, labels, args.batch), *checks,
+        *ratio_notes(rows, podagents, labels, args.batch),
+        *reward_checks(rows, podagents, labels),
         f"- podagent counters (warm-up included): {json.dumps(counters)}; exit codes after "
         f"SIGTERM: {json.dumps(exit_codes)}.",
     ]
