@@ -8,6 +8,8 @@ requests in alternation, so machine noise falls on both alike. Run from the repo
 
     python bench/reward.py --quick        # a smoke check: a few requests per batch size
     python bench/reward.py                # the full run (several minutes on 2 cores)
+    python bench/reward.py --per-sample-only               # only the per-sample load (below)
+    python bench/reward.py --per-sample-only --server-arg=--item-timeout=10   # and a variant
 
 The workload is GRPO-like and generated from --seed: prompts with realistic LaTeX golds
 (fractions, radicals, multiples of pi, intervals, points, polynomials, sets, percentages,
@@ -33,6 +35,21 @@ verdicts cached by one request help a later one only where a real run would repe
 
 Latency is one request's round trip (requests are sent one at a time); items/s is items
 divided by the sum of that server's latencies. Warm-up requests are not timed.
+
+Per-sample load (openrlhf-m, after the table above or alone with --per-sample-only): upstream
+OpenRLHF posts every sample alone as it finishes, hundreds in flight; OpenRLHF-M posts a batch
+per trainer node. Each run's client is a process of its own (`bench/_reward_load.py`: its CPU
+is measured, and it shares no interpreter lock), on this machine like the servers, so its cost
+per request bounds what any server can show here: the table gives its share of the machine's
+CPUs, and the servers' (each process and its children). Rows: podagent and the baseline under
+--samples one-sample requests, --in-flight at once, a new aiohttp session per request (as
+upstream's client); podagent under batches of --batch items from one client and from 8 clients
+at once (requests.post, as OpenRLHF-M's). samples/s is samples over the wall time from the first
+send to the last reply. Golds are written `$…$` in the dataset, so every item is verified. Every
+round's workloads are new (the per-sample one shared by the servers, so their rewards are
+compared sample by sample), the order of the runs is reversed every other round, and each row
+shows its best round. --server-arg (repeated) starts a second podagent server with those
+arguments, which gets the same loads.
 """
 
 from __future__ import annotations
@@ -59,6 +76,7 @@ sys.path.insert(0, str(REPO))
 import requests  # noqa: E402
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed  # noqa: E402
 
+from bench._reward_load import Job, Load, run_load  # noqa: E402
 from podagent.rewards import openrlhf_m, similar, verify  # noqa: E402
 from podagent.rewards.settings import SCORING, cpu_count  # noqa: E402
 
@@ -438,6 +456,10 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
         lines.append((r["profile"], str(r["batch"]), r["server"], str(r["requests"]),
                       f"{r['items_per_s']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
                       f"{r['ratio']:.2f}x", f"{r['p99_ratio']:.2f}x"))
+    return _layout(head, lines, markdown)
+
+
+def _layout(head: tuple[str, ...], lines: list[tuple[str, ...]], markdown: bool) -> str:
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
@@ -524,14 +546,284 @@ def run_profile(profile: str, args: argparse.Namespace, counts: dict[int, int],
     return result
 
 
+# --- per-sample load: one sample per request, many in flight -----------------------------------
+
+PER_SAMPLE = 1024  # samples per run (quick: QUICK_PER_SAMPLE)
+QUICK_PER_SAMPLE = 128
+IN_FLIGHT = 256
+BATCH = 256  # the batched rows' request size (quick: QUICK_BATCH)
+QUICK_BATCH = 16
+CLIENTS = 8  # trainer nodes posting batches at once
+ROUNDS = 4  # even: each order of the runs comes up as often
+WARMUP_SAMPLES = 256  # and one batch: the verdict and parse caches warm before round 0
+PER_SAMPLE_MODES = ("per-sample", "batched-1", f"batched-{CLIENTS}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One timed run: `server` gets `payloads` in `mode` (its client shape)."""
+
+    mode: str
+    server: str
+    round: int
+    payloads: list[dict[str, list[str]]]
+
+    def job(self, url: str, in_flight: int) -> Job:
+        if self.mode == "per-sample":
+            return Job("per-sample", url, self.payloads, in_flight=in_flight)
+        return Job("batched", url, self.payloads, clients=int(self.mode.split("-")[1]))
+
+
+def _in_dollars(records: list[dict[str, str]]) -> list[dict[str, str]]:
+    # Golds written as `$…$`, as datasets write them: each one parses, so no item is scored
+    # without being verified.
+    return [{**r, "answer": f"${r['answer']}$"} for r in records]
+
+
+def _samples(seed: int, count: int, records: list[dict[str, str]]) -> list[dict[str, list[str]]]:
+    """`count` one-sample requests as upstream OpenRLHF sends them (query, prompts, labels)."""
+    payloads, new = seed_workload(seed, 1, count)
+    new = _in_dollars(new)
+    records.extend(new)
+    golds = {r["prompt"]: r["answer"] for r in new}
+    return [{**p, "labels": [golds[p["prompts"][0]]]} for p in payloads]
+
+
+def _batches(seed: int, batch: int, count: int,
+             records: list[dict[str, str]]) -> list[dict[str, list[str]]]:
+    payloads, new = seed_workload(seed, batch, count)
+    records.extend(_in_dollars(new))
+    return payloads
+
+
+def per_sample_plan(args: argparse.Namespace, podagents: list[str],
+                    records: list[dict[str, str]]) -> list[Step]:
+    """Every round's runs, each round's workloads new (no server has seen them); the order is
+    reversed every other round so the machine's noise falls on every row alike."""
+    samples, batch = args.samples, args.batch
+    batched_8 = max(samples, CLIENTS * batch) // batch  # at least one batch per client
+    steps = []
+    for number in range(args.rounds):
+        seed = args.seed * 100 + 10 * number
+        shared = _samples(seed, samples, records)  # the same samples for every server
+        one = _batches(seed + 1, batch, -(-samples // batch), records)
+        eight = _batches(seed + 2, batch, batched_8, records)
+        order = [Step("per-sample", s, number, shared) for s in podagents]
+        order.append(Step("per-sample", "baseline", number, shared))
+        for name in podagents:
+            order += [Step("batched-1", name, number, one),
+                      Step(PER_SAMPLE_MODES[2], name, number, eight)]
+        steps += order if number % 2 == 0 else order[::-1]
+    return steps
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    server: str
+    loads: list[Load]  # one per round
+
+    @property
+    def best(self) -> Load:
+        return max(self.loads, key=lambda load: load.samples / load.wall_s)
+
+    def rate(self, load: Load | None = None) -> float:
+        load = load or self.best
+        return load.samples / load.wall_s
+
+
+def load_row(row: Row, label: str, cpus: int) -> dict[str, Any]:
+    best = row.best
+    return {"mode": row.mode, "server": label, "samples": best.samples,
+            "requests": len(best.latencies), "samples_per_s": row.rate(),
+            "rounds_samples_per_s": [row.rate(load) for load in row.loads],
+            "p50_ms": 1000 * statistics.median(best.latencies),
+            "p99_ms": 1000 * percentile(best.latencies, 99),
+            "client_cpu_share": best.client_cpu_s / (best.wall_s * cpus),
+            "server_cpu_share": best.server_cpu_s / (best.wall_s * cpus),
+            "server_cpu_ms_per_sample": 1000 * best.server_cpu_s / best.samples,
+            "retries": best.retries, "failures": best.failures}
+
+
+def render_load(rows: list[dict[str, Any]], markdown: bool) -> str:
+    head = ("mode", "server", "samples", "requests", "samples/s", "p50 ms", "p99 ms",
+            "client CPU share", "server CPU share", "server CPU ms/sample", "retries")
+    lines = [(r["mode"], r["server"], str(r["samples"]), str(r["requests"]),
+              f"{r['samples_per_s']:.1f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
+              f"{100 * r['client_cpu_share']:.0f} %", f"{100 * r['server_cpu_share']:.0f} %",
+              f"{r['server_cpu_ms_per_sample']:.1f}", str(r["retries"])) for r in rows]
+    return _layout(head, lines, markdown)
+
+
+def differences(a: Load, b: Load) -> int:
+    """Requests whose rewards differ (a failed request counts as a difference)."""
+    return sum(x is None or x != y for x, y in zip(a.rewards, b.rewards, strict=True))
+
+
+def ratio_notes(rows: dict[tuple[str, str], Row], podagents: list[str],
+                labels: dict[str, str], batch: int) -> list[str]:
+    notes = []
+    base = rows["per-sample", "baseline"]
+    for name in podagents:
+        ours, batched = rows["per-sample", name], rows[PER_SAMPLE_MODES[2], name]
+        per_round = [ours.rate(a) / base.rate(b)
+                     for a, b in zip(ours.loads, base.loads, strict=True)]
+        notes.append(
+            f"- {labels[name]} per-sample / {labels['baseline']} per-sample: "
+            f"**{ours.rate() / base.rate():.2f}x** (rounds: "
+            f"{', '.join(f'{r:.2f}x' for r in per_round)}); {labels[name]} per-sample / "
+            f"{labels[name]} batched ({batch} per request) from {CLIENTS} clients: "
+            f"**{ours.rate() / batched.rate():.2f}x**.")
+    if "podagent-variant" in podagents:
+        ratios = []
+        for mode in PER_SAMPLE_MODES:
+            a, b = rows[mode, "podagent-variant"], rows[mode, "podagent"]
+            ratios.append(f"{mode} **{a.rate() / b.rate():.2f}x** (rounds: " + ", ".join(
+                f"{a.rate(x) / b.rate(y):.2f}x" for x, y in zip(a.loads, b.loads, strict=True))
+                + ")")
+        notes.append(f"- {labels['podagent-variant']} / podagent: {'; '.join(ratios)}.")
+    return notes
+
+
+def reward_checks(rows: dict[tuple[str, str], Row], podagents: list[str],
+                  labels: dict[str, str]) -> list[str]:
+    """Rewards that differ, sample by sample: each podagent vs the baseline (per-sample), and
+    the variant vs podagent (every mode)."""
+    base = rows["per-sample", "baseline"]
+    checks = []
+    for name in podagents:
+        ours = rows["per-sample", name]
+        diff = sum(differences(a, b) for a, b in zip(ours.loads, base.loads, strict=True))
+        checks.append(f"- per-sample rewards that differ between {labels[name]} and the "
+                      f"baseline: **{diff}** of {sum(a.samples for a in ours.loads)} samples.")
+    for name in podagents[1:]:
+        for mode in PER_SAMPLE_MODES:
+            a, b = rows[mode, "podagent"], rows[mode, name]
+            diff = sum(differences(x, y) for x, y in zip(a.loads, b.loads, strict=True))
+            checks.append(f"- {mode}: rewards that differ between podagent and "
+                          f"{labels[name]}: {diff} requests.")
+    return checks
+
+
+def start_servers(args: argparse.Namespace, podagents: list[str], dataset: Path, out: Path,
+                  probe: dict[str, list[str]], servers: dict[str, Server]) -> None:
+    """Into `servers`, as each answers (so the caller can stop those that started)."""
+    common = ["--scoring", "openrlhf-m", "--workers", str(args.workers), "--dataset",
+              str(dataset)]
+    for name in podagents:
+        port = free_port()
+        extra = args.server_arg if name == "podagent-variant" else []
+        servers[name] = start(name, [
+            sys.executable, "-m", "podagent.rewards", "--port", str(port), *common, *extra],
+            port, out / f"per-sample-{name}.log", probe)
+    port = free_port()
+    servers["baseline"] = start("baseline", [
+        sys.executable, str(Path(__file__).resolve()), "--serve-baseline", "--port",
+        str(port), *common], port, out / "per-sample-baseline.log", probe)
+
+
+def run_steps(steps: list[Step], servers: dict[str, Server], in_flight: int, out: Path,
+              labels: dict[str, str]) -> dict[tuple[str, str], Row]:
+    rows: dict[tuple[str, str], Row] = {}
+    for step in steps:
+        server = servers[step.server]
+        load = run_load(step.job(f"{server.url}/get_reward", in_flight), server.proc.pid, out,
+                        f"{step.mode}-{step.server}-{step.round}")
+        rows.setdefault((step.mode, step.server), Row(step.mode, step.server, [])
+                        ).loads.append(load)
+        print(f"round {step.round}: {step.mode:>10} {labels[step.server]}: "
+              f"{load.samples / load.wall_s:.1f} samples/s, {load.wall_s:.1f} s, "
+              f"client CPU {load.client_cpu_s:.1f} s, server CPU {load.server_cpu_s:.1f} s"
+              f"{f', {load.failures} FAILED' if load.failures else ''}", flush=True)
+    return rows
+
+
+def run_per_sample(args: argparse.Namespace, out: Path) -> None:
+    """openrlhf-m under per-sample load (upstream OpenRLHF's client) and batched load
+    (OpenRLHF-M's), podagent and the seed-shaped baseline, in one run on this machine."""
+    podagents = ["podagent", *(["podagent-variant"] if args.server_arg else [])]
+    labels = {"podagent": "podagent", "baseline": "baseline (seed-shaped)",
+              "podagent-variant": "podagent " + " ".join(args.server_arg)}
+    records: list[dict[str, str]] = []
+    warm = _samples(args.seed * 100 + 99, min(WARMUP_SAMPLES, args.samples), records)
+    warm_batch = _batches(args.seed * 100 + 98, args.batch, 1, records)
+    steps = per_sample_plan(args, podagents, records)
+    dataset = out / "per-sample-dataset.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in records))
+    servers: dict[str, Server] = {}
+    cpus = os.cpu_count() or 1
+    load_before = os.getloadavg()
+    print(f"\nper-sample load (openrlhf-m): {args.samples} samples per run, {args.in_flight} in "
+          f"flight; batched: {args.batch} per request from 1 and {CLIENTS} clients; "
+          f"{args.rounds} rounds; {args.workers} workers each", flush=True)
+    try:
+        start_servers(args, podagents, dataset, out, warm[0], servers)
+        for name, server in servers.items():  # warm-up, not timed
+            url = f"{server.url}/get_reward"
+            run_load(Job("per-sample", url, warm, in_flight=args.in_flight), server.proc.pid,
+                     out, f"warm-{name}")
+            if name != "baseline":
+                run_load(Job("batched", url, warm_batch), server.proc.pid, out, f"warm-{name}")
+        rows = run_steps(steps, servers, args.in_flight, out, labels)
+        counters = {}
+        for name in podagents:
+            health = servers[name].session.get(f"{servers[name].url}/health", timeout=10).json()
+            counters[name] = {k: health[k] for k in (
+                "items", "fast_path", "cache_hits", "deduped", "verified", "timeouts",
+                "gold_parses", "quirks")}
+    finally:
+        exit_codes = {name: server.stop() for name, server in servers.items()}
+    load_after = os.getloadavg()
+    ordered = [rows[mode, name] for mode in PER_SAMPLE_MODES for name in servers
+               if (mode, name) in rows]
+    table_rows = [load_row(row, labels[row.server], cpus) for row in ordered]
+    notes = [
+        f"- best of {args.rounds} rounds per row (the round with the most samples/s; its p50, "
+        f"p99 and CPU shown); each round's workload is new, the per-sample one shared by the "
+        f"servers; the order of the runs is reversed every other round.",
+        f"- CPU shares are CPU seconds / (wall seconds x {cpus} CPUs of this machine); the "
+        f"client is one process (per-sample: one asyncio loop, so at most 1/{cpus} = "
+        f"{100 / cpus:.0f} %), on the same machine as the servers.",
+        f"- {args.workers} verifier processes per server; seed {args.seed}; load average "
+        f"(1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
+        *ratio_notes(rows, podagents, labels, args.batch),
+        *reward_checks(rows, podagents, labels),
+        f"- podagent counters (warm-up included): {json.dumps(counters)}; exit codes after "
+        f"SIGTERM: {json.dumps(exit_codes)}.",
+    ]
+    print()
+    print(render_load(table_rows, markdown=False))
+    print()
+    markdown = render_load(table_rows, markdown=True) + "\n\n" + "\n".join(notes)
+    print(markdown)
+    (out / "per-sample.md").write_text(markdown + "\n")
+    (out / "per-sample.json").write_text(json.dumps({
+        "rows": table_rows, "args": {k: v for k, v in vars(args).items() if k != "scoring"},
+        "cpus": cpus, "load_before": load_before, "load_after": load_after,
+        "counters": counters, "exit_codes": exit_codes, "notes": notes,
+        "runs": [{"mode": r.mode, "server": labels[r.server], "loads": [
+            {"wall_s": x.wall_s, "client_cpu_s": x.client_cpu_s,
+             "server_cpu_s": x.server_cpu_s, "latencies": x.latencies, "retries": x.retries,
+             "failures": x.failures} for x in r.loads]} for r in ordered]}, indent=1) + "\n")
+
+
 def run(args: argparse.Namespace) -> int:
-    counts = QUICK_REQUESTS if args.quick else FULL_REQUESTS
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = Path(args.out) / f"reward-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
+    print(f"results in {out}", flush=True)
+    if not args.per_sample_only:
+        run_batched(args, out)
+    if "openrlhf-m" in args.scoring:
+        run_per_sample(args, out)
+    return 0
+
+
+def run_batched(args: argparse.Namespace, out: Path) -> None:
+    """The older table: batches of 1, 64 and 256 sent one at a time, every profile."""
+    counts = QUICK_REQUESTS if args.quick else FULL_REQUESTS
     load_before = os.getloadavg()
-    print(f"workers {args.workers} each; load average {load_before[0]:.2f} (1 min); "
-          f"results in {out}", flush=True)
+    print(f"workers {args.workers} each; load average {load_before[0]:.2f} (1 min)", flush=True)
     profiles = [run_profile(name, args, counts, out) for name in args.scoring]
     rows = [row for p in profiles for row in table(p.name, p.servers, BATCHES)]
     load_after = os.getloadavg()
@@ -560,7 +852,6 @@ def run(args: argparse.Namespace) -> int:
                               "counters": p.counters, "exit_codes": p.exit_codes,
                               "latencies": {s.name: s.latencies for s in p.servers}}
                      for p in profiles}}, indent=1) + "\n")
-    return 0
 
 
 def _profiles(raw: str) -> list[str]:
@@ -581,9 +872,28 @@ def main() -> int:
     parser.add_argument("--dataset", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"),
                         help="results directory (git-ignored)")
+    load = parser.add_argument_group(
+        "per-sample load (openrlhf-m; runs after the batched table, or alone)")
+    load.add_argument("--per-sample-only", action="store_true",
+                      help="skip the older batched table")
+    load.add_argument("--samples", type=int,
+                      help=f"samples per run (default {PER_SAMPLE}; quick {QUICK_PER_SAMPLE})")
+    load.add_argument("--in-flight", type=int, default=IN_FLIGHT,
+                      help=f"per-sample requests outstanding at once (default {IN_FLIGHT})")
+    load.add_argument("--batch", type=int,
+                      help=f"items per batched request (default {BATCH}; quick {QUICK_BATCH})")
+    load.add_argument("--rounds", type=int, default=ROUNDS,
+                      help=f"rounds of every run; the best is shown (default {ROUNDS})")
+    load.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                      help="an argument for a second podagent server that gets the same loads "
+                           "(repeat for several: --server-arg=--item-timeout=10)")
     parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.samples is None:
+        args.samples = QUICK_PER_SAMPLE if args.quick else PER_SAMPLE
+    if args.batch is None:
+        args.batch = QUICK_BATCH if args.quick else BATCH
     if args.serve_baseline:
         serve_baseline("127.0.0.1", args.port, args.workers, args.scoring[0], args.dataset)
         return 0
