@@ -6,8 +6,9 @@ with the bench. Two shapes, as the trainers' public clients send:
 * per-sample (upstream OpenRLHF): every sample, as it finishes, is posted alone
   (`{"query": [q], "prompts": [p], "labels": [l]}`) by asyncio + aiohttp with a new
   `ClientSession` (so a new TCP connection) per request and a 180 s total timeout, up to 5 tries
-  1 s apart, `raise_for_status()`, and `scores` read (else `rewards`). Here `in_flight` requests
-  are outstanding at any moment until every sample is sent.
+  1 s apart, `raise_for_status()`; the bench keeps `rewards`, to compare servers by. Here
+  `in_flight` requests are outstanding at any moment until every sample is sent (`clients`
+  processes share them).
 * batched (OpenRLHF-M): each trainer node posts its whole batch with `requests.post(json=...,
   timeout=180)`; `clients` threads each post their share of the batches one after another.
 
@@ -43,8 +44,8 @@ class Job:
     mode: str  # "per-sample" or "batched"
     url: str
     payloads: list[dict[str, list[str]]]
-    in_flight: int = 1  # per-sample
-    clients: int = 1  # batched
+    in_flight: int = 1  # per-sample: in all, shared by the client processes
+    clients: int = 1  # batched: threads; per-sample: processes (vLLM engines on many nodes)
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,15 @@ class Sent:
 
 
 def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """This process's CPU and its reaped children's (the per-sample client processes)."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _rewards(reply: dict[str, Any]) -> list[float]:
-    return reply["scores"] if "scores" in reply else reply["rewards"]
+    # Upstream reads `scores` (else `rewards`) for its filter; the bench compares `rewards`,
+    # which every server sends (the seed's sends no `scores`).
+    return reply["rewards"]
 
 
 async def _post_one(url: str, payload: dict[str, list[str]]) -> Sent:
@@ -101,6 +105,26 @@ async def _per_sample(job: Job) -> list[Sent]:
 
     await asyncio.gather(*(lane() for _ in range(min(job.in_flight, len(job.payloads)))))
     return [s for s in sent if s is not None]
+
+
+def _per_sample_share(job: Job, share: int) -> list[tuple[int, Sent]]:
+    """In a forked client process: every `job.clients`-th sample from `share` on."""
+    import asyncio
+
+    indices = list(range(share, len(job.payloads), job.clients))
+    part = Job("per-sample", job.url, [job.payloads[i] for i in indices],
+               in_flight=max(1, job.in_flight // job.clients))
+    return list(zip(indices, asyncio.run(_per_sample(part)), strict=True))
+
+
+def _per_sample_processes(job: Job) -> list[Sent]:
+    """One client process is capped by its own CPU (about 0.6 ms a request): upstream's load
+    comes from many engines, so several processes share the samples and the in-flight count."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(job.clients) as pool:
+        shares = pool.starmap(_per_sample_share, [(job, n) for n in range(job.clients)])
+    return [sent for _, sent in sorted(pair for share in shares for pair in share)]
 
 
 def _batched(job: Job) -> list[Sent]:
@@ -139,7 +163,11 @@ def client_main(job_path: str, result_path: str) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     cpu, started = _cpu_seconds(), time.perf_counter()
-    sent = asyncio.run(_per_sample(job)) if job.mode == "per-sample" else _batched(job)
+    if job.mode == "per-sample":
+        sent = (_per_sample_processes(job) if job.clients > 1
+                else asyncio.run(_per_sample(job)))
+    else:
+        sent = _batched(job)
     wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     Path(result_path).write_text(json.dumps({
         "wall_s": wall, "cpu_s": cpu, "latencies": [s.latency for s in sent],

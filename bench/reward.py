@@ -568,9 +568,10 @@ class Step:
     round: int
     payloads: list[dict[str, list[str]]]
 
-    def job(self, url: str, in_flight: int) -> Job:
+    def job(self, url: str, in_flight: int, sample_clients: int = 1) -> Job:
         if self.mode == "per-sample":
-            return Job("per-sample", url, self.payloads, in_flight=in_flight)
+            return Job("per-sample", url, self.payloads, in_flight=in_flight,
+                       clients=sample_clients)
         return Job("batched", url, self.payloads, clients=int(self.mode.split("-")[1]))
 
 
@@ -722,12 +723,13 @@ def start_servers(args: argparse.Namespace, podagents: list[str], dataset: Path,
         str(port), *common], port, out / "per-sample-baseline.log", probe)
 
 
-def run_steps(steps: list[Step], servers: dict[str, Server], in_flight: int, out: Path,
-              labels: dict[str, str]) -> dict[tuple[str, str], Row]:
+def run_steps(steps: list[Step], servers: dict[str, Server], args: argparse.Namespace,
+              out: Path, labels: dict[str, str]) -> dict[tuple[str, str], Row]:
     rows: dict[tuple[str, str], Row] = {}
     for step in steps:
         server = servers[step.server]
-        load = run_load(step.job(f"{server.url}/get_reward", in_flight), server.proc.pid, out,
+        job = step.job(f"{server.url}/get_reward", args.in_flight, args.sample_clients)
+        load = run_load(job, server.proc.pid, out,
                         f"{step.mode}-{step.server}-{step.round}")
         rows.setdefault((step.mode, step.server), Row(step.mode, step.server, [])
                         ).loads.append(load)
@@ -754,7 +756,8 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     cpus = os.cpu_count() or 1
     load_before = os.getloadavg()
     print(f"\nper-sample load (openrlhf-m): {args.samples} samples per run, {args.in_flight} in "
-          f"flight; batched: {args.batch} per request from 1 and {CLIENTS} clients; "
+          f"flight from {args.sample_clients} client process(es); batched: {args.batch} per "
+          f"request from 1 and {CLIENTS} clients; "
           f"{args.rounds} rounds; {args.workers} workers each", flush=True)
     try:
         start_servers(args, podagents, dataset, out, warm[0], servers)
@@ -764,7 +767,7 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
                      out, f"warm-{name}")
             if name != "baseline":
                 run_load(Job("batched", url, warm_batch), server.proc.pid, out, f"warm-{name}")
-        rows = run_steps(steps, servers, args.in_flight, out, labels)
+        rows = run_steps(steps, servers, args, out, labels)
         counters = {}
         for name in podagents:
             health = servers[name].session.get(f"{servers[name].url}/health", timeout=10).json()
@@ -880,6 +883,9 @@ def main() -> int:
                       help=f"samples per run (default {PER_SAMPLE}; quick {QUICK_PER_SAMPLE})")
     load.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                       help=f"per-sample requests outstanding at once (default {IN_FLIGHT})")
+    load.add_argument("--sample-clients", type=int, default=1,
+                      help="client processes sharing the per-sample load (one is capped by its "
+                           "own CPU near 1,700 requests/s; default 1)")
     load.add_argument("--batch", type=int,
                       help=f"items per batched request (default {BATCH}; quick {QUICK_BATCH})")
     load.add_argument("--rounds", type=int, default=ROUNDS,

@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,5 +230,22 @@ def configure_logging() -> None:
 def serve(settings: RewardSettings, golds: GoldIndex | None = None) -> int:
     """Runs until SIGTERM or SIGINT, then stops the pool; returns the exit code (0)."""
     configure_logging()
-    asyncio.run(_serve(settings, golds))
+    run_loop(_serve(settings, golds))
     return 0
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """`main` on uvloop where it is installed (the reward extra brings it; vLLM images have
+    it): it takes about a fifth less of the event loop's CPU per request, and with a sample per
+    request (upstream OpenRLHF) that loop is what caps the server. asyncio's loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    if sys.version_info < (3, 11):  # no asyncio.Runner: the policy (this process is the server)
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
