@@ -534,6 +534,10 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
     RewardField("port", port, "TCP port to listen on.", 5000),
     RewardField("workers", whole(1, 1024), "Verifier processes.", 1,
                 default_doc="CPUs this process may use"),
+    RewardField("listeners", whole(1, 64),
+                "Server processes accepting requests on the port, each with its share of the "
+                "workers: with one sample per request one process's event loop caps the rate.",
+                1, default_doc="1 per 8 CPUs, at most 4"),
     RewardField("item_timeout", number(0.1, 600),
                 "Seconds one item may take to verify; past it the worker is killed and the "
                 "item scores 0.", 5.0),

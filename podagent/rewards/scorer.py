@@ -184,6 +184,7 @@ class Scorer:
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-prep")
         self.preparing = 0  # requests being prepared
         self.dataset_audit: dict[str, Any] | None = None  # `audit`, once the server ran it
+        self.listener = (1, 1)  # which of the server's processes answers (`listeners`)
 
     def close(self) -> None:
         self._prep.shutdown(wait=False, cancel_futures=True)
@@ -202,6 +203,7 @@ class Scorer:
             "extra_logs": self.extra_logs,
             "dataset_prompts": len(self.golds) if self.golds is not None else None,
             "dataset_audit": self.dataset_audit,
+            "listener": self.listener[0], "listeners": self.listener[1],
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from podagent.rewards import audit, func
+from podagent.rewards import audit, func, listeners
 from podagent.rewards.dataset import GoldIndex
 from podagent.rewards.pool import VerifierPool
 from podagent.rewards.scorer import (
@@ -164,9 +164,12 @@ def load_golds(settings: RewardSettings) -> GoldIndex | None:
 
 
 @contextlib.asynccontextmanager
-async def running(settings: RewardSettings,
-                  golds: GoldIndex | None = None) -> AsyncIterator[Running]:
+async def running(settings: RewardSettings, golds: GoldIndex | None = None,
+                  listener: int = 0, members: listeners.Members | None = None
+                  ) -> AsyncIterator[Running]:
     """The server, listening, inside the current event loop; stopped (pool too) on exit.
+    `listener`: which of `settings.listeners` processes this is (`listeners`); the first
+    listens once the others (`members`) do.
 
     Raises OSError if the address cannot be bound."""
     pool = VerifierPool(settings.workers, settings.item_timeout,
@@ -176,7 +179,11 @@ async def running(settings: RewardSettings,
         # Listening only once the workers answer: a probe that gets 200 means ready.
         try:
             await pool.warm(scorer.probe)
-            await _audit(settings, golds, scorer, pool)
+            scorer.listener = (listener + 1, settings.listeners)
+            if listener == 0:  # one audit, one warning, whatever the number of listeners
+                await _audit(settings, golds, scorer, pool)
+            if members is not None:
+                await asyncio.get_running_loop().run_in_executor(None, members.wait_listening)
         except BaseException:
             scorer.close()
             raise
@@ -184,7 +191,8 @@ async def running(settings: RewardSettings,
                                shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True,
+                               reuse_port=settings.listeners > 1 or None)
             await site.start()
             sockets = site._server.sockets if site._server else ()  # type: ignore[union-attr]
             port = sockets[0].getsockname()[1] if sockets else settings.port
@@ -197,21 +205,47 @@ async def running(settings: RewardSettings,
         await asyncio.get_running_loop().run_in_executor(None, pool.close)
 
 
-async def _serve(settings: RewardSettings, golds: GoldIndex | None) -> None:
+async def _serve(settings: RewardSettings, golds: GoldIndex | None, listener: int = 0,
+                 members: listeners.Members | None = None, parent: int | None = None,
+                 listening: Any = None) -> int:
+    """Serves until SIGTERM or SIGINT (0), or until another listener exits (1); a listener
+    other than the first (`parent` set) also stops when the first is gone."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with running(settings, golds) as server:
-        log.info("listening on %s: scoring %s; %d workers, item timeout %g s, format weight "
+    failed = None
+    async with running(settings, golds, listener, members) as server:
+        if listening is not None:  # the first listener waits for this before it listens
+            listening.send(True)
+        log.info("listening on %s: scoring %s; %d workers%s, item timeout %g s, format weight "
                  "%g%s", server.url,
                  describe(settings.scoring, settings.template, settings.strict, settings.func),
                  settings.workers,
+                 f" (listener {listener + 1} of {settings.listeners})"
+                 if settings.listeners > 1 else "",
                  settings.item_timeout, settings.format_weight,
                  f", {len(golds)} dataset prompts" if golds is not None else "")
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait())]
+        if members is not None:
+            waits.append(asyncio.ensure_future(listeners.watch_members(members.processes,
+                                                                       stop)))
+        if parent is not None:
+            waits.append(asyncio.ensure_future(listeners.orphaned(parent)))
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        failed = next((w.result() for w in done if isinstance(w.result(), str)), None)
+        if failed:
+            log.error("stopping: %s", failed)
         log.info("stopping: %s", _summary(server.scorer))
     log.info("stopped")
+    return 1 if failed else 0
+
+
+async def serve_listener(settings: RewardSettings, golds: GoldIndex | None, listener: int,
+                         parent: int, listening: Any) -> int:
+    return await _serve(settings, golds, listener, parent=parent, listening=listening)
 
 
 def _summary(scorer: Scorer) -> str:
@@ -228,24 +262,29 @@ def configure_logging() -> None:
 
 
 def serve(settings: RewardSettings, golds: GoldIndex | None = None) -> int:
-    """Runs until SIGTERM or SIGINT, then stops the pool; returns the exit code (0)."""
+    """Runs until SIGTERM or SIGINT, then stops the pool; returns the exit code (0; 1 when
+    one of several listeners died). Raises OSError when the address cannot be bound."""
     configure_logging()
-    run_loop(_serve(settings, golds))
-    return 0
+    members = None
+    if settings.listeners > 1:
+        settings, members = listeners.start_members(settings)
+    try:
+        return run_loop(_serve(settings, golds, members=members))
+    finally:
+        if members is not None:
+            listeners.stop_members(members.processes)
 
 
-def run_loop(main: Coroutine[Any, Any, None]) -> None:
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
     """`main` on uvloop where it is installed (the reward extra brings it; vLLM images have
     it): it takes about a fifth less of the event loop's CPU per request, and with a sample per
     request (upstream OpenRLHF) that loop is what caps the server. asyncio's loop otherwise."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
+        return asyncio.run(main)
     if sys.version_info < (3, 11):  # no asyncio.Runner: the policy (this process is the server)
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        asyncio.run(main)
-        return
+        return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
+        return runner.run(main)

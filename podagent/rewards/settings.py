@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from podagent import config
 from podagent.choices import SCORING  # noqa: F401 (its old home: bench and others name it here)
+from podagent.errors import ConfigError
 
 # The table is declared in podagent.config (podagent warns about a misspelt PODAGENT_REWARD_*
 # variable without importing the reward server); these are its names here.
@@ -47,10 +48,22 @@ def build(flags: Mapping[str, str | None] | None = None,
     env = os.environ if environ is None else environ
     values, sources = config.read_fields(FIELDS, flags or {}, env)
     values.setdefault("workers", cpu_count())
+    values.setdefault("listeners", min(values["workers"], default_listeners(cpu_count())))
+    if values["listeners"] > values["workers"]:
+        attr = "listeners"
+        raise ConfigError(FIELD_BY_ATTR[attr].flag if sources.get(attr) == "flag"
+                          else FIELD_BY_ATTR[attr].env, str(values[attr]),
+                          f"must be at most the verifier workers ({values['workers']}): each "
+                          f"listener has its own")
     for f in FIELDS:
         if f.attr not in values and f.default is not None:
             values[f.attr] = f.default
     return RewardSettings(**values, sources=sources)
+
+
+def default_listeners(cpus: int) -> int:
+    """One listener per 8 CPUs, at most 4: past that, workers rather than HTTP are the cap."""
+    return max(1, min(4, cpus // 8))
 
 
 def describe(scoring: str, template: str, strict: bool, func: str | None = None) -> str:
