@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -75,9 +76,11 @@ class Members:
                     raise WorkersFailed(f"{process.name} did not listen within {deadline:g} s")
 
 
-def start_members(settings: RewardSettings) -> tuple[RewardSettings, Members]:
-    """Starts listeners 2..N (spawned: a fresh interpreter each); this process's settings
-    (its share of the workers) and the others."""
+def start_members(settings: RewardSettings, target: Callable[..., None]
+                  ) -> tuple[RewardSettings, Members]:
+    """Starts listeners 2..N (spawned: a fresh interpreter each), each running
+    `target(settings, index, parent pid, listening pipe)`; this process's settings (its share
+    of the workers) and the others."""
     count = settings.listeners
     check_port_free(settings.host, settings.port)
     split = shares(settings.workers, count)
@@ -85,7 +88,7 @@ def start_members(settings: RewardSettings) -> tuple[RewardSettings, Members]:
     members = Members()
     for index in range(1, count):
         ready, listening = context.Pipe(duplex=False)
-        member = context.Process(target=member_main, name=f"reward-listener-{index + 1}",
+        member = context.Process(target=target, name=f"reward-listener-{index + 1}",
                                  args=(replace(settings, workers=split[index]), index,
                                        os.getpid(), listening))
         member.start()
@@ -93,15 +96,6 @@ def start_members(settings: RewardSettings) -> tuple[RewardSettings, Members]:
         members.processes.append(member)
         members.listening.append(ready)
     return replace(settings, workers=split[0]), members
-
-
-def member_main(settings: RewardSettings, index: int, parent: int, listening: Any) -> None:
-    """A listener other than the first, in its own process."""
-    from podagent.rewards import server
-
-    server.configure_logging()
-    server.run_loop(server.serve_listener(settings, server.load_golds(settings), index,
-                                          parent, listening))
 
 
 async def watch_members(members: list[BaseProcess], stop: asyncio.Event) -> str | None:

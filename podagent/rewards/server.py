@@ -243,9 +243,12 @@ async def _serve(settings: RewardSettings, golds: GoldIndex | None, listener: in
     return 1 if failed else 0
 
 
-async def serve_listener(settings: RewardSettings, golds: GoldIndex | None, listener: int,
-                         parent: int, listening: Any) -> int:
-    return await _serve(settings, golds, listener, parent=parent, listening=listening)
+def serve_listener(settings: RewardSettings, listener: int, parent: int,
+                   listening: Any) -> None:
+    """A listener other than the first, in its own process (`listeners`)."""
+    configure_logging()
+    run_loop(_serve(settings, load_golds(settings), listener, parent=parent,
+                    listening=listening))
 
 
 def _summary(scorer: Scorer) -> str:
@@ -267,7 +270,7 @@ def serve(settings: RewardSettings, golds: GoldIndex | None = None) -> int:
     configure_logging()
     members = None
     if settings.listeners > 1:
-        settings, members = listeners.start_members(settings)
+        settings, members = listeners.start_members(settings, serve_listener)
     try:
         return run_loop(_serve(settings, golds, members=members))
     finally:
