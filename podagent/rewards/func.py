@@ -225,7 +225,7 @@ class FuncScorer(Scorer):
 
     async def score(self, items: list[Item]) -> dict[str, Any]:
         self.stats.items += len(items)
-        size = max(1, min(MAX_CHUNK, -(-len(items) // self.pool.workers)))
+        size = self.pool.chunk_size(len(items), MAX_CHUNK)
         chunks = [items[start:start + size] for start in range(0, len(items), size)]
         self._running += len(items)
         try:

@@ -74,6 +74,13 @@ class VerifierPool:
         self._pool = pebble.ProcessPool(max_workers=workers, initializer=_init_worker,
                                         context=context)
         self._closing = False
+        self.running = 0  # tasks scheduled and not yet done
+
+    def chunk_size(self, items: int, most: int) -> int:
+        """Items per task for `items` new ones: spread over the idle workers, but when every
+        worker is busy they would only queue, and fewer, bigger tasks cost less to send."""
+        idle = max(1, self.workers - self.running)
+        return max(1, min(most, -(-items // idle)))
 
     async def warm(self, probe: Callable[[], Any], timeout: float = 300.0) -> None:
         """Waits until every worker answers `probe` (a coroutine factory returning True when
@@ -93,10 +100,13 @@ class VerifierPool:
         """`function(*args)` in a worker, killed past the item timeout. A failure is logged
         with `what` (the item, briefly); `what=None`: the caller deals with it."""
         future = self._pool.schedule(function, args=args, timeout=self.item_timeout)
+        self.running += 1
         try:
             return Ran("ok", await asyncio.wrap_future(future))
         except Exception as exc:
             return Ran(self._failed(exc, what))
+        finally:
+            self.running -= 1
 
     async def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`function(*args)` in a worker with no item limit (the caller bounds the wait): its

@@ -21,7 +21,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -554,7 +553,7 @@ class OpenrlhfMScorer(Scorer):
             self._inflight[key] = future
             future.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
         ordered = sorted(new, key=lambda key: new[key][0])
-        size = max(1, min(MAX_GROUP, math.ceil(len(new) / self.pool.workers)))
+        size = self.pool.chunk_size(len(new), MAX_GROUP)
         for start in range(0, len(ordered), size):
             keys = ordered[start : start + size]
             task = asyncio.ensure_future(self._verify(keys, [new[k] for k in keys]))
