@@ -22,8 +22,8 @@ class Extra:
 
 
 EXTRAS = {
-    "reward": Extra("reward", ("aiohttp", "pebble", "math_verify"),
-                    "aiohttp, pebble and math-verify"),
+    "reward": Extra("reward", ("aiohttp", "pebble", "math_verify", "pylatexenc"),
+                    "aiohttp, pebble, math-verify and pylatexenc"),
     "wandb": Extra("wandb", ("wandb",), "wandb"),
     "up": Extra("up", ("rich",), "rich"),
 }

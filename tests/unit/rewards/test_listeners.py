@@ -23,11 +23,11 @@ QUERY = "<|im_start|>assistant\n<think>t</think><answer>$4$</answer>"
 
 def start(tmp_path, *args: str) -> tuple[subprocess.Popen, str, list[psutil.Process]]:
     port = free_port()
-    log = open(tmp_path / f"server-{port}.log", "w")  # noqa: SIM115 (the server outlives this)
-    proc = subprocess.Popen([sys.executable, "-m", "podagent.rewards", "--port", str(port),
-                             "--workers", "2", "--listeners", "2", *args],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=clean_env())
+    with open(tmp_path / f"server-{port}.log", "w") as log:  # the server keeps its own copy
+        proc = subprocess.Popen([sys.executable, "-m", "podagent.rewards", "--port", str(port),
+                                 "--workers", "2", "--listeners", "2", *args],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=clean_env())
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc)
     everything = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
