@@ -1,15 +1,18 @@
 """The built-in reward server: math answers checked against gold answers, over HTTP.
 
-OpenRLHF's remote reward protocol (`POST /get_reward`, `GET /health`), by one of two scoring
+OpenRLHF's remote reward protocol (`POST /get_reward`, `GET /health`), by one of three scoring
 profiles (`--scoring`): `openrlhf-m`, the default, is OpenRLHF-M's own reward server item for
-item (`openrlhf_m`, `openrlhf_m_verify`); `boxed` checks the last \\boxed{} answer (`verify`).
-How a batch is scored cheaply is in `scorer`, the pool in `pool`, what differs between the
-math-verify releases in `mvcompat`.
+item (`openrlhf_m`, `openrlhf_m_verify`); `boxed` checks the last \\boxed{} answer (`verify`);
+`openrlhf-boxed` is upstream OpenRLHF's math reward function (`openrlhf_boxed`). Or a user's
+`reward_func` file (`--func`, `func`). How a batch is scored cheaply is in `scorer`, small
+requests batched in `batching`, the pool in `pool`, several server processes in `listeners`,
+the dataset audit in `audit`, what differs between the math-verify releases in `mvcompat`;
+verl's client is `client`.
 
 As a process (what podagent's head starts; flags or PODAGENT_REWARD_* variables):
 
     python -m podagent.rewards --host 10.0.0.2 --port 5000 [--workers N] [--dataset FILE]
-        [--scoring openrlhf-m|boxed] [--prompt-template chatml|qwen1|base] [--strict 0|1]
+        [--scoring openrlhf-m|boxed|openrlhf-boxed] [--func FILE] [--listeners N] ...
     podagent reward-server ...                  # the same command
 
 Ready when `GET /health` (or a `POST /get_reward`) answers 200; SIGTERM stops it with exit 0.
