@@ -527,7 +527,7 @@ class OpenrlhfMScorer(Scorer):
                 accuracy.append(1.0 if verdict == seed.MATCH else 0.0)
         for (verdict, gold), indices in quirks.items():
             self.stats.quirks += len(indices)
-            log.warning("gold answer %s %s: item%s %s of this request scored accuracy %g (%s)",
+            log.warning("gold answer %s %s: item%s %s of this batch scored accuracy %g (%s)",
                         short(gold), _QUIRK_TEXT[verdict], "s" if len(indices) > 1 else "",
                         ", ".join(map(str, indices)), self.quirk_value(),
                         "--strict 1" if self.strict

@@ -74,7 +74,7 @@ def test_an_unparseable_gold_scores_one_and_is_logged_with_its_items(pool, caplo
     assert result["acc_rewards"] == [1.0, 1.0, 0.0]
     assert result["rewards"] == [1.5, 1.0, 0.0]
     [line] = [r.getMessage() for r in caplog.records if "does not parse" in r.getMessage()]
-    assert "items 0, 1 of this request scored accuracy 1" in line and "--strict 1" in line
+    assert "items 0, 1 of this batch scored accuracy 1" in line and "--strict 1" in line
     assert scorer.stats.quirks == 2
     again = score(scorer, {"query": [chat("other")], "labels": ["1\n2"]})
     assert again["acc_rewards"] == [1.0]
