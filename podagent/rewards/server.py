@@ -142,15 +142,16 @@ def make_scorer(settings: RewardSettings, pool: VerifierPool,
 
 
 async def _audit(settings: RewardSettings, golds: GoldIndex | None, scorer: Scorer,
-                 pool: VerifierPool) -> None:
-    """The dataset's gold answers the profile cannot read, said once (`audit`)."""
+                 pool: VerifierPool, say: bool = True) -> None:
+    """The dataset's gold answers the profile cannot read (`audit`), for /health; logged when
+    `say`."""
     if golds is None:
         return
     scoring = "func" if settings.func else settings.scoring
     found = await audit.audit(golds, scoring, settings.strict, pool)
     if found is not None:
         scorer.dataset_audit = found.to_json()
-        if found.line:
+        if found.line and say:
             log.warning("%s", found.line)
 
 
@@ -180,8 +181,8 @@ async def running(settings: RewardSettings, golds: GoldIndex | None = None,
         try:
             await pool.warm(scorer.probe)
             scorer.listener = (listener + 1, settings.listeners)
-            if listener == 0:  # one audit, one warning, whatever the number of listeners
-                await _audit(settings, golds, scorer, pool)
+            # Each listener audits (whichever answers /health has it); the first one says it.
+            await _audit(settings, golds, scorer, pool, say=listener == 0)
             if members is not None:
                 await asyncio.get_running_loop().run_in_executor(None, members.wait_listening)
         except BaseException:
