@@ -54,23 +54,29 @@ def listener_pids(parent: int) -> list[psutil.Process]:
 
 
 def test_two_listeners_share_the_port_and_stop_together(tmp_path):
-    proc, url, everything = start(tmp_path)
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text('{"prompt": "p4", "answer": "4"}\n{"prompt": "p0", "answer": "$$"}\n')
+    proc, url, everything = start(tmp_path, "--dataset", str(dataset))
     try:
-        def one(_: int) -> tuple[int, float]:
+        def one(_: int) -> tuple[int, float, int]:
             reply = requests.post(f"{url}/get_reward", timeout=60,
-                                  json={"query": [QUERY], "labels": ["4"]})
+                                  json={"query": [QUERY], "prompts": ["p4"]})
             health = requests.get(f"{url}/health", timeout=10).json()
-            return health["listener"], reply.json()["rewards"][0]
+            return health["listener"], reply.json()["rewards"][0], \
+                health["dataset_audit"]["unparsed"]
 
         with ThreadPoolExecutor(8) as threads:
             answers = list(threads.map(one, range(64)))
-        assert {reward for _, reward in answers} == {1.5}
-        assert {listener for listener, _ in answers} == {1, 2}  # new connections go to both
+        assert {reward for _, reward, _ in answers} == {1.5}
+        assert {listener for listener, _, _ in answers} == {1, 2}  # connections go to both
+        assert {unparsed for _, _, unparsed in answers} == {1}  # each has the audit
         assert len(listener_pids(proc.pid)) == 1
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     gone(everything)
+    log = next(tmp_path.glob("server-*.log")).read_text()
+    assert log.count("reward dataset: 1 of 2 gold answers cannot be read") == 1
 
 
 def test_a_listener_that_dies_stops_the_server_with_exit_1(tmp_path):
