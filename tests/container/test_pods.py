@@ -262,8 +262,9 @@ def test_healthcheck_unhealthy_once_podagent_is_gone_but_the_container_is_not(ne
     assert re.match(r"podagent runs \(pid \d+\); Ray (runs|not started)",
                     health["Log"][-1]["Output"]), health
 
+    # Not the HEALTHCHECK's own `podagent status --local`, which may be running just then.
     (agent,) = [pid for pid, argv in head.cmdlines().items()
-                if argv[1:2] and Path(argv[1]).name == "podagent"]
+                if argv[1:2] and Path(argv[1]).name == "podagent" and argv[2:3] != ["status"]]
     os.kill(agent, signal.SIGKILL)
     health = head.wait_health("unhealthy", 60)
     assert health["Log"][-1]["Output"].strip() == "podagent is not running on this pod"
