@@ -541,11 +541,9 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
     RewardField("item_timeout", number(0.1, 600),
                 "Seconds one item may take to verify; past it the worker is killed and the "
                 "item scores 0.", 5.0),
-    # 5 ms: on 2 cores 1.08x the per-sample rate of 2 ms (bench/reward.py), a small price in
-    # latency beside verification's tens of milliseconds.
     RewardField("batch_wait", number(0, 50),
                 "Milliseconds a small request may wait for others to be verified with it "
-                "(trainers that send one sample per request); 0 sends each on its own.", 5.0),
+                "(trainers that send one sample per request); 0 sends each on its own.", 2.0),
     # A request's budget: preparing it takes time linear in its bytes, a slice at a time,
     # turn about with other requests; the limits bound its memory and its share. The defaults
     # are four times the batches trainers send (OpenRLHF-M: one batch per call, 256 to 1,024
