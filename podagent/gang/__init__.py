@@ -1,0 +1,1 @@
+"""Runs without Ray: torchrun or accelerate launched on every pod, supervised together."""
