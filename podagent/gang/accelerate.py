@@ -131,7 +131,8 @@ def split(user_args: Sequence[str]) -> LaunchArgs:
     config file, and the per-machine values typed by hand."""
     parser = _parser()
     found, script = _walk(list(user_args), parser)
-    _namespace([t for option in found for t in option.tokens], parser)
+    # the per-machine values are podagent's to check (check_given): they leave the line
+    _namespace([t for o in found if o.dest not in PER_MACHINE for t in o.tokens], parser)
     given = {o.dest: o.value for o in found if o.dest in PER_MACHINE and o.value is not None}
     options = tuple(t for o in found if o.dest not in PER_MACHINE for t in o.tokens)
     config = [o.value for o in found if o.dest == "config_file"]
