@@ -172,8 +172,9 @@ def _overlap(reports: Sequence[Mapping]) -> Verdict:
     if total == 0:
         return Verdict(False, f"data check: {len(ranks)} ranks saw no sample", figures)
     if shared == 0:
-        return Verdict(True, f"data check: {len(ranks)} ranks over {pods} pods, {total} samples, "
-                       "none seen by two ranks", figures)
+        return Verdict(True, f"data check: {len(ranks)} ranks over {pods} pod"
+                       f"{'' if pods == 1 else 's'}, {total} samples, none seen by two ranks",
+                       figures)
     (a, b), common, of = _worst_pair(ranks)
     figures.update(worst_pair=[list(a), list(b)], pair_shared=common, pair_of=of)
     line = (f"data check: {len(ranks)} ranks saw {total} samples, {shared} of them on more than "
