@@ -66,6 +66,11 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                 "not answer in time (the line names the request)"),
     (errors.PodsNotReady, 21, "`podagent up`: a pod did not start (RUNNING) in time or failed; "
                               "what was created has been terminated"),
+    (errors.PeerLost, 22, "`podagent torchrun/accelerate`: another pod of the run was lost, "
+                          "cut off, stopped, or its training failed (the line names it); this "
+                          "pod's training was stopped"),
+    (errors.DataOverlap, 23, "`podagent torchrun/accelerate --data-check`: ranks see the same "
+                             "samples (the line has the numbers)"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -306,8 +311,15 @@ def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None
         healthy, line = status_mod.local_health(settings)
         click.echo(line)
         sys.exit(EXIT_OK if healthy else 1)
+    from podagent.control import lookup, no_ray
+
+    ip = lookup.head_ip(settings, role, reporter)
+    state = no_ray.status(settings, ip)
+    if state is not None:
+        click.echo(json.dumps(state, indent=2) if as_json else no_ray.render(state))
+        return
     ray_compat.require()
-    state = status_mod.cluster_status(settings, role, reporter)
+    state = status_mod.cluster_status(settings, role, reporter, ip)
     click.echo(json.dumps(state, indent=2) if as_json else status_mod.render_status(state))
 
 
@@ -322,11 +334,18 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     then the head). The run is over: every podagent then exits 0, stays up idle or stops its
     pod, as PODAGENT_AFTER_RUN says."""
     settings, role, reporter = _asking(ctx, flags)
+    from podagent.control import lookup, no_ray
+
+    by = settings.pod_id or socket.gethostname()
+    ip = lookup.head_ip(settings, role, reporter)
+    took = no_ray.stop(settings, ip, by, wait)
+    if took is not None:
+        reporter.say(f"every pod of the run is out ({took:.1f} s)")
+        return
     ray_compat.require()
     from podagent.control import stop as stop_mod
 
-    took = stop_mod.request_stop(settings, role, reporter,
-                                 by=settings.pod_id or socket.gethostname(), timeout=wait)
+    took = stop_mod.request_stop(settings, role, reporter, by=by, timeout=wait, ip=ip)
     reporter.say(f"the cluster is down ({took:.1f} s)")
 
 
@@ -336,38 +355,96 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
 @click.pass_context
 @_boundary
 def logs(ctx: click.Context, follow: bool, **flags: Any) -> None:
-    """From any pod: the run's job log (from the head's Jobs API)."""
+    """From any pod: the run's job log (from the head's Jobs API; in a run without Ray, the
+    head's training output)."""
     settings, role, reporter = _asking(ctx, flags)
     from podagent.control import logs as logs_mod
+    from podagent.control import lookup, no_ray
 
     signals = Signals()
     signals.install()
-    logs_mod.follow_logs(settings, role, reporter, follow,
-                         lambda text: click.echo(text, nl=False), signals)
+    ip = lookup.head_ip(settings, role, reporter)
+    write = lambda text: click.echo(text, nl=False)  # noqa: E731
+    if not no_ray.follow(settings, ip, follow, write, signals):
+        logs_mod.follow_logs(settings, role, reporter, follow, write, signals, ip)
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})
-@dry_run_option
-@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
+# A launcher's own options pass through untouched: podagent's come first, and parsing stops at
+# the first argument that is not one of them.
+LAUNCHER_CONTEXT = {**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+def launcher_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed((
+        dry_run_option,
+        click.option("--data-check", is_flag=True, default=False,
+                     help="First run a tiny data loader through the same launcher on every "
+                          "pod and stop (exit 23) when ranks see the same samples; then the "
+                          "script, if one is given."),
+        click.option("--loader", default=None, metavar="FILE:FUNC",
+                     help="--data-check: FUNC() in FILE builds your data loader, as your "
+                          "training does (default: a small one, distributed the launcher's "
+                          "way)."),
+        click.argument("launcher_args", nargs=-1, type=click.UNPROCESSED),
+        click.pass_context,
+    )):
+        func = option(func)
+    return func
+
+
+def _run_without_ray(ctx: click.Context, name: str, launcher_args: tuple[str, ...],
+                     dry_run: bool | None, data_check: bool, loader: str | None) -> None:
+    from podagent.gang import run as gang_run
+
+    extras.require_torch(f"podagent {name}")
+    if name == "accelerate":
+        extras.require("accelerate", "podagent accelerate")
+    if loader is not None:
+        if not data_check:
+            raise errors.InputError("--loader goes with --data-check")
+        from podagent.gang import datacheck
+
+        datacheck.check_loader_spec(loader)
+    settings = _build(_flags(ctx, {}))
+    launcher = gang_run.launcher_for(name, launcher_args)
+    if not launcher.script and not data_check:
+        raise errors.InputError(f"podagent {name} needs a training script: podagent {name} "
+                                f"[OPTIONS] [--] SCRIPT ARGS (or --data-check)")
+    sys.exit(gang_run.run(settings, launcher, data_check=data_check, loader=loader,
+                          dry_run=_dry(ctx, dry_run), exit_code=exit_code,
+                          outcome_code=_earlier_exit))
+
+
+@main.command(context_settings=LAUNCHER_CONTEXT)
+@launcher_options
 @_boundary
-def torchrun(ctx: click.Context, torchrun_args: tuple[str, ...], dry_run: bool | None) -> None:
+def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool | None,
+             data_check: bool, loader: str | None) -> None:
     """Run torchrun on every pod with the ranks worked out: [TORCHRUN OPTIONS] [--] SCRIPT ARGS.
 
     The head's address comes from the same discovery as the Ray path, --nnodes from the expected
     workers, --nproc-per-node from the GPUs, and torch's c10d rendezvous at the head gives each
     node its rank. torchrun starts once every node came: the head waits up to
     PODAGENT_WORKER_TIMEOUT for its workers, a worker up to PODAGENT_HEAD_TIMEOUT for the head.
-    Options you pass win over podagent's.
+    Options you pass win over podagent's. podagent stays and watches: a pod lost, or a
+    training that fails on one pod, stops the training on every pod within seconds.
     """
-    from podagent.cluster import torchrun as torchrun_mod
+    _run_without_ray(ctx, "torchrun", launcher_args, dry_run, data_check, loader)
 
-    if not torchrun_args:
-        raise errors.InputError("podagent torchrun needs a training script: podagent torchrun "
-                                "[OPTIONS] -- SCRIPT ARGS")
-    extras.require_torch("podagent torchrun")
-    torchrun_mod.run(_build(_flags(ctx, {})), torchrun_args, dry_run=_dry(ctx, dry_run))
-    sys.exit(EXIT_OK)  # a dry run: otherwise torchrun has taken this process's place
+
+@main.command(context_settings=LAUNCHER_CONTEXT)
+@launcher_options
+@_boundary
+def accelerate(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool | None,
+               data_check: bool, loader: str | None) -> None:
+    """Run `accelerate launch` on every pod: [ACCELERATE OPTIONS] [--] SCRIPT ARGS.
+
+    podagent sets --num_machines, this pod's --machine_rank (the head is 0), --main_process_ip
+    and --main_process_port (the head's PODAGENT_RENDEZVOUS_PORT) and --num_processes; your
+    --config_file is kept and each of its per-machine values podagent overrides is said.
+    Supervised as `podagent torchrun` is.
+    """
+    _run_without_ray(ctx, "accelerate", launcher_args, dry_run, data_check, loader)
 
 
 @main.command(context_settings=CONTEXT)

@@ -459,7 +459,14 @@ FIELDS: tuple[Field, ...] = (
           "Arguments appended to the job to resume from a checkpoint.",
           default=("--load_checkpoint",), default_doc="--load_checkpoint"),
     Field("rendezvous_port", "PODAGENT_RENDEZVOUS_PORT", "--rendezvous-port", port,
-          "Port of torch's c10d rendezvous on the head (`podagent torchrun`).", default=29500),
+          "Port of torch's rendezvous on the head (`podagent torchrun`; accelerate's main "
+          "process port with `podagent accelerate`).", default=29500),
+    Field("supervisor_port", "PODAGENT_SUPERVISOR_PORT", "--supervisor-port", port,
+          "Port of the head's podagent in a run without Ray (`podagent torchrun/accelerate`): "
+          "podagent's own rendezvous, heartbeats, status, stop and logs.", default=29510),
+    Field("peer_grace", "PODAGENT_PEER_GRACE", "--peer-grace", seconds,
+          "Seconds a run without Ray tolerates a silent pod (heartbeats every second) before "
+          "it stops the training on every pod.", default=5.0),
     Field("log_format", "PODAGENT_LOG_FORMAT", "--log-format", choice("text", "json"),
           "Screen output: text, or json (one object per line, for log collectors); the pod's "
           "log file stays text.", default="text"),

@@ -92,6 +92,20 @@ class JobFailed(PodagentError):
     pass
 
 
+class PeerLost(PodagentError):
+    """A run without Ray: another pod of it was lost (its podagent gone or silent past
+    PODAGENT_PEER_GRACE, or stopped) or its training failed; this pod's training was stopped."""
+
+    def __init__(self, message: str, pod: str = ""):
+        self.pod = pod
+        super().__init__(message)
+
+
+class DataOverlap(PodagentError):
+    """The data check of a run without Ray: ranks see the same samples (or did not form one
+    run); the message has the numbers."""
+
+
 class RestartsExhausted(PodagentError):
     """Nodes were lost (or the job failed) more often than PODAGENT_RESTARTS allows."""
 

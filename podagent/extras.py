@@ -26,6 +26,7 @@ EXTRAS = {
                     "aiohttp, pebble, math-verify and pylatexenc"),
     "wandb": Extra("wandb", ("wandb",), "wandb"),
     "up": Extra("up", ("rich",), "rich"),
+    "accelerate": Extra("accelerate", ("accelerate",), "accelerate"),
 }
 
 

@@ -25,10 +25,11 @@ FOLLOW_SILENCE = 30.0  # `logs --follow` gives up on a Jobs API silent this long
 
 
 def follow_logs(settings: Settings, role: Role, reporter: Reporter, follow: bool,
-                write: Callable[[str], None], signals: Signals) -> str | None:
+                write: Callable[[str], None], signals: Signals,
+                ip: str | None = None) -> str | None:
     """Print the run's job log; with follow, keep printing until the job ends. Returns its
     status (None when there is no job yet)."""
-    ip = head_ip(settings, role, reporter)
+    ip = ip or head_ip(settings, role, reporter)
     try:
         job = run_job(settings, ip)
     except JobsApiSilent as exc:

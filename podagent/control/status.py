@@ -30,8 +30,9 @@ def reward_health(settings: Settings, ip: str) -> dict[str, Any]:
         return {"state": "unreachable", "url": url, "error": type(exc).__name__}
 
 
-def cluster_status(settings: Settings, role: Role, reporter: Reporter) -> dict[str, Any]:
-    ip = head_ip(settings, role, reporter)
+def cluster_status(settings: Settings, role: Role, reporter: Reporter,
+                   ip: str | None = None) -> dict[str, Any]:
+    ip = ip or head_ip(settings, role, reporter)
     gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
     try:
         ray_version = gcs.check_alive(timeout=HTTP_TIMEOUT)
@@ -108,7 +109,7 @@ def local_health(settings: Settings) -> tuple[bool, str]:
 
 
 # Commands that ask or serve; only a head or worker lifecycle counts as "podagent runs here".
-_NOT_LIFECYCLE = {"status", "check", "logs", "stop", "env", "token", "reward-server", "torchrun"}
+_NOT_LIFECYCLE = {"status", "check", "logs", "stop", "env", "token", "reward-server"}
 
 
 def _is_lifecycle(cmdline: list[str]) -> bool:

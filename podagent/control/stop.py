@@ -16,9 +16,9 @@ from podagent.waiting import Backoff, Expired, retry
 
 
 def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,
-                 timeout: float) -> float:
+                 timeout: float, ip: str | None = None) -> float:
     """Ask the head to end the run, then wait until its Ray is gone; returns seconds taken."""
-    ip = head_ip(settings, role, reporter)
+    ip = ip or head_ip(settings, role, reporter)
     gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
     started = time.monotonic()
     try:

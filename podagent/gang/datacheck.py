@@ -25,8 +25,8 @@ from typing import Any
 SCRIPT = Path(__file__)
 MODES = ("torchrun", "accelerate")
 DEFAULT_BATCHES = 16
-DEFAULT_SAMPLES = 64  # the default loader: range(64), four to a batch
-DEFAULT_BATCH_SIZE = 4
+DEFAULT_BATCHES_PER_RANK = 4  # the default loader: four batches of four for every rank, so no
+DEFAULT_BATCH_SIZE = 4  # sampler pads (padding repeats samples on purpose)
 DIGEST_BYTES = 8
 REPORT_GLOB = "rank-*.json"
 
@@ -165,22 +165,38 @@ def _overlap(reports: Sequence[Mapping]) -> Verdict:
     for digests in ranks.values():
         for digest in digests:
             holders[digest] = holders.get(digest, 0) + 1
-    shared = sum(1 for r in reports for d in r.get("samples", ()) if holders[d] > 1)
+    padding = _padding(reports, holders)
+    shared = sum(1 for r in reports for d in r.get("samples", ())
+                 if holders[d] > 1 and d not in padding)
     pods = len({key[0] for key in ranks})
     figures: dict[str, object] = {"ranks": len(ranks), "pods": pods, "samples": total,
-                                  "shared": shared}
+                                  "shared": shared, "padding": len(padding)}
     if total == 0:
         return Verdict(False, f"data check: {len(ranks)} ranks saw no sample", figures)
     if shared == 0:
+        padded = (f" (besides {len(padding)} repeated in the last batch: a sampler's padding)"
+                  if padding else "")
         return Verdict(True, f"data check: {len(ranks)} ranks over {pods} pod"
-                       f"{'' if pods == 1 else 's'}, {total} samples, none seen by two ranks",
-                       figures)
+                       f"{'' if pods == 1 else 's'}, {total} samples, none seen by two "
+                       f"ranks{padded}", figures)
     (a, b), common, of = _worst_pair(ranks)
     figures.update(worst_pair=[list(a), list(b)], pair_shared=common, pair_of=of)
     line = (f"data check: {len(ranks)} ranks saw {total} samples, {shared} of them on more than "
             f"one rank; ranks {a[1]} (pod {a[0]}) and {b[1]} (pod {b[0]}) share {common} of "
             f"{of} samples")
     return Verdict(False, line, figures)
+
+
+def _padding(reports: Sequence[Mapping], holders: Mapping[str, int]) -> set[str]:
+    """Samples seen by several ranks only because a sampler evened the ranks out: every
+    occurrence but one is in the last batch of a rank whose loader ended (DistributedSampler
+    and accelerate's even batches repeat the first samples there)."""
+    in_tail: dict[str, int] = {}
+    for r in reports:
+        samples, tail = list(r.get("samples", ())), int(r.get("tail") or 0)
+        for d in samples[len(samples) - tail:] if tail else ():
+            in_tail[d] = in_tail.get(d, 0) + 1
+    return {d for d, n in holders.items() if n > 1 and n - in_tail.get(d, 0) == 1}
 
 
 def _worst_pair(ranks: Mapping[tuple[str, int], set[str]]):
@@ -272,16 +288,19 @@ def digest(sample: Any) -> str:
     return hashlib.blake2b(_encode(sample), digest_size=DIGEST_BYTES).hexdigest()
 
 
-def take(loader: Iterable, batches: int) -> tuple[list[str], int]:
-    """The digests of the samples in the loader's first batches, and how many batches."""
+def take(loader: Iterable, batches: int) -> tuple[list[str], int, int]:
+    """The digests of the samples in the loader's first batches, how many batches, and how
+    many samples its last batch held when the loader ended within them (0 when cut short):
+    where a sampler's padding is."""
     digests: list[str] = []
-    taken = 0
+    taken = last = 0
     for batch in loader:
         if taken >= batches:
-            break
-        digests.extend(digest(sample) for sample in samples_of(batch))
-        taken += 1
-    return digests, taken
+            return digests, taken, 0
+        samples = [digest(sample) for sample in samples_of(batch)]
+        digests.extend(samples)
+        taken, last = taken + 1, len(samples)
+    return digests, taken, last
 
 
 def _user_loader(spec: str) -> Iterable:
@@ -301,7 +320,7 @@ def _user_loader(spec: str) -> Iterable:
 def _default_loader(mode: str, who: Identity, accelerator: Any) -> Iterable:
     from torch.utils.data import DataLoader, DistributedSampler
 
-    data = range(DEFAULT_SAMPLES)
+    data = range(DEFAULT_BATCH_SIZE * DEFAULT_BATCHES_PER_RANK * who.world)
     if mode == "accelerate":
         return accelerator.prepare(DataLoader(data, batch_size=DEFAULT_BATCH_SIZE))
     sampler = DistributedSampler(data, num_replicas=who.world, rank=who.rank, shuffle=False)
@@ -340,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["accelerate_mode"] = str(accelerator.distributed_type)
     loader = (_user_loader(args.loader) if args.loader
               else _default_loader(args.mode, who, accelerator))
-    report["samples"], report["batches"] = take(loader, args.batches)
+    report["samples"], report["batches"], report["tail"] = take(loader, args.batches)
     _write_atomic(args.out / f"rank-{who.rank}.json", report)
     return 0
 

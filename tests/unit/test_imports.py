@@ -9,7 +9,7 @@ Layers, lowest first:
   foundation  the top-level modules podagent/*.py (not cli.py, __main__.py) and podagent/report/
   ray_access  the GCS client, Ray version gates
   platform    pod, NCCL, discovery, roles, the RunPod API
-  packages    cluster/, checks/, control/, launch/, rewards/ (one layer; a package imports
+  packages    cluster/, checks/, control/, gang/, launch/, rewards/ (one layer; a package imports
               another only as ALLOWED_CROSS says)
   top         cli.py, __main__.py
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "podagent"
 
 LAYERS = ("foundation", "ray_access", "platform", "packages", "top")
-PACKAGES = ("cluster", "checks", "control", "launch", "rewards")
+PACKAGES = ("cluster", "checks", "control", "gang", "launch", "rewards")
 TOP = ("podagent.cli", "podagent.__main__")
 
 # Imports between two packages of the package layer that are allowed: (importer, imported).
@@ -36,6 +36,11 @@ ALLOWED_CROSS = {
     ("checks", "cluster"): "the cluster check runs as a job",
     # ... on the head it finds as the asking commands do (control/lookup.py's head_ip).
     ("checks", "control"): "the cluster check finds the head as status does",
+    # A run without Ray prepares its pod, keeps its ledger and stays after the run as a Ray
+    # run does (gang/run.py); cluster never imports gang.
+    ("gang", "cluster"): "a run without Ray keeps the Ray path's run dir, ledger and pod setup",
+    # `status`/`stop`/`logs` ask a run without Ray on the head's supervisor port.
+    ("control", "gang"): "the asking commands ask the supervisor of a run without Ray",
 }
 
 # Modules that import nothing of podagent, so that anything may import them.

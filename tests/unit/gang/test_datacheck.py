@@ -241,7 +241,7 @@ def test_real_run_default_loader_torchrun_passes(launches):
     reports = _finished(launches, "split")
     verdict = judge(reports, 2)
     assert verdict.ok, verdict.line
-    assert verdict.line == ("data check: 2 ranks over 1 pod, 64 samples, none seen by two "
+    assert verdict.line == ("data check: 2 ranks over 1 pod, 32 samples, none seen by two "
                             "ranks")
 
 
@@ -251,4 +251,4 @@ def test_real_run_default_loader_accelerate_passes(launches):
         (2, "DistributedType.MULTI_CPU")}
     verdict = judge(reports, 2)
     assert verdict.ok, verdict.line
-    assert verdict.figures["samples"] == 64
+    assert verdict.figures["samples"] == 32

@@ -1,0 +1,595 @@
+"""The head's supervisor port and each worker's connection to it, for a run without Ray.
+
+One TCP connection per worker for the whole run, carrying JSON lines:
+
+* the rendezvous before the launcher starts: the head greets ({"rendezvous": id}), the worker
+  says hello ({"hello": {addr, pod, rank}}), and once every expected worker came (or the head's
+  wait ran out) the head answers each one ({"go": {...}} with its machine rank, or
+  {"error": line, "kind": class});
+* then heartbeats both ways every HEARTBEAT seconds ({"beat": 1}); any line counts. A peer
+  silent for PODAGENT_PEER_GRACE, or whose connection closed, is lost: a pod cut off sends no
+  reset, so silence is the only sign of it;
+* a worker's step results ({"done": {step, rc, reports}}), a worker leaving on a signal
+  ({"leaving": why}), the head's next step ({"go": ...}) and the run's end ({"end": cause}).
+
+`podagent status`, `stop` and `logs` from any pod connect to the same port and ask
+({"ask": "status" | "stop" | "logs", ...}). With a cluster token every hello and question
+carries it; the port is bound to the head's cluster-private address only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import json
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from podagent import process
+from podagent.errors import HeadUnreachable, InputError, PortInUse, WorkersTimeout
+from podagent.report import Progress, Reporter
+from podagent.waiting import Backoff, Deadline, NotYet, retry
+
+HEARTBEAT = 1.0  # seconds between heartbeats, both ways
+LINE_LIMIT = 1 << 20  # bytes: a step's data-check reports are the longest line
+CONNECT_TIMEOUT = 5.0  # one connection attempt to the head
+GREETING_TIMEOUT = 10.0  # the head greets at once; this is for a head starved of CPU
+TICK = 0.25  # the hub's loop wakes this often to beat and to look for silent workers
+SEND_TIMEOUT = 5.0  # a send that blocks this long counts as a lost peer
+
+# The errors a head's answer may carry to its workers, by class name (one line each).
+_ANSWER_ERRORS: dict[str, type[Exception]] = {"WorkersTimeout": WorkersTimeout,
+                                              "InputError": InputError}
+
+
+@dataclass(frozen=True)
+class Peer:
+    addr: str  # the address the other nodes reach it at
+    pod: str
+
+    def __str__(self) -> str:
+        return f"{self.addr} ({self.pod})" if self.pod and self.pod != self.addr else self.addr
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    rdzv_id: str
+    head_ip: str
+    port: int
+    workers: int  # expected
+
+    def __str__(self) -> str:
+        return f"rendezvous {self.rdzv_id} at {self.head_ip}:{self.port}"
+
+
+# --- what the hub and a link tell the supervisor (through its queue) --------------------------
+
+@dataclass(frozen=True)
+class Lost:
+    peer: Peer
+    why: str
+
+
+@dataclass(frozen=True)
+class Done:
+    peer: Peer
+    step: str
+    rc: int
+    reports: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class StopAsked:
+    by: str
+
+
+@dataclass(frozen=True)
+class FromHead:
+    """A worker's message from its head: the next step ({"go"}) or the run's end ({"end"})."""
+    kind: str
+    body: Mapping[str, Any]
+
+
+Event = Lost | Done | StopAsked | FromHead
+
+
+def line(payload: Mapping[str, Any]) -> bytes:
+    return json.dumps(payload).encode() + b"\n"
+
+
+class Wire:
+    """One connection: whole JSON lines out (under a lock: two threads send), lines in."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = b""
+        self._lock = threading.Lock()
+
+    def send(self, payload: Mapping[str, Any]) -> bool:
+        """False when the peer is gone (or its end stopped reading)."""
+        data = line(payload)
+        with self._lock:
+            try:
+                self.sock.settimeout(SEND_TIMEOUT)
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                return False
+
+    def feed(self) -> list[Any] | None:
+        """Read what is there (the socket is readable): the complete lines, parsed (a line that
+        is not JSON is None); None when the connection ended."""
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, TimeoutError):
+            return []
+        except OSError:
+            return None
+        if not data:
+            return None
+        self._buf += data
+        if b"\n" not in self._buf:
+            return None if len(self._buf) > LINE_LIMIT else []
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for raw in lines:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _authorized(token: str | None, message: Mapping[str, Any]) -> bool:
+    if not token:
+        return True
+    given = message.get("token")
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+
+def listen(addr: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((addr, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(port, addr, process.port_holder(port)) from None
+        raise
+
+
+def missing_line(rv: Rendezvous, head: Peer, joined: list[Peer], waited: float) -> str:
+    came = [f"head {head}", *(f"worker {p}" for p in joined)]
+    missing = rv.workers - len(joined)
+    return (f"{rv}: {len(came)} of {rv.workers + 1} nodes joined within {waited:g} s "
+            f"({', '.join(came)}); missing: {missing} worker{'s' if missing != 1 else ''} "
+            f"(EXPECTED_WORKERS={rv.workers})")
+
+
+def machine_ranks(workers: list[tuple[Peer, int | None]]) -> dict[Peer, int]:
+    """Machine ranks for the workers (the head is 0): a rank a worker asked for (its NODE_RANK
+    or its launcher's --machine_rank, already checked to be 1..N) is kept, the others fill the
+    free ranks in the order of their pod names. Two asking for one rank: InputError."""
+    ranks: dict[Peer, int] = {}
+    taken: dict[int, Peer] = {}
+    for peer, asked in workers:
+        if asked is None:
+            continue
+        if asked in taken:
+            raise InputError(f"workers {taken[asked]} and {peer} both asked for machine rank "
+                             f"{asked} (NODE_RANK or --machine_rank): every pod needs its own")
+        ranks[peer], taken[asked] = asked, peer
+    free = (r for r in range(1, len(workers) + 1) if r not in taken)
+    for peer, asked in sorted(workers, key=lambda w: (w[0].pod, w[0].addr)):
+        if asked is None:
+            ranks[peer] = next(free)
+    return ranks
+
+
+@dataclass
+class Member:
+    """A worker as the head sees it."""
+    peer: Peer
+    wire: Wire
+    asked_rank: int | None
+    rank: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    state: str = "joined"  # joined -> running -> done (a step) -> ... ; lost; out (after end)
+    step: str = ""
+
+
+class Hub:
+    """The head's side: the rendezvous, then the heartbeats, the workers' news and the
+    questions of `status`/`stop`/`logs`, in one thread of its own once the run started."""
+
+    def __init__(self, rv: Rendezvous, head: Peer, grace: float, token: str | None,
+                 reporter: Reporter, events: queue.Queue[Event]):
+        self.rv, self.head, self.grace, self.token = rv, head, grace, token
+        self.reporter, self.events = reporter, events
+        self.members: dict[str, Member] = {}  # by address: one who comes back wins
+        self.status: Callable[[], dict[str, Any]] = dict
+        self.logs: Callable[[int], dict[str, Any]] = lambda offset: {}
+        self._listener = listen(rv.head_ip, rv.port)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ)
+        self._pending: dict[socket.socket, Wire] = {}  # connected, first line not yet read
+        self._stoppers: list[Wire] = []
+        self._running = False
+        self._ending = False
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_beat = 0.0
+
+    # --- the rendezvous (in the caller's thread) -------------------------------------------------
+
+    def gather(self, timeout: float, signals_check: Callable[[], None]) -> list[Member]:
+        """Wait up to `timeout` s for every expected worker, then give each its machine rank
+        (not yet sent: `start` does). Raises WorkersTimeout (after telling the workers that
+        came) when some never did; InputError when two asked for one rank."""
+        started = time.monotonic()
+        deadline = started + timeout
+        progress = Progress(self.reporter)
+        while len(self.members) < self.rv.workers and (left := deadline - time.monotonic()) > 0:
+            signals_check()
+            progress(f"waiting for workers at the {self.rv}: {len(self.members)} of "
+                     f"{self.rv.workers} joined ({time.monotonic() - started:.0f} s)")
+            self._select(min(left, 1.0))
+        joined = list(self.members.values())
+        try:
+            if len(joined) < self.rv.workers:
+                raise WorkersTimeout(missing_line(self.rv, self.head, [m.peer for m in joined],
+                                                  timeout))
+            ranks = machine_ranks([(m.peer, m.asked_rank) for m in joined])
+        except (WorkersTimeout, InputError) as exc:
+            for m in joined:
+                m.wire.send({"error": str(exc), "kind": type(exc).__name__})
+            raise
+        for m in joined:
+            m.rank, m.state = ranks[m.peer], "running"
+            m.last_seen = time.monotonic()  # silence counts from here
+        return sorted(joined, key=lambda m: m.rank)
+
+    def start(self, go: Callable[[Member], Mapping[str, Any]]) -> None:
+        """Send every worker its go, then keep serving in a thread of its own."""
+        for m in self.members.values():
+            m.wire.send({"go": go(m)})  # one that fails is seen lost by the loop
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, name="podagent-hub", daemon=True)
+        self._thread.start()
+
+    # --- while the run goes on (the supervisor's thread) -----------------------------------------
+
+    def broadcast(self, payload: Mapping[str, Any]) -> None:
+        for m in list(self.members.values()):
+            if m.state in ("running", "done"):
+                m.wire.send(payload)  # one that fails is seen lost by the loop
+
+    def end(self, cause: Mapping[str, Any]) -> None:
+        """Tell every worker still there that the run is over."""
+        self._ending = True
+        for m in list(self.members.values()):
+            if m.state not in ("lost", "out"):
+                m.wire.send({"end": cause})
+
+    def wait_out(self, deadline: Deadline) -> list[Peer]:
+        """After `end`: wait until every told worker's podagent has gone (its connection
+        closed); the ones still there at the deadline."""
+        def there() -> list[Peer]:
+            return [m.peer for m in self.members.values() if m.state not in ("lost", "out")]
+
+        while there() and not deadline.passed:
+            time.sleep(min(TICK, max(0.0, deadline.left())))
+        return there()
+
+    def answer_stoppers(self, payload: Mapping[str, Any]) -> None:
+        for wire in self._stoppers:
+            wire.send(payload)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * TICK + SEND_TIMEOUT)
+        for key in list(self._sel.get_map().values()):
+            with contextlib.suppress(OSError):
+                key.fileobj.close()  # type: ignore[union-attr]
+        self._sel.close()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            self._select(TICK)
+            now = time.monotonic()
+            if now >= self._next_beat:
+                self._next_beat = now + HEARTBEAT
+                self.broadcast({"beat": 1})
+            for m in list(self.members.values()):
+                if m.state in ("running", "done") and now - m.last_seen > self.grace:
+                    self._lose(m, f"silent for {self.grace:g} s (no heartbeat: cut off, or "
+                                  f"its host is gone)")
+
+    def _select(self, timeout: float) -> None:
+        for key, _ in self._sel.select(timeout):
+            sock = key.fileobj
+            if sock is self._listener:
+                self._accept()
+            else:
+                self._readable(key.data)
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self._listener.accept()
+            wire = Wire(conn)
+            conn.setblocking(False)
+            self._pending[conn] = wire
+            self._sel.register(conn, selectors.EVENT_READ, wire)
+            wire.send({"rendezvous": self.rv.rdzv_id})
+            conn.setblocking(False)
+
+    def _drop(self, wire: Wire) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(wire.sock)
+        self._pending.pop(wire.sock, None)
+        wire.close()
+
+    def _member_of(self, wire: Wire) -> Member | None:
+        return next((m for m in self.members.values() if m.wire is wire), None)
+
+    def _readable(self, wire: Wire) -> None:
+        messages = wire.feed()
+        member = self._member_of(wire)
+        if messages is None:  # closed
+            self._drop(wire)
+            if wire in self._stoppers:
+                self._stoppers.remove(wire)
+            if member is None:
+                return
+            if self._ending or member.state == "out":
+                member.state = "out"
+            elif not self._running:
+                del self.members[member.peer.addr]
+                self.reporter.say(f"worker {member.peer} left the {self.rv} before it started")
+            else:
+                self._lose(member, "its podagent's connection closed (the pod or its "
+                                   "podagent died)")
+            return
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            if member is not None:
+                member.last_seen = time.monotonic()
+                self._from_member(member, message)
+            elif wire.sock in self._pending:
+                self._first_line(wire, message)
+                member = self._member_of(wire)
+            if wire.sock not in self._pending and member is None and wire not in self._stoppers:
+                return  # answered and closed (a question)
+
+    def _first_line(self, wire: Wire, message: dict[str, Any]) -> None:
+        del self._pending[wire.sock]
+        if not _authorized(self.token, message):
+            wire.send({"error": "refused: wrong or missing cluster token", "kind": "auth"})
+            self._drop(wire)
+            return
+        if "hello" in message and isinstance(message["hello"], dict) and not self._running:
+            self._hello(wire, message["hello"])
+        elif "ask" in message:
+            self._ask(wire, message)
+        else:  # not podagent, or a worker arriving after the start: not counted
+            if "hello" in message:
+                wire.send({"error": f"the {self.rv} has started without this pod",
+                           "kind": "WorkersTimeout"})
+            self._drop(wire)
+
+    def _hello(self, wire: Wire, hello: dict[str, Any]) -> None:
+        try:
+            peer = Peer(str(hello["addr"]), str(hello.get("pod", "")))
+            asked = hello.get("rank")
+            asked = int(asked) if asked is not None else None
+        except (KeyError, TypeError, ValueError):
+            self._drop(wire)
+            return
+        old = self.members.pop(peer.addr, None)
+        if old is not None:  # the same pod again (restarted): its old connection is stale
+            self._drop(old.wire)
+        self.members[peer.addr] = Member(peer, wire, asked)
+        self.reporter.say(f"worker {peer} joined the {self.rv} ({len(self.members)} of "
+                          f"{self.rv.workers})")
+
+    def _ask(self, wire: Wire, message: dict[str, Any]) -> None:
+        ask = message.get("ask")
+        if ask == "status":
+            wire.send(self.status())
+        elif ask == "logs":
+            offset = message.get("offset", 0)
+            wire.send(self.logs(offset if isinstance(offset, int) else 0))
+        elif ask == "stop":
+            by = str(message.get("by") or "an unnamed pod")[:100]
+            self._stoppers.append(wire)
+            wire.send({"stopping": True})
+            self.events.put(StopAsked(by))
+            return  # kept open: answered once every pod is out
+        self._drop(wire)
+
+    def _from_member(self, m: Member, message: dict[str, Any]) -> None:
+        if "done" in message and isinstance(message["done"], dict):
+            done = message["done"]
+            m.state, m.step = "done", str(done.get("step", ""))
+            rc = done.get("rc")
+            reports = done.get("reports") or ()
+            self.events.put(Done(m.peer, m.step, rc if isinstance(rc, int) else 1,
+                                 tuple(r for r in reports if isinstance(r, dict))))
+        elif "leaving" in message:
+            self._lose(m, f"its podagent is stopping ({str(message['leaving'])[:100]})")
+
+    def _lose(self, m: Member, why: str) -> None:
+        if m.state in ("lost", "out"):
+            return
+        m.state = "out" if self._ending else "lost"
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(m.wire.sock)
+        m.wire.close()
+        if m.state == "lost":
+            self.events.put(Lost(m.peer, why))
+
+
+class Link:
+    """A worker's side: join the head's rendezvous, then beat and listen in a thread."""
+
+    def __init__(self, rv: Rendezvous, me: Peer, grace: float, token: str | None,
+                 reporter: Reporter, events: queue.Queue[Event]):
+        self.rv, self.me, self.grace, self.token = rv, me, grace, token
+        self.reporter, self.events = reporter, events
+        self.head = Peer(rv.head_ip, "the head")
+        self.wire: Wire | None = None
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def join(self, deadline: float, timeout: float, asked_rank: int | None,
+             sleep: Callable[[float], None]) -> dict[str, Any]:
+        """Say hello and wait for the head's go (its body: this pod's machine rank...), all
+        before `deadline` (monotonic; `timeout` is what the user set). Raises HeadUnreachable
+        when the head never answered, WorkersTimeout or InputError with the head's line when
+        it gave up."""
+        rv = self.rv
+        progress = Progress(self.reporter)
+
+        def connect() -> socket.socket:
+            left = deadline - time.monotonic()
+            try:
+                return socket.create_connection((rv.head_ip, rv.port),
+                                                timeout=max(0.1, min(CONNECT_TIMEOUT, left)))
+            except OSError as exc:
+                last = exc.strerror or str(exc) or type(exc).__name__
+                progress(f"waiting for the head's {rv}: {last} "
+                         f"({timeout - max(0.0, left):.0f} s)")
+                raise NotYet(last) from None
+
+        sock = retry(connect, awaited=f"the head's {rv}", backoff=Backoff(0.1, 2.0),
+                     deadline=Deadline(lambda: deadline), sleep=sleep,
+                     expired=lambda gave_up: HeadUnreachable(
+                         f"{rv}: the head's podagent did not answer within {timeout:g} s "
+                         f"(last try: {gave_up.seen})"))
+        wire = Wire(sock)
+        greeting = self._read(wire, GREETING_TIMEOUT)
+        if not isinstance(greeting, dict) or "rendezvous" not in greeting:
+            wire.close()
+            raise HeadUnreachable(f"{rv}: what listens there is not podagent's supervisor")
+        if greeting["rendezvous"] != rv.rdzv_id:
+            wire.close()
+            raise HeadUnreachable(f"{rv}: the head holds rendezvous {greeting['rendezvous']}, "
+                                  "not this one: give every pod the same PODAGENT_RUN_NAME")
+        hello: dict[str, Any] = {"hello": {"addr": self.me.addr, "pod": self.me.pod,
+                                           "rank": asked_rank}}
+        if self.token:
+            hello["token"] = self.token
+        wire.send(hello)
+        self.reporter.say(f"joined the {rv}; waiting for the head to start it")
+        answer = self._read(wire, max(0.1, deadline - time.monotonic()))
+        if answer is TimeoutError:
+            wire.close()
+            raise HeadUnreachable(f"{rv}: joined, but the head did not start it within "
+                                  f"{timeout:g} s")
+        if isinstance(answer, dict) and "error" in answer:
+            wire.close()
+            error = _ANSWER_ERRORS.get(str(answer.get("kind")), HeadUnreachable)
+            if error is WorkersTimeout:
+                raise WorkersTimeout(f"the head gave up: {answer['error']}")
+            raise error(str(answer["error"]))
+        if not isinstance(answer, dict) or not isinstance(answer.get("go"), dict):
+            wire.close()
+            raise HeadUnreachable(f"{rv}: the head closed the connection without an answer")
+        self.wire = wire
+        self._thread = threading.Thread(target=self._serve, name="podagent-link", daemon=True)
+        self._thread.start()
+        return answer["go"]
+
+    @staticmethod
+    def _read(wire: Wire, timeout: float) -> Any:
+        """The next line (parsed), None when the connection ended, TimeoutError (the class)
+        when nothing came in time."""
+        ends = time.monotonic() + timeout
+        wire.sock.settimeout(TICK)
+        while (left := ends - time.monotonic()) > 0:
+            wire.sock.settimeout(min(TICK, left))
+            try:
+                lines = wire.feed()
+            except TimeoutError:
+                continue
+            if lines is None:
+                return None
+            if lines:
+                return lines[0]
+        return TimeoutError
+
+    def send(self, payload: Mapping[str, Any]) -> bool:
+        return self.wire is not None and self.wire.send(payload)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * TICK + SEND_TIMEOUT)
+        if self.wire is not None:
+            self.wire.close()
+
+    def _serve(self) -> None:
+        wire = self.wire
+        assert wire is not None
+        last_seen = time.monotonic()
+        next_beat = 0.0
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT
+                if not wire.send({"beat": 1}):
+                    self.events.put(Lost(self.head, "a send to it failed"))
+                    return
+            wire.sock.settimeout(TICK)
+            lines = wire.feed()
+            if lines is None:
+                if not self._closed.is_set():
+                    self.events.put(Lost(self.head, "its podagent's connection closed (the "
+                                                    "pod or its podagent died)"))
+                return
+            if lines:
+                last_seen = time.monotonic()
+            for message in lines:
+                if isinstance(message, dict):
+                    for kind in ("go", "end"):
+                        if isinstance(message.get(kind), dict):
+                            self.events.put(FromHead(kind, message[kind]))
+            if time.monotonic() - last_seen > self.grace:
+                self.events.put(Lost(self.head, f"silent for {self.grace:g} s (no heartbeat: "
+                                                f"cut off, or its host is gone)"))
+                return
+
+
+def ask(head_ip: str, port: int, question: Mapping[str, Any], token: str | None,
+        timeout: float) -> tuple[Wire, Any]:
+    """Connect to a head's supervisor and ask; (the open connection, the first answer).
+    Raises ConnectionRefusedError when nothing listens there (no run without Ray), OSError
+    when the head cannot be reached, HeadUnreachable when something else answers."""
+    sock = socket.create_connection((head_ip, port), timeout=timeout)
+    wire = Wire(sock)
+    greeting = Link._read(wire, timeout)
+    if not isinstance(greeting, dict) or "rendezvous" not in greeting:
+        wire.close()
+        raise HeadUnreachable(f"{head_ip}:{port} is not a podagent supervisor")
+    wire.send({**question, **({"token": token} if token else {})})
+    answer = Link._read(wire, timeout)
+    if answer is TimeoutError or answer is None:
+        wire.close()
+        raise HeadUnreachable(f"the head's podagent at {head_ip}:{port} did not answer")
+    if isinstance(answer, dict) and answer.get("kind") == "auth":
+        wire.close()
+        raise HeadUnreachable(f"the head's podagent at {head_ip}:{port} {answer['error']}")
+    return wire, answer

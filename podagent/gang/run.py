@@ -1,0 +1,186 @@
+"""`podagent torchrun` and `podagent accelerate` on this pod: the role, the run's directory,
+events and ledger as for a Ray run, the supervised run, and what the pod does once it is over.
+
+Exit codes are the command line's: it hands its mapping in, as for the Ray path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+
+import psutil
+
+from podagent import __version__, process
+from podagent.choices import AfterRun
+from podagent.cluster.ledger import Ledger, recall, record_or_warn
+from podagent.config import Settings
+from podagent.errors import PodagentError, RestartsExhausted
+from podagent.gang import mesh
+from podagent.gang.launchers import (
+    Accelerate,
+    Launcher,
+    Torchrun,
+    rendezvous_id,
+    wait_limit,
+)
+from podagent.gang.supervisor import Cause, HeadSupervisor, Plan, WorkerSupervisor
+from podagent.gang.supervisor import run as supervise
+from podagent.platform.roles import Role, detect_role
+from podagent.report import Reporter
+from podagent.waiting import Signals
+
+LAUNCHERS: dict[str, type[Torchrun] | type[Accelerate]] = {"torchrun": Torchrun,
+                                                           "accelerate": Accelerate}
+SUCCESS = 0
+
+
+def launcher_for(name: str, user_args: Sequence[str]) -> Launcher:
+    """The launcher with the user's arguments split and checked (bad input raises here,
+    before anything starts)."""
+    return LAUNCHERS[name](user_args)
+
+
+def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str | None,
+        dry_run: bool, exit_code: Callable[[BaseException], int],
+        outcome_code: Callable[[str], int]) -> int:
+    from podagent.cluster.run import reporter_for
+
+    decision = detect_role(settings)
+    role = decision.role
+    asked_rank = launcher.requested_rank(settings, role)  # a contradiction: exit 2, now
+    if dry_run:
+        _dry_run(settings, launcher, role, decision.reason, data_check, loader)
+        return SUCCESS
+    reporter = reporter_for(settings, role.value, run_dir=settings.run_dir)
+    reporter.say(f"podagent {__version__} {launcher.name}: this pod is the {role.value} "
+                 f"({decision.reason}); run {settings.run_name}")
+    reporter.event("role", role=role.value, reason=decision.reason, run=settings.run_name,
+                   version=__version__, launcher=launcher.name)
+    signals = Signals()
+
+    def force(signum: int) -> None:
+        # A second signal: no more patience (as for the Ray path).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        for proc in process.descendants():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
+        os._exit(128 + signum)
+
+    signals.install(on_second=force)
+    process.become_subreaper()  # the launcher's workers stay ours when it dies
+    ledger = Ledger.load(settings.run_dir, settings.run_name)
+    finished = recall(ledger, settings.run_name, settings.run_dir, reporter)
+    code = SUCCESS
+    if finished:
+        code = outcome_code(finished["outcome"])
+    else:
+        outcome = "succeeded"
+        try:
+            _check_restarts(settings, ledger)
+            cause, me = _supervised(settings, launcher, role, reporter, signals, data_check,
+                                    loader, asked_rank)
+            error = cause.error(me, launcher.name)
+            if error is not None:
+                raise error
+        except PodagentError as exc:
+            outcome = type(exc).__name__
+            code = exit_code(exc)
+            if outcome != "Interrupted":
+                reporter.error(str(exc))
+            reporter.event("exit", code=code, error=str(exc))
+        except Exception as exc:  # a bug: one line on screen, the traceback in the log
+            outcome = "InternalError"
+            code = exit_code(exc)
+            reporter.error(f"internal error: {type(exc).__name__}: {exc} "
+                           f"(traceback in {settings.run_dir})")
+            reporter.event("exit", code=code, error=traceback.format_exc())
+        else:
+            reporter.event("exit", code=code)
+        record_or_warn(lambda: ledger.ended(outcome, None), reporter)
+        record_or_warn(lambda: ledger.exit_code(code), reporter)
+    if ledger.finished and not signals.received:
+        from podagent.cluster import after_run
+
+        after_run.settle(AfterRun(settings.after_run), settings, reporter, signals,
+                         f"run {settings.run_name} is over (exit {code}); logs in "
+                         f"{settings.run_dir}")
+    reporter.close()
+    return code
+
+
+def _check_restarts(settings: Settings, ledger: Ledger) -> None:
+    """A run whose pods keep getting lost is restarted (RunPod starts the containers again,
+    the script resumes from its own checkpoint) at most PODAGENT_RESTARTS times."""
+    losses = sum(1 for start in ledger.data["starts"][:-1] if start.get("outcome") == "PeerLost")
+    if losses > settings.restarts:
+        raise RestartsExhausted(f"run {settings.run_name}: a pod was lost {losses} times, "
+                                f"more than PODAGENT_RESTARTS={settings.restarts} allows; not "
+                                f"starting it again (logs and checkpoints are kept)")
+
+
+def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Reporter,
+                signals: Signals, data_check: bool, loader: str | None,
+                asked_rank: int | None) -> tuple[Cause, str]:
+    """The cause the run ended with, and this pod as its peers name it."""
+    from podagent.cluster import node
+    from podagent.platform import discovery
+
+    name = settings.pod_id or socket.gethostname()
+    deadline = 0.0
+    if role is Role.HEAD:
+        setup = node.prepare(settings, Role.HEAD, reporter)
+        head_ip = setup.node_ip
+    else:
+        finder = discovery.HeadFinder(settings, reporter, signals)
+        where = finder.locate()
+        reporter.say(f"head found at {where.ip} ({where.how})")
+        setup = node.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
+        head_ip, deadline = where.ip, finder.deadline
+    me = mesh.Peer(setup.node_ip, name)
+    rv = mesh.Rendezvous(rendezvous_id(settings, head_ip), head_ip, settings.supervisor_port,
+                         settings.expected_workers)
+    reporter.say(f"{rv}: {settings.expected_workers + 1} node(s) x {setup.gpus or 1} "
+                 f"process(es); torch's rendezvous at {head_ip}:{settings.rendezvous_port}")
+    plan = Plan(launcher, data_check, loader, tuple(launcher.script),
+                dict(setup.nccl.variables), setup.gpus)
+    kind = HeadSupervisor if role is Role.HEAD else WorkerSupervisor
+    supervisor = kind(settings, role, plan, me, rv, reporter, signals, settings.run_dir)
+    return supervise(supervisor, deadline, asked_rank), str(me)
+
+
+def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
+             data_check: bool, loader: str | None) -> None:
+    from podagent.cluster import node
+    from podagent.cluster.run import reporter_for
+    from podagent.gang.launchers import Layout, data_check_step
+
+    reporter = reporter_for(settings, role.value, pod="dry-run")
+    reporter.say(f"dry run: this pod would be the {role.value} ({reason}) of a "
+                 f"{launcher.name} run {settings.run_name}, logs in {settings.run_dir}")
+    setup = node.prepare(settings, role, reporter)
+    head = setup.node_ip if role is Role.HEAD else "HEAD"
+    nodes = settings.expected_workers + 1
+    rank = 0 if role is Role.HEAD else (launcher.requested_rank(settings, role) or 1)
+    layout = Layout(role, nodes, rank, setup.node_ip, head, settings.rendezvous_port,
+                    setup.gpus, rendezvous_id(settings, head), wait_limit(settings, role))
+    steps = []
+    if data_check:
+        steps.append(data_check_step(launcher, layout, settings.run_dir / "data-check",
+                                     loader, setup.nccl.variables))
+    if launcher.script:
+        steps.append(launcher.step("training", layout, launcher.script, setup.nccl.variables))
+    reporter.say(f"would hold podagent's rendezvous at {head}:{settings.supervisor_port} for "
+                 f"{nodes} node(s), then run" + ("" if role is Role.HEAD else
+                                                 f" (machine rank {rank} as an example)"))
+    for step in steps:
+        for said in step.lines:
+            reporter.say(f"  {said}")
+        reporter.say(f"  {step.name}: {shlex.join(step.argv)}")
