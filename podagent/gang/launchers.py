@@ -27,12 +27,9 @@ class Layout:
     head_ip: str
     port: int  # torch's rendezvous (accelerate's main process port) on the head
     gpus: int
+    procs_per_node: int  # one per GPU (one without GPUs), or the user's own --nproc-per-node
     rdzv_id: str
     wait: float  # how long this pod waits for the others (the role's timeout)
-
-    @property
-    def procs_per_node(self) -> int:
-        return self.gpus or 1
 
 
 @dataclass(frozen=True)
@@ -91,6 +88,14 @@ class Torchrun:
             start = _script_start(args, parsed.training_script_args[:-1])
         self.options = tuple(a for a in args[:start] if a != "--")
         self.script = tuple(args[start:])
+        given = parsed.nproc_per_node if any(
+            a.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for a in self.options
+        ) else None
+        # The user's own count wins over podagent's (torchrun keeps the last one given).
+        self.nproc = int(given) if given is not None and str(given).isdigit() else None
+
+    def procs_per_node(self, gpus: int) -> int:
+        return self.nproc or gpus or 1
 
     def requested_rank(self, settings: Settings, role: Role) -> int | None:
         # torch's rendezvous gives the node ranks; an Instant Cluster's NODE_RANK is kept
@@ -140,6 +145,9 @@ class Accelerate:
         self.script = tuple(self.args.script)
         if self.args.config_file:
             accelerate.read_config(self.args.config_file)  # one that does not parse: exit 2
+
+    def procs_per_node(self, gpus: int) -> int:
+        return gpus or 1  # podagent sets accelerate's --num_processes (over all machines)
 
     def requested_rank(self, settings: Settings, role: Role) -> int | None:
         given = self._mod.check_given(self.args, head=role is Role.HEAD,

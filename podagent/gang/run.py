@@ -170,7 +170,8 @@ def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
     nodes = settings.expected_workers + 1
     rank = 0 if role is Role.HEAD else (launcher.requested_rank(settings, role) or 1)
     layout = Layout(role, nodes, rank, setup.node_ip, head, settings.rendezvous_port,
-                    setup.gpus, rendezvous_id(settings, head), wait_limit(settings, role))
+                    setup.gpus, launcher.procs_per_node(setup.gpus),
+                    rendezvous_id(settings, head), wait_limit(settings, role))
     steps = []
     if data_check:
         steps.append(data_check_step(launcher, layout, settings.run_dir / "data-check",

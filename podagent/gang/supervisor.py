@@ -150,8 +150,10 @@ class Supervisor:
     def _layout(self, nodes: int, rank: int) -> Layout:
         from podagent.gang.launchers import wait_limit
 
+        gpus = self.plan.gpus
         return Layout(self.role, nodes, rank, self.me.addr, self.rv.head_ip,
-                      self.settings.rendezvous_port, self.plan.gpus, self.rv.rdzv_id,
+                      self.settings.rendezvous_port, gpus,
+                      self.plan.launcher.procs_per_node(gpus), self.rv.rdzv_id,
                       wait_limit(self.settings, self.role))
 
     # --- one step's launcher -------------------------------------------------------------------

@@ -134,7 +134,7 @@ def test_a_worker_killed_mid_run_takes_every_pod_out_naming_it(make_pod, dns_ser
     codes = _all_out([pods[0], pods[2]], t0, LOSS_DEADLINE)
     assert codes == [_code(errors.PeerLost)] * 2
     for a in (pods[0], pods[2]):
-        assert f"podagent: error: pod {lost.pod.ip} ({lost.pod.pod_id}) was lost" in a.output, \
+        assert f"ERROR: pod {lost.pod.ip} ({lost.pod.pod_id}) was lost" in a.output, \
             a.output[-3000:]
 
 
@@ -153,7 +153,7 @@ def test_a_worker_cut_off_then_killed_takes_every_pod_out_naming_it(make_pod, dn
     codes = _all_out(pods[:2], t0, LOSS_DEADLINE)
     assert codes == [_code(errors.PeerLost)] * 2
     for a in pods[:2]:
-        line = f"podagent: error: pod {cut.pod.ip} ({cut.pod.pod_id}) was lost: silent for 5 s"
+        line = f"ERROR: pod {cut.pod.ip} ({cut.pod.pod_id}) was lost: silent for 5 s"
         assert line in a.output, a.output[-3000:]
     # The pod cut off stopped its own training too: it heard nothing from its head.
     assert cut.wait_exit(LOSS_DEADLINE) == _code(errors.PeerLost), cut.output[-3000:]
@@ -170,20 +170,20 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     _under_way(out, pods)
     worker = pods[2]
 
-    def ask(*command: str) -> str:
+    def ask(*command: str) -> tuple[str, str]:
         done = worker.pod.run([*worker.argv[:3], *command], env=worker.env, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
+        return done.stdout, done.stderr
 
-    status = json.loads(ask("status", "--json"))
+    status = json.loads(ask("status", "--json")[0])
     assert status["launcher"] == "torchrun" and status["step"] == "training"
+    # The head is machine 0, the workers follow in the order of their pod ids.
+    workers = sorted(a.pod.pod_id for a in pods[1:])
     assert [(p["rank"], p["pod"]) for p in status["pods"]] == [
-        (0, pods[0].pod.pod_id), (1, pods[1].pod.pod_id), (2, pods[2].pod.pod_id)] or \
-        sorted(p["pod"] for p in status["pods"]) == sorted(a.pod.pod_id for a in pods)
+        (0, pods[0].pod.pod_id), (1, workers[0]), (2, workers[1])]
     assert {p["state"] for p in status["pods"][1:]} == {"running"}
-    assert "rank 0 step 1" in ask("logs")  # the head's training output, from a worker
-    stopped = ask("stop")
-    assert "every pod of the run is out" in stopped
+    assert "rank 0 step 1" in ask("logs")[0]  # the head's training output, from a worker
+    assert "every pod of the run is out" in ask("stop")[1]
     codes = [a.wait_exit(30) for a in pods]
     assert codes == [_code(errors.JobStopped)] * 3, "\n\n".join(a.output[-2000:] for a in pods)
     for a in pods:

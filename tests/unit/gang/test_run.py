@@ -1,0 +1,105 @@
+"""`podagent torchrun` / `podagent accelerate` as a user runs them on one pod: bad input is one
+line and exit 2 before anything starts; the data check stops a run whose ranks see the same
+samples (exit 23, with the numbers) before its training starts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from podagent import cli, errors
+from tests.harness.agents import clean_environ
+
+BAD_INPUT = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.ConfigError)
+OVERLAP = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.DataOverlap)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _podagent(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    environ = {**clean_environ(), "PODAGENT_LOG_DIR": str(tmp_path / "logs"),
+               "PODAGENT_RUN_NAME": "one-pod", "PODAGENT_AFTER_RUN": "exit",
+               "RES_OPTIONS": "timeout:1 attempts:1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "podagent", *args], env=environ,
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+def _one_line_exit_2(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert done.returncode == BAD_INPUT, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("podagent: error: "), done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not (tmp_logs := list(Path(done.args[0]).parent.glob("never"))), tmp_logs
+
+
+def test_accelerate_missing_is_one_line_naming_the_extra(tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    # The image has no accelerate: a finder in front of the others says it is not there.
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Hidden:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'accelerate':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, _Hidden())\n")
+    done = _podagent(tmp_path, "accelerate", "train.py", env={"PYTHONPATH": str(hide)})
+    _one_line_exit_2(done, "podagent accelerate needs podagent's accelerate extra",
+                     "pip install 'podagent[accelerate]'")
+    assert not (tmp_path / "logs").exists()  # nothing started, nothing written
+
+
+def test_an_accelerate_config_that_does_not_parse_is_one_line(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\nnum_machines: [2,\n")
+    done = _podagent(tmp_path, "accelerate", "--config_file", str(config), "train.py")
+    _one_line_exit_2(done, "--config_file", str(config), "line")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_machine_rank_that_contradicts_the_worked_out_one_is_one_line(tmp_path):
+    pod = {"HEAD_POD_ID": "abc123", "RUNPOD_POD_ID": "abc123"}  # this pod is the head
+    done = _podagent(tmp_path, "accelerate", "--machine_rank", "1", "train.py", env=pod)
+    _one_line_exit_2(done, "--machine_rank", "'1'", "machine 0")
+    worker = {"HEAD_POD_ID": "abc123", "RUNPOD_POD_ID": "def456", "EXPECTED_WORKERS": "2"}
+    done = _podagent(tmp_path, "accelerate", "--machine_rank=3", "train.py", env=worker)
+    _one_line_exit_2(done, "--machine_rank", "'3'", "1..2")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_data_check_stops_a_run_whose_ranks_see_the_same_samples(tmp_path):
+    (tmp_path / "loaders.py").write_text(
+        "import torch\n"
+        "def same_for_everyone():\n"
+        "    # no sampler: every rank iterates the whole dataset\n"
+        "    return torch.utils.data.DataLoader(range(16), batch_size=4)\n")
+    train = tmp_path / "train.py"
+    train.write_text("open('trained', 'w').close()\n")
+    one_pod = {"EXPECTED_WORKERS": "0", "PODAGENT_NODE_IP": "127.0.0.1",
+               "PODAGENT_SUPERVISOR_PORT": str(_free_port()),
+               "PODAGENT_RENDEZVOUS_PORT": str(_free_port())}
+    done = _podagent(tmp_path, "torchrun", "--data-check", "--loader",
+                     "loaders.py:same_for_everyone", "--nproc-per-node", "2", str(train),
+                     env=one_pod, timeout=120)
+    assert done.returncode == OVERLAP, done.stdout + done.stderr
+    assert ("data check: 2 ranks saw 32 samples, 32 of them on more than one rank; ranks 0 "
+            in done.stderr), done.stderr
+    assert "share 16 of 16 samples" in done.stderr
+    assert not (tmp_path / "trained").exists()  # the training never started
+    # The run's end is in its ledger: a container started again does not run it again.
+    again = _podagent(tmp_path, "torchrun", "--data-check", "--loader",
+                      "loaders.py:same_for_everyone", "--nproc-per-node", "2", str(train),
+                      env=one_pod)
+    assert again.returncode == OVERLAP, again.stdout + again.stderr
+    assert "finished earlier (DataOverlap" in again.stdout
+    assert "data check: " not in again.stdout
+    assert os.listdir(tmp_path / "logs" / "one-pod")
