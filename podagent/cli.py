@@ -37,10 +37,10 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                            "stops it)"),
     (errors.RayVersionMismatch, 2, "worker: this pod's Ray version differs from the head's "
                                    "(every pod must run the same image)"),
-    (errors.JobFailed, 3, "the job failed"),
+    (errors.JobFailed, 3, "the job failed (in a run without Ray: this pod's training)"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
-    (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time (with "
-                               "`podagent torchrun`, the workers that came exit so too)"),
+    (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time (in a run "
+                               "without Ray, the workers that came exit so too)"),
     (errors.HeadUnreachable, 6, "worker: the head could not be found or joined in time"),
     (errors.HeadLost, 7, "worker: the head went away for longer than the grace period"),
     (errors.RayUnhealthy, 8, "Ray failed to start or became unhealthy"),
