@@ -10,7 +10,7 @@ from typing import Any
 
 from podagent.config import Settings
 from podagent.control.lookup import HTTP_TIMEOUT
-from podagent.errors import HeadUnreachable, StopTimeout
+from podagent.errors import StopTimeout
 from podagent.gang import mesh
 from podagent.waiting import Signals
 
@@ -18,16 +18,17 @@ FOLLOW_EVERY = 1.0  # `logs --follow` asks for more this often
 
 
 def ask(settings: Settings, ip: str, question: dict[str, Any]) -> tuple[mesh.Wire, Any] | None:
-    """The head's answer, on the still open connection; None when no run without Ray is
-    there (nothing listens on the supervisor port)."""
+    """The head's answer, on the still open connection; None when no run without Ray answers
+    there (nothing listens on the supervisor port, something else does, or the head cannot be
+    reached: the Ray path then asks, and says what it finds). A head that refuses the cluster
+    token raises HeadUnreachable."""
     try:
         return mesh.ask(ip, settings.supervisor_port, question, settings.auth_token,
                         HTTP_TIMEOUT)
-    except ConnectionRefusedError:
+    except OSError:
         return None
-    except OSError as exc:
-        raise HeadUnreachable(f"the head's podagent at {ip}:{settings.supervisor_port} cannot "
-                              f"be reached: {exc.strerror or exc}") from None
+    except mesh.NotSupervisor:
+        return None
 
 
 def status(settings: Settings, ip: str) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from podagent.config import Settings
-from podagent.errors import InputError
+from podagent.gang import parse
 from podagent.platform.roles import Role
 
 
@@ -59,40 +59,17 @@ def wait_limit(settings: Settings, role: Role) -> float:
     return settings.worker_timeout if role is Role.HEAD else settings.head_timeout
 
 
-def _script_start(args: Sequence[str], script_args: Sequence[str]) -> int:
-    """Where the training script is in a launcher's argv, from what its own parser found: the
-    script and its arguments are the argv's tail."""
-    return len(args) - len(script_args) - 1
-
-
-_NO_SCRIPT = "podagent-no-script"
-
-
 class Torchrun:
     """torchrun, its node ranks from torch's own c10d rendezvous at the head."""
 
     name = "torchrun"
 
     def __init__(self, user_args: Sequence[str]):
-        import torch.distributed.run as torch_run
-
-        args = list(user_args)
-        try:  # a stand-in script after them: torchrun's parser wants one, the user's may not
-            parsed, _ = torch_run.get_args_parser().parse_known_args([*args, _NO_SCRIPT])
-        except SystemExit:
-            raise InputError(f"podagent torchrun: torchrun refuses these options: "
-                             f"{' '.join(user_args)}") from None
-        if parsed.training_script == _NO_SCRIPT:
-            start = len(args)
-        else:
-            start = _script_start(args, parsed.training_script_args[:-1])
-        self.options = tuple(a for a in args[:start] if a != "--")
-        self.script = tuple(args[start:])
-        given = parsed.nproc_per_node if any(
-            a.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for a in self.options
-        ) else None
+        parsed = parse.split(self.name, user_args)
+        self.options = tuple(parsed["options"])
+        self.script = tuple(parsed["script"])
         # The user's own count wins over podagent's (torchrun keeps the last one given).
-        self.nproc = int(given) if given is not None and str(given).isdigit() else None
+        self.nproc: int | None = parsed["nproc"]
 
     def procs_per_node(self, gpus: int) -> int:
         return self.nproc or gpus or 1
@@ -141,7 +118,9 @@ class Accelerate:
         from podagent.gang import accelerate
 
         self._mod = accelerate
-        self.args = accelerate.split(user_args)
+        parsed = parse.split(self.name, user_args)
+        self.args = accelerate.LaunchArgs(tuple(parsed["options"]), tuple(parsed["script"]),
+                                          parsed["config_file"], dict(parsed["given"]))
         self.script = tuple(self.args.script)
         if self.args.config_file:
             accelerate.read_config(self.args.config_file)  # one that does not parse: exit 2

@@ -455,7 +455,8 @@ class Link:
         self._thread: threading.Thread | None = None
 
     def join(self, deadline: float, timeout: float, asked_rank: int | None,
-             sleep: Callable[[float], None]) -> dict[str, Any]:
+             sleep: Callable[[float], None],
+             check: Callable[[], None] = lambda: None) -> dict[str, Any]:
         """Say hello and wait for the head's go (its body: this pod's machine rank...), all
         before `deadline` (monotonic; `timeout` is what the user set). Raises HeadUnreachable
         when the head never answered, WorkersTimeout or InputError with the head's line when
@@ -494,7 +495,7 @@ class Link:
             hello["token"] = self.token
         wire.send(hello)
         self.reporter.say(f"joined the {rv}; waiting for the head to start it")
-        answer = self._read(wire, max(0.1, deadline - time.monotonic()))
+        answer = self._read(wire, max(0.1, deadline - time.monotonic()), check)
         if answer is TimeoutError:
             wire.close()
             raise HeadUnreachable(f"{rv}: joined, but the head did not start it within "
@@ -514,12 +515,13 @@ class Link:
         return answer["go"]
 
     @staticmethod
-    def _read(wire: Wire, timeout: float) -> Any:
+    def _read(wire: Wire, timeout: float, check: Callable[[], None] = lambda: None) -> Any:
         """The next line (parsed), None when the connection ended, TimeoutError (the class)
-        when nothing came in time."""
+        when nothing came in time. `check` runs every TICK (a signal raises there)."""
         ends = time.monotonic() + timeout
         wire.sock.settimeout(TICK)
         while (left := ends - time.monotonic()) > 0:
+            check()
             wire.sock.settimeout(min(TICK, left))
             try:
                 lines = wire.feed()
@@ -573,17 +575,22 @@ class Link:
                 return
 
 
+class NotSupervisor(Exception):
+    """Something other than a podagent supervisor answered on the port."""
+
+
 def ask(head_ip: str, port: int, question: Mapping[str, Any], token: str | None,
         timeout: float) -> tuple[Wire, Any]:
     """Connect to a head's supervisor and ask; (the open connection, the first answer).
-    Raises ConnectionRefusedError when nothing listens there (no run without Ray), OSError
-    when the head cannot be reached, HeadUnreachable when something else answers."""
+    Raises OSError when the head cannot be reached or nothing listens there (no run without
+    Ray), NotSupervisor when something else answers, HeadUnreachable when the head refuses
+    the cluster token or does not answer."""
     sock = socket.create_connection((head_ip, port), timeout=timeout)
     wire = Wire(sock)
     greeting = Link._read(wire, timeout)
     if not isinstance(greeting, dict) or "rendezvous" not in greeting:
         wire.close()
-        raise HeadUnreachable(f"{head_ip}:{port} is not a podagent supervisor")
+        raise NotSupervisor(f"{head_ip}:{port} is not a podagent supervisor")
     wire.send({**question, **({"token": token} if token else {})})
     answer = Link._read(wire, timeout)
     if answer is TimeoutError or answer is None:

@@ -163,8 +163,9 @@ def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
     from podagent.gang.launchers import Layout, data_check_step
 
     reporter = reporter_for(settings, role.value, pod="dry-run")
-    reporter.say(f"dry run: this pod would be the {role.value} ({reason}) of a "
-                 f"{launcher.name} run {settings.run_name}, logs in {settings.run_dir}")
+    reporter.say(f"dry run: this pod would be the {role.value} ({reason}) of run "
+                 f"{settings.run_name} without Ray ({launcher.name}), logs in "
+                 f"{settings.run_dir}")
     setup = node.prepare(settings, role, reporter)
     head = setup.node_ip if role is Role.HEAD else "HEAD"
     nodes = settings.expected_workers + 1
@@ -181,7 +182,7 @@ def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
     reporter.say(f"would hold podagent's rendezvous at {head}:{settings.supervisor_port} for "
                  f"{nodes} node(s), then run" + ("" if role is Role.HEAD else
                                                  f" (machine rank {rank} as an example)"))
+    for said in dict.fromkeys(line for step in steps for line in step.lines):
+        reporter.say(f"  {said}")
     for step in steps:
-        for said in step.lines:
-            reporter.say(f"  {said}")
         reporter.say(f"  {step.name}: {shlex.join(step.argv)}")

@@ -129,6 +129,7 @@ class Supervisor:
         self.head_name = ""
         self.check_line = ""  # the data check's verdict, when it passed
         self._hub: mesh.Hub | None = None  # the head's
+        self._said: set[str] = set()
 
     @property
     def log_path(self) -> Path:
@@ -161,7 +162,9 @@ class Supervisor:
     def _launch(self, step: Step) -> Training:
         self.step_name = step.name
         for said in step.lines:
-            self.reporter.say(said)
+            if said not in self._said:  # the same for every step: once is enough
+                self._said.add(said)
+                self.reporter.say(said)
         if step.name == "data check":
             self._clear_reports()
         env = {**child_environ(self.settings.environ), **step.env}
@@ -350,7 +353,8 @@ class WorkerSupervisor(Supervisor):
         link = mesh.Link(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
                          self.reporter, self.events)
         try:
-            go = link.join(deadline, self.settings.head_timeout, asked_rank, self.signals.sleep)
+            go = link.join(deadline, self.settings.head_timeout, asked_rank, self.signals.sleep,
+                           self.signals.check)
             link.head = mesh.Peer(self.rv.head_ip, str(go.get("head") or ""))
             self.head_name = str(link.head)
             self.layout = layout = self._layout(int(go["nodes"]), int(go["rank"]))

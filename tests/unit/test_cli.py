@@ -236,6 +236,8 @@ EXIT_CODES = [
     (errors.NoCapacity("no capacity"), 19),
     (errors.RunPodApiError("gave up"), 20),
     (errors.PodsNotReady("PROVISIONING"), 21),
+    (errors.PeerLost("pod w1 was lost"), 22),
+    (errors.DataOverlap("ranks 0 and 1 share 16 of 16 samples"), 23),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),
@@ -350,7 +352,7 @@ def test_torchrun_dry_run_works_out_ranks_without_node_rank(tmp_path):
                      {"RUNPOD_POD_ID": "podh", "HEAD_POD_ID": "podh",
                       "PODAGENT_NODE_IP": "127.0.0.1", "PODAGENT_NCCL_PRESET": "none"})
     assert result.returncode == 0, result.stderr
-    (line,) = [x for x in result.stdout.splitlines() if "would run:" in x]
+    (line,) = [x for x in result.stdout.splitlines() if "training:" in x]
     assert ("--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "
             "127.0.0.1:29500 --rdzv-id podagent-podh --rdzv-conf is_host=1,join_timeout=600 "
             "--local-addr 127.0.0.1 --max-restarts 2 train.py --lr 3") in line

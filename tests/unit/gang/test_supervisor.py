@@ -1,0 +1,52 @@
+"""The run's end decided in one place: which cause wins when several show, and how each pod
+exits for it (the pod the cause is about, and every other)."""
+
+from __future__ import annotations
+
+from podagent import cli, errors
+from podagent.gang.supervisor import Cause, stronger
+
+HEAD, W1, W2 = "10.0.0.1 (h)", "10.0.0.2 (a)", "10.0.0.3 (b)"
+
+
+def _exit(cause: Cause, me: str) -> tuple[int, str]:
+    error = cause.error(me, "torchrun")
+    return (0, "") if error is None else (cli.exit_code(error), str(error))
+
+
+def test_a_lost_pod_outranks_the_failures_that_follow_it_whatever_came_first():
+    failed = Cause("failed", W2, step="training", rc=1)
+    lost = Cause("lost", W1, "its podagent's connection closed")
+    assert stronger(stronger(None, failed), lost) is lost
+    assert stronger(stronger(None, lost), failed) is lost
+    # Of two of a kind, the first stays: it is what happened first.
+    assert stronger(lost, Cause("lost", W2, "silent for 5 s")) is lost
+
+
+def test_every_other_pod_exits_22_naming_the_lost_pod():
+    lost = Cause("lost", W1, "silent for 5 s (no heartbeat)")
+    for me in (HEAD, W2):
+        code, line = _exit(lost, me)
+        assert code == 22
+        assert line == (f"pod {W1} was lost: silent for 5 s (no heartbeat); stopped this pod's "
+                        f"training")
+
+
+def test_the_pod_whose_training_failed_exits_3_and_the_others_22_naming_it():
+    failed = Cause("failed", W2, step="training", rc=7)
+    assert _exit(failed, W2) == (3, "the training (torchrun) exited 7 on this pod; stopped it "
+                                    "on every pod")
+    code, line = _exit(failed, HEAD)
+    assert code == 22 and f"the training failed on pod {W2} (torchrun exited 7)" in line
+
+
+def test_a_stop_a_failed_data_check_and_a_success_exit_alike_on_every_pod():
+    for me in (HEAD, W1):
+        assert _exit(Cause("stopped", "pod-x"), me)[0] == cli.exit_code(errors.JobStopped("x"))
+        assert _exit(Cause("overlap", HEAD, "data check: ..."), me) == (23, "data check: ...")
+        assert _exit(Cause("succeeded"), me) == (0, "")
+
+
+def test_a_cause_crosses_the_wire_unchanged():
+    cause = Cause("failed", W1, "", "data check", 2)
+    assert Cause.from_wire(cause.to_wire()) == cause
