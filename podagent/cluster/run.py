@@ -49,6 +49,47 @@ def reporter_for(settings: config.Settings, who: str, pod: str | None = None,
                     log_format=settings.log_format, quiet=settings.quiet)
 
 
+def report_end(exc: Exception, settings: config.Settings, reporter: Reporter,
+               exit_code: Callable[[BaseException], int]) -> int:
+    """The code of a run an error ended, said once: podagent's error as one line (none for a
+    signal: whoever sent it knows), a bug as one line on screen and its traceback in the log."""
+    from podagent.errors import Interrupted, PodagentError
+
+    code = exit_code(exc)
+    if isinstance(exc, PodagentError):
+        if not isinstance(exc, Interrupted):
+            reporter.error(str(exc))
+        reporter.event("exit", code=code, error=str(exc))
+    else:
+        reporter.error(f"internal error: {type(exc).__name__}: {exc} "
+                       f"(traceback in {settings.run_dir})")
+        reporter.event("exit", code=code, error=traceback.format_exc())
+    return code
+
+
+def install_signals(reporter: Reporter) -> Signals:
+    """podagent's handlers: a first SIGTERM/SIGINT is recorded for the loops to act on; a
+    second kills every child and leaves at once."""
+    signals = Signals()
+
+    def force(signum: int) -> None:
+        # A second signal: no more patience. Kill everything we started and leave. This runs
+        # in the main thread, which may be anywhere (holding the reporter's lock in a stalled
+        # write): so the children go first, and the last line takes no lock and cannot block.
+        # Further signals are ignored from here: a handler run again inside this one (while it
+        # waits for the log) would start over, and never reach the exit.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        for proc in process.descendants():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
+        os._exit(128 + signum)
+
+    signals.install(on_second=force)
+    return signals
+
+
 def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool,
              exit_code: Callable[[BaseException], int],
              outcome_code: Callable[[str], int]) -> int:
@@ -129,7 +170,6 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
          exit_code: Callable[[BaseException], int], outcome_code: Callable[[str], int]) -> int:
     from podagent.cluster.head import Head
     from podagent.cluster.worker import Worker
-    from podagent.errors import Interrupted, PodagentError
 
     # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
     # service) inherits the key. The settings keep their own copy of the environment.
@@ -146,23 +186,7 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
 
     bringup = wandb_run.attach(reporter, settings, decision.role)
 
-    signals = Signals()
-
-    def force(signum: int) -> None:
-        # A second signal: no more patience. Kill everything we started and leave. This runs
-        # in the main thread, which may be anywhere (holding the reporter's lock in a stalled
-        # write): so the children go first, and the last line takes no lock and cannot block.
-        # Further signals are ignored from here: a handler run again inside this one (while it
-        # waits for the log) would start over, and never reach the exit.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        for proc in process.descendants():
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
-        os._exit(128 + signum)
-
-    signals.install(on_second=force)
+    signals = install_signals(reporter)
     process.become_subreaper()
     lifecycle: Lifecycle | None = None
     code = SUCCESS
@@ -173,16 +197,8 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
         # A head that found its run finished earlier exits as that run did.
         earlier = lifecycle.earlier_outcome()
         code = outcome_code(earlier) if earlier else SUCCESS
-    except PodagentError as exc:
-        code = exit_code(exc)
-        if not isinstance(exc, Interrupted):
-            reporter.error(str(exc))
-        reporter.event("exit", code=code, error=str(exc))
-    except Exception as exc:  # a bug: one line on screen, the traceback in the log
-        code = exit_code(exc)
-        reporter.error(f"internal error: {type(exc).__name__}: {exc} "
-                       f"(traceback in {settings.run_dir})")
-        reporter.event("exit", code=code, error=traceback.format_exc())
+    except Exception as exc:
+        code = report_end(exc, settings, reporter, exit_code)
     else:
         reporter.event("exit", code=code)
     finally:

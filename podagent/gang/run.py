@@ -6,19 +6,13 @@ Exit codes are the command line's: it hands its mapping in, as for the Ray path.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shlex
-import signal
 import socket
-import traceback
 from collections.abc import Callable, Sequence
-
-import psutil
 
 from podagent import __version__, process
 from podagent.choices import AfterRun
-from podagent.cluster.ledger import Ledger, recall, record_or_warn
+from podagent.cluster.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
 from podagent.config import Settings
 from podagent.errors import PodagentError, RestartsExhausted
 from podagent.gang import mesh
@@ -49,7 +43,7 @@ def launcher_for(name: str, user_args: Sequence[str]) -> Launcher:
 def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str | None,
         dry_run: bool, exit_code: Callable[[BaseException], int],
         outcome_code: Callable[[str], int]) -> int:
-    from podagent.cluster.run import reporter_for
+    from podagent.cluster.run import install_signals, report_end, reporter_for
 
     decision = detect_role(settings)
     role = decision.role
@@ -62,19 +56,7 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
                  f"({decision.reason}); run {settings.run_name}")
     reporter.event("role", role=role.value, reason=decision.reason, run=settings.run_name,
                    version=__version__, launcher=launcher.name)
-    signals = Signals()
-
-    def force(signum: int) -> None:
-        # A second signal: no more patience (as for the Ray path).
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        for proc in process.descendants():
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        reporter.emergency(f"second {signal.Signals(signum).name}: killed all children")
-        os._exit(128 + signum)
-
-    signals.install(on_second=force)
+    signals = install_signals(reporter)
     process.become_subreaper()  # the launcher's workers stay ours when it dies
     ledger = Ledger.load(settings.run_dir, settings.run_name)
     finished = recall(ledger, settings.run_name, settings.run_dir, reporter)
@@ -90,18 +72,9 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
             error = cause.error(me, launcher.name)
             if error is not None:
                 raise error
-        except PodagentError as exc:
-            outcome = type(exc).__name__
-            code = exit_code(exc)
-            if outcome != "Interrupted":
-                reporter.error(str(exc))
-            reporter.event("exit", code=code, error=str(exc))
-        except Exception as exc:  # a bug: one line on screen, the traceback in the log
-            outcome = "InternalError"
-            code = exit_code(exc)
-            reporter.error(f"internal error: {type(exc).__name__}: {exc} "
-                           f"(traceback in {settings.run_dir})")
-            reporter.event("exit", code=code, error=traceback.format_exc())
+        except Exception as exc:
+            outcome = type(exc).__name__ if isinstance(exc, PodagentError) else INTERNAL_ERROR
+            code = report_end(exc, settings, reporter, exit_code)
         else:
             reporter.event("exit", code=code)
         record_or_warn(lambda: ledger.ended(outcome, None), reporter)

@@ -59,6 +59,18 @@ def _under_way(out: Path, pods: list[Agent]) -> None:
     wait_for(started, timeout=120, interval=0.2, what="every rank's first step")
 
 
+def _mid_run(make_pod, dns_server, tmp_path, agents, launcher: str,
+             *launcher_args: str) -> list[Agent]:
+    """Three pods in a loop that runs until stopped, every rank past its first step."""
+    loop = ("--accelerate",) if launcher == "accelerate" else ()
+    pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, launcher, *launcher_args,
+                            str(LOOP), str(tmp_path / "ranks"), *loop, "--steps", "100000",
+                            "--step-seconds", "0.1")
+    _start(pods)
+    _under_way(out, pods)
+    return pods
+
+
 def _all_out(pods: list[Agent], since: float, deadline: float) -> list[int]:
     codes = [a.wait_exit(max(0.1, since + deadline - time.monotonic())) for a in pods]
     for a in pods:  # nothing of the run is left in any pod: no launcher, no training process
@@ -123,11 +135,7 @@ def test_accelerate_on_three_pods_gives_each_machine_its_rank(make_pod, dns_serv
 
 def test_a_worker_killed_mid_run_takes_every_pod_out_naming_it(make_pod, dns_server, tmp_path,
                                                                agents):
-    pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, "torchrun", "--",
-                            str(LOOP), str(tmp_path / "ranks"), "--steps", "100000",
-                            "--step-seconds", "0.1")
-    _start(pods)
-    _under_way(out, pods)
+    pods = _mid_run(make_pod, dns_server, tmp_path, agents, "torchrun", "--")
     lost = pods[1]
     lost.kill_pod()
     t0 = time.monotonic()
@@ -140,11 +148,7 @@ def test_a_worker_killed_mid_run_takes_every_pod_out_naming_it(make_pod, dns_ser
 
 def test_a_worker_cut_off_then_killed_takes_every_pod_out_naming_it(make_pod, dns_server,
                                                                     tmp_path, agents):
-    pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, "accelerate", str(LOOP),
-                            str(tmp_path / "ranks"), "--accelerate", "--steps", "100000",
-                            "--step-seconds", "0.1")
-    _start(pods)
-    _under_way(out, pods)
+    pods = _mid_run(make_pod, dns_server, tmp_path, agents, "accelerate")
     cut = pods[2]
     # Its host vanishes: the link goes down first, so nobody gets a reset; the collectives of
     # the others would wait for it until gloo's own timeout.
@@ -163,11 +167,7 @@ def test_a_worker_cut_off_then_killed_takes_every_pod_out_naming_it(make_pod, dn
 
 
 def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agents):
-    pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, "torchrun", "--",
-                            str(LOOP), str(tmp_path / "ranks"), "--steps", "100000",
-                            "--step-seconds", "0.1")
-    _start(pods)
-    _under_way(out, pods)
+    pods = _mid_run(make_pod, dns_server, tmp_path, agents, "torchrun", "--")
     worker = pods[2]
 
     def ask(*command: str) -> tuple[str, str]:
