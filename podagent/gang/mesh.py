@@ -35,7 +35,7 @@ from typing import Any
 from podagent import process
 from podagent.errors import HeadUnreachable, InputError, PortInUse, WorkersTimeout
 from podagent.report import Progress, Reporter
-from podagent.waiting import Backoff, Deadline, NotYet, retry
+from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
 
 HEARTBEAT = 1.0  # seconds between heartbeats, both ways
 LINE_LIMIT = 1 << 20  # bytes: a step's data-check reports are the longest line
@@ -286,9 +286,12 @@ class Hub:
         def there() -> list[Peer]:
             return [m.peer for m in self.members.values() if m.state not in ("lost", "out")]
 
-        while there() and not deadline.passed:
-            time.sleep(min(TICK, max(0.0, deadline.left())))
-        return there()
+        try:
+            return retry(there, awaited="the workers' podagents to leave",
+                         backoff=Backoff.every(TICK), deadline=deadline,
+                         until=lambda left: not left)
+        except Expired as exc:
+            return list(exc.last or [])
 
     def answer_stoppers(self, payload: Mapping[str, Any]) -> None:
         for wire in self._stoppers:

@@ -126,7 +126,6 @@ class Supervisor:
         self.training: Training | None = None
         self.started = time.time()
         self.layout: Layout | None = None
-        self.head_name = ""
         self.check_line = ""  # the data check's verdict, when it passed
         self._hub: mesh.Hub | None = None  # the head's
         self._said: set[str] = set()
@@ -356,7 +355,6 @@ class WorkerSupervisor(Supervisor):
             go = link.join(deadline, self.settings.head_timeout, asked_rank, self.signals.sleep,
                            self.signals.check)
             link.head = mesh.Peer(self.rv.head_ip, str(go.get("head") or ""))
-            self.head_name = str(link.head)
             self.layout = layout = self._layout(int(go["nodes"]), int(go["rank"]))
             self.reporter.say(f"{self.rv}: this pod is machine {layout.machine_rank} of "
                               f"{layout.nodes}")
