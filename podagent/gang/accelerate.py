@@ -41,11 +41,23 @@ REASONS = {
 
 
 @dataclass(frozen=True)
+class Option:
+    dest: str  # argparse's name for it, e.g. machine_rank
+    tokens: tuple[str, ...]  # as typed: ("--opt", "v"), ("--opt=v",) or ("--flag",)
+    value: str | None  # None for a flag
+
+
+@dataclass(frozen=True)
 class LaunchArgs:
     options: tuple[str, ...]  # the user's launcher options, without the per-machine ones
     script: tuple[str, ...]  # training script and its args (empty: none given)
     config_file: str | None  # --config_file as typed
     given: Mapping[str, str]  # per-machine options typed by hand: PER_MACHINE key -> value
+    # What accelerate's parser made of `options` (`plan` needs no parser, so podagent's own
+    # process never imports accelerate, and with it torch): each option as typed, and which
+    # of MODE_FLAGS and --cpu they set.
+    typed: tuple[Option, ...] = ()
+    flags: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -53,13 +65,6 @@ class AcceleratePlan:
     argv: tuple[str, ...]
     env: Mapping[str, str]  # extra variables for the launcher's processes
     lines: tuple[str, ...]  # what podagent set or overrode, one line each
-
-
-@dataclass(frozen=True)
-class _Option:
-    dest: str  # argparse's name for it, e.g. machine_rank
-    tokens: tuple[str, ...]  # as typed: ("--opt", "v"), ("--opt=v",) or ("--flag",)
-    value: str | None  # None for a flag
 
 
 class _Refused(Exception):
@@ -78,10 +83,10 @@ def _parser():
     return parser
 
 
-def _walk(tokens: Sequence[str], parser) -> tuple[list[_Option], tuple[str, ...]]:
+def _walk(tokens: Sequence[str], parser) -> tuple[list[Option], tuple[str, ...]]:
     """The options before the script, each with its tokens, and the script with its args.
     The script starts at the first token that is not an option, or after a lone "--"."""
-    options: list[_Option] = []
+    options: list[Option] = []
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -94,7 +99,7 @@ def _walk(tokens: Sequence[str], parser) -> tuple[list[_Option], tuple[str, ...]
     return options, ()
 
 
-def _one_option(tokens: Sequence[str], i: int, parser) -> tuple[_Option, int]:
+def _one_option(tokens: Sequence[str], i: int, parser) -> tuple[Option, int]:
     token = tokens[i]
     if token.startswith("--"):
         name, eq, attached = token.partition("=")
@@ -110,12 +115,12 @@ def _one_option(tokens: Sequence[str], i: int, parser) -> tuple[_Option, int]:
     if action.nargs == 0:
         if has_attached:
             raise InputError(f"accelerate launch option {name} takes no value (got {token!r})")
-        return _Option(action.dest, (token,), None), i + 1
+        return Option(action.dest, (token,), None), i + 1
     if has_attached:
-        return _Option(action.dest, (token,), attached), i + 1
+        return Option(action.dest, (token,), attached), i + 1
     if i + 1 >= len(tokens):
         raise InputError(f"accelerate launch option {name} needs a value")
-    return _Option(action.dest, (token, tokens[i + 1]), tokens[i + 1]), i + 2
+    return Option(action.dest, (token, tokens[i + 1]), tokens[i + 1]), i + 2
 
 
 def _namespace(tokens: Sequence[str], parser):
@@ -132,11 +137,13 @@ def split(user_args: Sequence[str]) -> LaunchArgs:
     parser = _parser()
     found, script = _walk(list(user_args), parser)
     # the per-machine values are podagent's to check (check_given): they leave the line
-    _namespace([t for o in found if o.dest not in PER_MACHINE for t in o.tokens], parser)
+    kept = tuple(o for o in found if o.dest not in PER_MACHINE)
+    namespace = _namespace([t for o in kept for t in o.tokens], parser)
     given = {o.dest: o.value for o in found if o.dest in PER_MACHINE and o.value is not None}
-    options = tuple(t for o in found if o.dest not in PER_MACHINE for t in o.tokens)
+    options = tuple(t for o in kept for t in o.tokens)
     config = [o.value for o in found if o.dest == "config_file"]
-    return LaunchArgs(options, script, config[-1] if config else None, given)
+    flags = frozenset(f for f in (*MODE_FLAGS, "cpu") if getattr(namespace, f, False))
+    return LaunchArgs(options, script, config[-1] if config else None, given, kept, flags)
 
 
 def _integer(option: str, value: str) -> int:
@@ -216,11 +223,11 @@ def read_config(path: str) -> dict[str, object]:
     return data
 
 
-def _chosen_mode(namespace, config: Mapping[str, Any]) -> str | None:
+def _chosen_mode(flags: frozenset[str], config: Mapping[str, Any]) -> str | None:
     """The multi-process mode the options or else the config choose (as accelerate decides:
     any mode option on the command line makes it ignore the config's distributed_type)."""
     for flag in MODE_FLAGS:
-        if getattr(namespace, flag, False):
+        if flag in flags:
             return flag
     kind = str(config.get("distributed_type") or "NO")
     if kind.upper() == "NO":
@@ -244,7 +251,7 @@ def _override_lines(args: LaunchArgs, config: Mapping[str, Any], ours: Mapping[s
     return lines
 
 
-def _deepspeed_lines(args: LaunchArgs, config: Mapping[str, Any], typed: Sequence[_Option]
+def _deepspeed_lines(args: LaunchArgs, config: Mapping[str, Any], typed: Sequence[Option]
                      ) -> list[str]:
     why = "podagent starts the launcher on every pod; pdsh would SSH to the others"
     lines = []
@@ -265,15 +272,13 @@ def plan(args: LaunchArgs, *, nodes: int, machine_rank: int, main_ip: str, main_
          procs_per_node: int, gpus: int, script: Sequence[str]) -> AcceleratePlan:
     """The `accelerate launch` command line for this pod, the variables its processes need,
     and a line for each value podagent sets over the user's."""
-    parser = _parser()
-    typed, _ = _walk(list(args.options), parser)
-    namespace = _namespace(args.options, parser)
+    typed = args.typed
     config = read_config(args.config_file) if args.config_file else {}
     total = nodes * procs_per_node
     ours = {"num_machines": nodes, "machine_rank": machine_rank, "main_process_ip": main_ip,
             "main_process_port": main_port, "num_processes": total}
-    mode = _chosen_mode(namespace, config)
-    if total > 1 and namespace.cpu:
+    mode = _chosen_mode(args.flags, config)
+    if total > 1 and "cpu" in args.flags:
         raise ConfigError("--cpu", True, f"makes accelerate run one process per machine, not "
                           f"{total} together; drop it: on pods without GPUs podagent sets "
                           "ACCELERATE_USE_CPU=true")

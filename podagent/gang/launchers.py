@@ -119,8 +119,11 @@ class Accelerate:
 
         self._mod = accelerate
         parsed = parse.split(self.name, user_args)
+        typed = tuple(accelerate.Option(dest, tuple(tokens), value)
+                      for dest, tokens, value in parsed["typed"])
         self.args = accelerate.LaunchArgs(tuple(parsed["options"]), tuple(parsed["script"]),
-                                          parsed["config_file"], dict(parsed["given"]))
+                                          parsed["config_file"], dict(parsed["given"]), typed,
+                                          frozenset(parsed["flags"]))
         self.script = tuple(self.args.script)
         if self.args.config_file:
             accelerate.read_config(self.args.config_file)  # one that does not parse: exit 2

@@ -63,7 +63,9 @@ def _accelerate(args: list[str]) -> dict[str, Any]:
 
     split_args = accelerate.split(args)
     return {"options": list(split_args.options), "script": list(split_args.script),
-            "config_file": split_args.config_file, "given": dict(split_args.given)}
+            "config_file": split_args.config_file, "given": dict(split_args.given),
+            "typed": [[o.dest, list(o.tokens), o.value] for o in split_args.typed],
+            "flags": sorted(split_args.flags)}
 
 
 def main(argv: Sequence[str]) -> int:

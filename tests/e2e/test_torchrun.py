@@ -22,16 +22,16 @@ def test_the_head_gives_up_on_a_worker_that_never_comes_and_names_who_came(
         make_pod, dns_server, tmp_path, agents):
     head, (came, _never) = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                                         head_env={"EXPECTED_WORKERS": "2",
-                                                  "PODAGENT_WORKER_TIMEOUT": "8"},
+                                                  "PODAGENT_WORKER_TIMEOUT": "4"},
                                         worker_env={"EXPECTED_WORKERS": "2"})
     _torchrun(came, tmp_path)
-    # The head starts once the worker tries to reach it: the head's 8 s are not spent on the
+    # The head starts once the worker tries to reach it: the head's 4 s are not spent on the
     # worker's own start.
     came.wait_output(f"rendezvous e2e at {head.pod.ip}:29510: 3 node(s)", timeout=60)
     _torchrun(head, tmp_path)
     assert head.wait_exit(60) == EXIT_WORKERS_TIMEOUT, head.output[-3000:]
     line = (f"rendezvous e2e at {head.pod.ip}:29510: 2 of 3 nodes joined "
-            f"within 8 s (head {head.pod.ip} ({head.pod.pod_id}), worker {came.pod.ip} "
+            f"within 4 s (head {head.pod.ip} ({head.pod.pod_id}), worker {came.pod.ip} "
             f"({came.pod.pod_id})); missing: 1 worker (EXPECTED_WORKERS=2)")
     assert f"[head] ERROR: {line}" in head.output.splitlines(), head.output[-3000:]
     # The worker that came is told, and exits as the head did, with the head's line.
