@@ -37,7 +37,7 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                            "stops it)"),
     (errors.RayVersionMismatch, 2, "worker: this pod's Ray version differs from the head's "
                                    "(every pod must run the same image)"),
-    (errors.JobFailed, 3, "the job failed (in a run without Ray: this pod's training)"),
+    (errors.JobFailed, 3, "the job failed"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
     (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time (in a run "
                                "without Ray, the workers that came exit so too)"),

@@ -309,6 +309,13 @@ class Hub:
     # --- the loop -----------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug: the run must not go on unwatched
+            self.events.put(Lost(self.head, f"the head's supervisor thread failed "
+                                            f"({type(exc).__name__}: {exc})"))
+
+    def _loop(self) -> None:
         while not self._closed.is_set():
             self._select(TICK)
             now = time.monotonic()
@@ -547,6 +554,13 @@ class Link:
             self.wire.close()
 
     def _serve(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug: the run must not go on unwatched
+            self.events.put(Lost(self.head, f"this worker's link thread failed "
+                                            f"({type(exc).__name__}: {exc})"))
+
+    def _loop(self) -> None:
         wire = self.wire
         assert wire is not None
         last_seen = time.monotonic()

@@ -24,7 +24,12 @@ NO_SCRIPT = "podagent-no-script"  # stands in for a script torchrun's parser ins
 
 
 def split(kind: str, args: Sequence[str]) -> dict[str, Any]:
-    """The child's answer; InputError for arguments the launcher refuses."""
+    """The child's answer; InputError for arguments the launcher refuses. Arguments that
+    start with the script (or "--") hold no launcher option: no child is needed."""
+    if not args or args[0] == "--" or not args[0].startswith("-"):
+        script = list(args[1:] if args[:1] == ["--"] else args)
+        return {"options": [], "script": script, "nproc": None, "config_file": None,
+                "given": {}, "typed": [], "flags": []}
     done = subprocess.run([sys.executable, "-m", "podagent.gang.parse", kind, *args],
                           capture_output=True, text=True, timeout=PARSE_TIMEOUT,
                           env=child_environ(os.environ), stdin=subprocess.DEVNULL)

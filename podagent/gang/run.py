@@ -66,7 +66,7 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
     else:
         outcome = "succeeded"
         try:
-            _check_restarts(settings, ledger)
+            check_restarts(settings, ledger)
             cause, me = _supervised(settings, launcher, role, reporter, signals, data_check,
                                     loader, asked_rank)
             error = cause.error(me, launcher.name)
@@ -89,14 +89,21 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
     return code
 
 
-def _check_restarts(settings: Settings, ledger: Ledger) -> None:
+# How a start ends when a pod of the run was lost or never came: the run is not over (the
+# restarted containers start it again), but only so often.
+LOSSES = ("PeerLost", "WorkersTimeout", "HeadUnreachable")
+
+
+def check_restarts(settings: Settings, ledger: Ledger) -> None:
     """A run whose pods keep getting lost is restarted (RunPod starts the containers again,
-    the script resumes from its own checkpoint) at most PODAGENT_RESTARTS times."""
-    losses = sum(1 for start in ledger.data["starts"][:-1] if start.get("outcome") == "PeerLost")
+    the script resumes from its own checkpoint) at most PODAGENT_RESTARTS times: a pod gone
+    for good must not keep the others restarting, billing, for ever."""
+    losses = sum(1 for start in ledger.data["starts"][:-1] if start.get("outcome") in LOSSES)
     if losses > settings.restarts:
-        raise RestartsExhausted(f"run {settings.run_name}: a pod was lost {losses} times, "
-                                f"more than PODAGENT_RESTARTS={settings.restarts} allows; not "
-                                f"starting it again (logs and checkpoints are kept)")
+        raise RestartsExhausted(f"run {settings.run_name}: a pod was lost or missing {losses} "
+                                f"times, more than PODAGENT_RESTARTS={settings.restarts} "
+                                f"allows; not starting it again (logs and checkpoints are "
+                                f"kept)")
 
 
 def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Reporter,

@@ -15,8 +15,9 @@ from tests.harness.pods import _ip, wait_for
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 LOOP = JOBS / "ddp_loop.py"
-# torch looks up the host name of every TCPStore peer; pods reach no name server of this
-# machine's resolv.conf, so one quick try instead of glibc's 2 x 5 s (see test_torchrun).
+# torch looks up the host name of every TCPStore peer (getnameinfo; "The hostname of the client
+# socket cannot be retrieved. err=-3" when it fails). Pods reach no name server of this
+# machine's resolv.conf, so each lookup would wait out glibc's 2 x 5 s: one try of 1 s.
 QUICK_RESOLVER = {"RES_OPTIONS": "timeout:1 attempts:1"}
 LOSS_DEADLINE = 15.0  # the acceptance's bound: every other pod out this soon after a loss
 

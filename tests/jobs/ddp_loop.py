@@ -60,8 +60,10 @@ for step in range(1, args.steps + 1):
     if step % 10 == 1:
         print(f"rank {rank} step {step}", flush=True)
     time.sleep(args.step_seconds)
-# Leave without finalizing the interpreter: gloo's worker thread can still hold autograd's
-# context, and dropping it during finalization aborts the process (torch's bug; see
-# tests/e2e/test_torchrun.py).
+# Leave without finalizing the interpreter. The allreduce that backward() started holds a Python
+# object (autograd's context); when gloo's worker thread drops the last reference to it only
+# after this interpreter began to finalize, that thread takes the GIL, is ended by Python, and
+# the process aborts ("terminate called without an active exception", SIGABRT; torch's bug,
+# pytorch/pytorch#190489): under CPU load one run in five.
 sys.stdout.flush()
 os._exit(0)

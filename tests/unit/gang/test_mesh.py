@@ -13,7 +13,7 @@ import time
 import pytest
 
 from podagent import config
-from podagent.errors import InputError, WorkersTimeout
+from podagent.errors import HeadUnreachable, InputError, WorkersTimeout
 from podagent.gang import mesh
 from podagent.gang.launchers import Layout, Torchrun
 from podagent.platform.roles import Role
@@ -150,6 +150,16 @@ def test_a_worker_that_finds_something_else_on_the_port_says_so():
         f"{rv}: what listens there is not podagent's supervisor"]
 
 
+def test_a_worker_gives_up_on_a_head_that_never_answers_at_its_deadline():
+    rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=1)  # nothing listens there
+    link = mesh.Link(rv, mesh.Peer("10.0.0.2", "w"), GRACE, None, _reporter("worker"),
+                     queue.Queue())
+    with pytest.raises(HeadUnreachable) as caught:
+        link.join(time.monotonic() + 1.5, 1.5, None, time.sleep)
+    assert str(caught.value) == (f"{rv}: the head's podagent did not answer within 1.5 s "
+                                 "(last try: Connection refused)")
+
+
 def _running_pair():
     rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=1)
     hub, hub_events, _ = _hub(rv)
@@ -218,8 +228,8 @@ def test_a_question_needs_the_cluster_token_when_there_is_one():
 
 def test_torchruns_own_join_deadline_follows_the_wait_settings():
     s = config.build({}, {"PODAGENT_WORKER_TIMEOUT": "42.5", "PODAGENT_HEAD_TIMEOUT": "7"})
-    launcher = Torchrun(["--max-restarts", "0", "t.py", "--lr", "1"])
-    assert launcher.options == ("--max-restarts", "0")
+    launcher = Torchrun(["--", "t.py", "--lr", "1"])  # options and all: test_cli's dry run
+    assert launcher.options == ()
     assert launcher.script == ("t.py", "--lr", "1")
 
     def argv(role: Role, wait: float) -> tuple[str, ...]:
@@ -228,4 +238,4 @@ def test_torchruns_own_join_deadline_follows_the_wait_settings():
 
     assert "is_host=1,join_timeout=43" in argv(Role.HEAD, s.worker_timeout)
     assert "is_host=0,join_timeout=7" in argv(Role.WORKER, s.head_timeout)
-    assert argv(Role.HEAD, 1)[-5:] == ("--max-restarts", "0", "t.py", "--lr", "1")
+    assert argv(Role.HEAD, 1)[-5:] == ("--local-addr", "10.0.0.1", "t.py", "--lr", "1")
