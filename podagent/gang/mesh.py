@@ -100,6 +100,15 @@ class FromHead:
 Event = Lost | Done | StopAsked | FromHead
 
 
+def watched(loop: Callable[[], None], events: queue.Queue[Event], peer: Peer,
+            what: str) -> None:
+    """A thread's loop; one that fails (a bug) ends the run rather than leave it unwatched."""
+    try:
+        loop()
+    except Exception as exc:
+        events.put(Lost(peer, f"{what} failed ({type(exc).__name__}: {exc})"))
+
+
 def line(payload: Mapping[str, Any]) -> bytes:
     return json.dumps(payload).encode() + b"\n"
 
@@ -309,11 +318,7 @@ class Hub:
     # --- the loop -----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        try:
-            self._loop()
-        except Exception as exc:  # a bug: the run must not go on unwatched
-            self.events.put(Lost(self.head, f"the head's supervisor thread failed "
-                                            f"({type(exc).__name__}: {exc})"))
+        watched(self._loop, self.events, self.head, "the head's supervisor thread")
 
     def _loop(self) -> None:
         while not self._closed.is_set():
@@ -554,11 +559,7 @@ class Link:
             self.wire.close()
 
     def _serve(self) -> None:
-        try:
-            self._loop()
-        except Exception as exc:  # a bug: the run must not go on unwatched
-            self.events.put(Lost(self.head, f"this worker's link thread failed "
-                                            f"({type(exc).__name__}: {exc})"))
+        watched(self._loop, self.events, self.head, "this worker's link thread")
 
     def _loop(self) -> None:
         wire = self.wire
