@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from podagent.config import child_environ
+from podagent.config import child_environ, is_secret
 from podagent.errors import ConfigError, InputError
 
 PARSE_TIMEOUT = 120.0  # seconds: importing torch on a busy pod is slow, never this slow
@@ -32,7 +32,8 @@ def split(kind: str, args: Sequence[str]) -> dict[str, Any]:
                 "given": {}, "typed": [], "flags": []}
     done = subprocess.run([sys.executable, "-m", "podagent.gang.parse", kind, *args],
                           capture_output=True, text=True, timeout=PARSE_TIMEOUT,
-                          env=child_environ(os.environ), stdin=subprocess.DEVNULL)
+                          env=child_environ(os.environ, is_secret),  # it needs none
+                          stdin=subprocess.DEVNULL)
     lines = done.stdout.strip().splitlines()
     try:
         answer = json.loads(lines[-1])

@@ -127,7 +127,8 @@ def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Re
     me = mesh.Peer(setup.node_ip, name)
     rv = mesh.Rendezvous(rendezvous_id(settings, head_ip), head_ip, settings.supervisor_port,
                          settings.expected_workers)
-    reporter.say(f"{rv}: {settings.expected_workers + 1} node(s) x {setup.gpus or 1} "
+    reporter.say(f"{rv}: {settings.expected_workers + 1} node(s) x "
+                 f"{launcher.procs_per_node(setup.gpus)} "
                  f"process(es); torch's rendezvous at {head_ip}:{settings.rendezvous_port}")
     plan = Plan(launcher, data_check, loader, tuple(launcher.script),
                 dict(setup.nccl.variables), setup.gpus)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from podagent.config import Settings, child_environ
+from podagent.config import CLUSTER_TOKEN, Settings, child_environ
 from podagent.errors import (
     DataOverlap,
     Interrupted,
@@ -166,7 +166,10 @@ class Supervisor:
                 self.reporter.say(said)
         if step.name == "data check":
             self._clear_reports()
-        env = {**child_environ(self.settings.environ), **step.env}
+        # The training gets the pod's environment (its W&B key, say), not the cluster token:
+        # that is the supervisors' own.
+        env = {**child_environ(self.settings.environ, lambda k: k in CLUSTER_TOKEN),
+               **step.env}
         self.reporter.say(f"{step.name}: {shlex.join(step.argv)}")
         self.reporter.event("step_started", step=step.name, argv=list(step.argv))
         training = Training(step.name, step.argv, env, self.log_path)

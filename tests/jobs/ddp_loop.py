@@ -45,7 +45,8 @@ def report(step: int) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump({"rank": rank, "world": world, "node": int(os.environ["GROUP_RANK"]),
                    "local_rank": int(os.environ["LOCAL_RANK"]), "mode": mode, "step": step,
-                   "node_rank_set": "NODE_RANK" in os.environ}, f)
+                   "node_rank_set": "NODE_RANK" in os.environ,
+                   "token_seen": "PODAGENT_TOKEN" in os.environ}, f)
     os.replace(path + ".tmp", path)
 
 
