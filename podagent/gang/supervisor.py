@@ -19,7 +19,7 @@ import queue
 import shlex
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 from podagent.config import CLUSTER_TOKEN, Settings, child_environ
 from podagent.errors import (
     DataOverlap,
+    InputError,
     Interrupted,
     JobFailed,
     JobStopped,
@@ -364,12 +365,12 @@ class WorkerSupervisor(Supervisor):
             self.reporter.event("rendezvous_done", nodes=layout.nodes,
                                 rank=layout.machine_rank)
             steps = {s.name: s for s in self.steps(layout)}
-            step: Step | None = steps.get(str(go.get("step")))
+            step: Step | None = self._step_named(steps, go.get("step"))
             cause: Cause | None = None
             while step is not None and cause is None:
                 self._enter(Phase.RUNNING, step=step.name)
                 cause, next_name = self._worker_step(step, link)
-                step = steps.get(next_name) if next_name else None
+                step = self._step_named(steps, next_name) if next_name else None
             cause = cause or Cause("succeeded")
             self._enter(Phase.ENDING, cause=cause.kind, pod=cause.pod)
             self._stop_training(hurried=self.signals.received is not None)
@@ -377,6 +378,14 @@ class WorkerSupervisor(Supervisor):
             return cause
         finally:
             link.close()
+
+    @staticmethod
+    def _step_named(steps: Mapping[str, Step], name: object) -> Step:
+        if name not in steps:
+            raise InputError(f"the head runs the {name} step, which this pod's command has not: "
+                             f"every pod must run the same podagent command (this one: "
+                             f"{', '.join(steps) or 'no step'})")
+        return steps[str(name)]
 
     def _worker_step(self, step: Step, link: mesh.Link) -> tuple[Cause | None, str | None]:
         """(the run's end, or None and the next step's name)."""
@@ -407,15 +416,13 @@ class WorkerSupervisor(Supervisor):
                 return None, str(event.body.get("step"))
 
 
-def run(supervisor: Supervisor, deadline: float, asked_rank: int | None,
-        on_end: Callable[[Cause], None] = lambda _cause: None) -> Cause:
+def run(supervisor: Supervisor, deadline: float, asked_rank: int | None) -> Cause:
     """Run this pod's part, whatever its role; the cause the run ended with. A signal's own
     pod raises Interrupted once its training is stopped and the others are told."""
     try:
         cause = supervisor.run(deadline, asked_rank)
     finally:
         supervisor._stop_training(hurried=True)
-    on_end(cause)
     if supervisor.signals.received is not None and cause.pod == str(supervisor.me):
         raise Interrupted(supervisor.signals.received)
     return cause
