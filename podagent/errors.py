@@ -158,9 +158,25 @@ class RunPodAuthError(RunPodApiError):
     """RunPod refused the API key (401) or what it allows (403)."""
 
 
+class RunPodConflict(RunPodApiError):
+    """RunPod answered 409: the action is not valid for the pod's status (its `actions` field
+    lists the valid ones)."""
+
+
+class RunPodNonsense(RunPodApiError):
+    """RunPod answered 2xx with a body that is not what its document gives (no pod in a
+    create's answer, a list that is not one): never read on as if it were."""
+
+
 class NoCapacity(RunPodApiError):
     """RunPod could not place what was asked (400 on a create: no capacity for the GPU type in
     the data centers asked for, or a rule of the request; RunPod gives only a detail)."""
+
+
+class PodGone(PodagentError):
+    """`podagent up`: a pod of the run that had been RUNNING was stopped (EXITED), failed
+    (ERROR) or terminated at RunPod, not by podagent, while the run went on. Every pod has
+    been terminated."""
 
 
 class PodsNotReady(PodagentError):

@@ -1,23 +1,28 @@
-"""RunPod's REST API: the one module that talks to it.
+"""RunPod's REST API v2: the one module that talks to it (RunPod's api-reference-v2/openapi.json:
+server https://api.runpod.io, paths /v2/...; v1 was retired on November 15, 2026).
 
-Two users: a pod stops itself when its run is over (v1: POST /v1/pods/{podId}/stop, what
-PODAGENT_AFTER_RUN=stop-pod does: RunPod restarts a container whose process exits, so a pod
-whose run is over would run it again or sit there billing), and `podagent up/down/ls` on the
-user's machine creates, watches and terminates pods and clusters (v2, documented in RunPod's
-api-reference-v2/openapi.json: server https://api.runpod.io, paths /v2/...).
+Two users: a pod stops itself once its run is over (`stop_pod`: POST /v2/pods/{id}/action with
+the pod-scoped key RunPod injects: RunPod starts a container again whenever its process exits,
+so a pod whose run is over would run it again or sit there billing), and `podagent up/down/ls`
+on the user's machine creates, watches and terminates pods and clusters.
 
 Every request: `Authorization: Bearer <key>`, no redirects (one could send the key elsewhere,
 or turn a POST into a GET), a deadline. No connection, a timeout, 429 (after its Retry-After)
 and 5xx are tried again with backoff until the deadline; any other answer outside 2xx fails at
-once, in one line naming the request, the status and RunPod's reason. The key goes in that
-header only: never in a URL, a message, a log line, or an exception chain (a requests
-exception holds the request, and so the header).
+once, in one line naming the request, the status and RunPod's reason. A 2xx answer whose body
+is not what the document says is an error of its own (`RunPodNonsense`), never a KeyError
+further on. Calls are paced by RunPod's `RateLimit` headers so that a long run never meets a
+429. The key goes in that header only: never in a URL, a message, a log line, or an exception
+chain (a requests exception holds the request, and so the header).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,17 +31,26 @@ from urllib.parse import quote
 import requests
 import requests.auth
 
-from podagent import __version__
-from podagent.errors import NoCapacity, RunPodApiError, RunPodAuthError
+from podagent import __version__, config
+from podagent.errors import (
+    NoCapacity,
+    RunPodApiError,
+    RunPodAuthError,
+    RunPodConflict,
+    RunPodNonsense,
+)
 from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
 
-DEFAULT_BASE_URL = "https://rest.runpod.io/v1"  # v1, which the pod's stop-pod uses
-DEFAULT_V2_URL = "https://api.runpod.io"  # the v2 document's server; paths add /v2/...
+# The v2 document's server (paths add /v2/...), RUNPOD_API_URL's default.
+DEFAULT_URL = config.FIELD_BY_ATTR["runpod_api_url"].default
+# The key: on a pod RunPod injects a pod-scoped RUNPOD_API_KEY (what it may do is not
+# documented); on the user's machine it is the account's (config.runpod_key reads either).
+API_URL, API_KEY = config.RUNPOD_API_URL, config.RUNPOD_API_KEY
 _CONNECT_TIMEOUT = 10.0  # seconds one attempt may take to connect
 _BACKOFF = Backoff(0.5, 8.0)
 _RETRY_AFTER_MAX = 60.0  # a Retry-After beyond this is not waited for in one go
 _REASON_MAX = 200
-# RunPod's statuses for a pod (PodStatus); billing stops only in the last two.
+# RunPod's statuses for a pod (PodStatus); billing stops only in the last three.
 POD_STATUSES = ("PROVISIONING", "STARTING", "RUNNING", "EXITED", "ERROR", "TERMINATED")
 BILLING_STATUSES = frozenset({"PROVISIONING", "STARTING", "RUNNING"})
 
@@ -100,27 +114,173 @@ class _Bearer(requests.auth.AuthBase):
         return request
 
 
+# --- rate limits -------------------------------------------------------------------------------
+
+# One member of a RateLimit / RateLimit-Policy header (IETF ratelimit-headers, as the document
+# gives them): "minute";r=59;t=12 or "minute";q=60;w=60.
+_MEMBER = re.compile(r'\s*"?([A-Za-z0-9_-]+)"?\s*((?:;\s*[a-z]+\s*=\s*-?\d+(?:\.\d+)?\s*)*)')
+_PARAM = re.compile(r";\s*([a-z]+)\s*=\s*(-?\d+(?:\.\d+)?)")
+
+
+def parse_rate_header(value: str) -> dict[str, dict[str, float]]:
+    """{"minute": {"r": 59, "t": 12}, ...}; members that do not parse are left out."""
+    out: dict[str, dict[str, float]] = {}
+    for part in value.split(","):
+        m = _MEMBER.fullmatch(part)
+        if m:
+            params = {k: float(v) for k, v in _PARAM.findall(m.group(2))}
+            if params:
+                out[m.group(1)] = params
+    return out
+
+
+@dataclass
+class _Window:
+    remaining: int
+    resets_at: float  # monotonic
+    quota: int | None
+
+
+class Pace:
+    """RunPod's quota as its answers tell it (RateLimit: calls left per window and seconds to
+    its reset; RateLimit-Policy: the quota): before a call, the pause that keeps the calls left
+    in every window from running out before it resets. Nothing is paced while more than half of
+    a window's quota is left; below that the calls left are spread over the time left. Also
+    counts the calls made."""
+
+    SPREAD_BELOW = 0.5
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = {}
+        self._last_call = 0.0
+        self._times: list[float] = []  # when each call went out (a run's few thousand)
+        self.waited = 0.0  # seconds of pauses so far
+
+    def heard(self, headers: Mapping[str, str]) -> None:
+        now = self._clock()
+        state = parse_rate_header(headers.get("RateLimit", "") or "")
+        policy = parse_rate_header(headers.get("RateLimit-Policy", "") or "")
+        with self._lock:
+            for name, params in state.items():
+                if "r" not in params:
+                    continue
+                quota = policy.get(name, {}).get("q")
+                self._windows[name] = _Window(int(params["r"]), now + params.get("t", 60.0),
+                                              int(quota) if quota is not None else None)
+
+    def pause(self) -> float:
+        """Seconds to wait before the next call (0: go)."""
+        now = self._clock()
+        with self._lock:
+            wait = 0.0
+            for window in self._windows.values():
+                left = window.resets_at - now
+                if left <= 0:
+                    continue
+                if window.remaining <= 0:
+                    wait = max(wait, left)
+                    continue
+                half = (window.quota or 0) * self.SPREAD_BELOW
+                if window.quota is None or window.remaining < half:
+                    wait = max(wait, self._last_call + left / window.remaining - now)
+            return max(0.0, wait)
+
+    def calling(self) -> None:
+        now = self._clock()
+        with self._lock:
+            self._times.append(now)
+            self._last_call = now
+            for window in self._windows.values():
+                if window.resets_at > now:
+                    window.remaining -= 1
+
+    def quota(self, window: str = "minute") -> int | None:
+        with self._lock:
+            found = self._windows.get(window)
+            return found.quota if found else None
+
+    @property
+    def calls(self) -> int:
+        with self._lock:
+            return len(self._times)
+
+    def busiest_minute(self) -> int:
+        """The most calls made within any 60 seconds (what RunPod's minute window counts)."""
+        with self._lock:
+            times = list(self._times)
+        most, first = 0, 0
+        for last, now in enumerate(times):
+            while now - times[first] >= 60.0:
+                first += 1
+            most = max(most, last - first + 1)
+        return most
+
+
 @dataclass(frozen=True)
 class Answer:
     status: int
     data: Any  # the parsed JSON body, or None (204, or not JSON)
 
 
-class Client:
+# --- reading what RunPod answered ----------------------------------------------------------------
+
+def _object(answer: Answer, what: str) -> dict[str, Any]:
+    if not isinstance(answer.data, dict):
+        raise RunPodNonsense(f"RunPod API: {what} answered {answer.status} without the JSON "
+                             f"object the document gives ({_shape(answer.data)})")
+    return answer.data
+
+
+def _items(answer: Answer, key: str, what: str, required: tuple[str, ...] = ("id",)
+           ) -> list[dict[str, Any]]:
+    """The list under `key` of an answer, each item an object with string `required` fields."""
+    items = _object(answer, what).get(key)
+    if not isinstance(items, list) or not all(
+            isinstance(i, dict) and all(isinstance(i.get(f), str) and i[f] for f in required)
+            for i in items):
+        raise RunPodNonsense(f"RunPod API: {what} answered {answer.status} without a list of "
+                             f"{key} with {', '.join(required)} ({_shape(items)})")
+    return items
+
+
+def _shape(value: Any) -> str:
+    if value is None:
+        return "an empty body"
+    return f"got {type(value).__name__} {_one_line(json.dumps(value, default=str), 60)}"
+
+
+def check_pod(pod: Any, what: str) -> dict[str, Any]:
+    """A Pod object as podagent reads it: an id, a name, a known status, a number for cost."""
+    ok = (isinstance(pod, dict) and isinstance(pod.get("id"), str) and pod["id"]
+          and isinstance(pod.get("name"), str) and pod.get("status") in POD_STATUSES
+          and isinstance(pod.get("cost", 0.0), (int, float))
+          and not isinstance(pod.get("cost", 0.0), bool))
+    if not ok:
+        raise RunPodNonsense(f"RunPod API: {what}: not a pod as the document gives one "
+                             f"({_shape(pod)})")
+    return pod
+
+
+class Transport:
     """Requests to one RunPod API root with one key, each within `timeout` seconds (retries
     included). `say` (optional) hears each retry in one line; `on_call` (optional) hears every
-    answer (method, path, status), e.g. to count the calls a run made."""
+    answer (method, path, status). `pace` counts the calls and paces them by RunPod's
+    RateLimit headers (one per key: give a second client of the same key the same Pace)."""
 
     def __init__(self, api_key: str, base_url: str, timeout: float = 60.0,
                  say: Callable[[str], None] | None = None,
-                 on_call: Callable[[str, str, int], None] | None = None):
+                 on_call: Callable[[str, str, int], None] | None = None,
+                 pace: Pace | None = None):
         if not api_key or not api_key.strip():
-            raise RunPodApiError("RunPod API: no API key (RUNPOD_API_KEY is not set)")
+            raise RunPodApiError(f"RunPod API: no API key ({API_KEY} is not set)")
         self._key = api_key.strip()
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.say = say
         self.on_call = on_call
+        self.pace = pace or Pace()
         self._session = requests.Session()
         # The key as an auth of its own: requests then never puts a netrc login in its place
         # (it would for a plain header), and the environment's proxies still apply.
@@ -132,10 +292,24 @@ class Client:
         self._session.close()
 
     def _error(self, text: str, status: int | None = None) -> RunPodApiError:
-        text = _redact(text, self._key)
-        if status in (401, 403):
-            return RunPodAuthError(text)
-        return RunPodApiError(text)
+        kind = {401: RunPodAuthError, 403: RunPodAuthError, 409: RunPodConflict}.get(
+            status or 0, RunPodApiError)
+        return kind(_redact(text, self._key))
+
+    def _paced(self, deadline: Deadline | None = None) -> None:
+        """Wait as RunPod's quota asks before a call (never past the call's deadline)."""
+        wait = self.pace.pause()
+        if deadline is not None:
+            wait = min(wait, deadline.left())
+        if wait > 0:
+            self.pace.waited += wait
+            time.sleep(wait)
+        self.pace.calling()
+
+    def _heard(self, method: str, path: str, response: requests.Response) -> None:
+        self.pace.heard(response.headers)
+        if self.on_call:
+            self.on_call(method, path, response.status_code)
 
     def call(self, method: str, path: str, *, body: Any = None,
              params: Mapping[str, Any] | None = None, missing_ok: bool = False,
@@ -157,6 +331,7 @@ class Client:
                 if found is not None:
                     return Answer(200, found)
                 ambiguous = False
+            self._paced(deadline)
             remaining = max(deadline.left(), 0.1)
             failure = None
             try:
@@ -169,8 +344,7 @@ class Client:
                 ambiguous = True
                 raise NotYet(f"{what}: {failure}")  # may succeed later
             status = response.status_code
-            if self.on_call:
-                self.on_call(method, path, status)
+            self._heard(method, path, response)
             if 200 <= status < 300 or (missing_ok and status == 404):
                 try:
                     data = response.json() if response.content else None
@@ -207,16 +381,36 @@ class Client:
             f"RunPod API: {gave_up.seen}; gave up after {tries} attempt{'s' if tries != 1 else ''}"
             f" in {gave_up.waited:.1f} s") from None
 
-    # --- v2 ----------------------------------------------------------------------------------
+
+
+class Client(Transport):
+    """RunPod's endpoints podagent uses, each answer read as the document gives it."""
+
+    # --- the catalog --------------------------------------------------------------------------
 
     def gpu_types(self) -> list[dict[str, Any]]:
-        return list((self.call("GET", "/v2/catalog/gpus").data or {}).get("gpus", []))
+        what = "GET /v2/catalog/gpus"
+        return _items(self.call("GET", "/v2/catalog/gpus"), "gpus", what, ("id", "name"))
+
+    def data_centers(self, global_network: bool | None = None) -> list[dict[str, Any]]:
+        params = None if global_network is None else {
+            "globalNetwork": "true" if global_network else "false"}
+        answer = self.call("GET", "/v2/catalog/datacenters", params=params)
+        return _items(answer, "dataCenters", "GET /v2/catalog/datacenters")
+
+    def registries(self) -> list[dict[str, Any]]:
+        """The account's container registry credentials ({id, name})."""
+        return _items(self.call("GET", "/v2/registries"), "registries", "GET /v2/registries",
+                      ("id", "name"))
+
+    # --- pods and clusters --------------------------------------------------------------------
 
     def create_pod(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """POST /v2/pods. A create is not idempotent: after a failure that may have created
-        the pod anyway (no answer, 5xx), the pod is looked up by its name before trying again,
-        so a retry never makes a second one."""
-        return self._create("/v2/pods", body, lambda: self.find_pod(body["name"]))
+        the pod anyway (no answer, 5xx, a 2xx without the pod), the pod is looked up by its
+        name, so a retry never makes a second one."""
+        return check_pod(self._create("/v2/pods", body, lambda: self.find_pod(body["name"])),
+                         "POST /v2/pods")
 
     def create_cluster(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return self._create("/v2/clusters", body, lambda: self.find_cluster(body["name"]))
@@ -231,54 +425,79 @@ class Client:
             # 400 is both "breaks a rule" and "no capacity" (RunPod: capacity has no code of
             # its own, only a detail); the caller names the GPU type and data centers.
             raise NoCapacity(str(exc)) from None
-        return answer.data
+        if isinstance(answer.data, dict) and isinstance(answer.data.get("id"), str) and \
+                answer.data["id"]:
+            return answer.data
+        # A 2xx without what was created: it may exist all the same. Found by its name, or
+        # the answer is nonsense (and nothing of that name was made).
+        found = find()
+        if found is not None:
+            return found
+        raise RunPodNonsense(f"RunPod API: POST {self.base_url}{path} answered {answer.status} "
+                             f"without what it created ({_shape(answer.data)}), and nothing "
+                             f"named {body['name']!r} exists")
 
     def list_pods(self, include_cluster_pods: bool = False) -> list[dict[str, Any]]:
         params = {"includeClusterPods": "true"} if include_cluster_pods else None
-        return list((self.call("GET", "/v2/pods", params=params).data or {}).get("pods", []))
+        pods = _items(self.call("GET", "/v2/pods", params=params), "pods", "GET /v2/pods")
+        return [check_pod(p, "GET /v2/pods") for p in pods]
 
     def find_pod(self, name: str) -> dict[str, Any] | None:
-        return next((p for p in self.list_pods() if p.get("name") == name), None)
+        return next((p for p in self.list_pods() if p["name"] == name), None)
 
     def get_pod(self, pod_id: str) -> dict[str, Any] | None:
         """None when RunPod no longer knows it (terminated)."""
-        answer = self.call("GET", f"/v2/pods/{quote(pod_id, safe='')}", missing_ok=True)
-        return None if answer.status == 404 else answer.data
+        path = f"/v2/pods/{quote(pod_id, safe='')}"
+        answer = self.call("GET", path, missing_ok=True)
+        return None if answer.status == 404 else check_pod(answer.data, f"GET {path}")
 
     def terminate_pod(self, pod_id: str) -> bool:
         """DELETE /v2/pods/{id}: True when it was there, False when already gone."""
         answer = self.call("DELETE", f"/v2/pods/{quote(pod_id, safe='')}", missing_ok=True)
         return answer.status != 404
 
+    def pod_action(self, pod_id: str, action: str) -> Answer:
+        """POST /v2/pods/{id}/action (start, stop, restart, terminate); 409: RunPodConflict."""
+        return self.call("POST", f"/v2/pods/{quote(pod_id, safe='')}/action",
+                         body={"action": action})
+
     def list_clusters(self) -> list[dict[str, Any]]:
-        return list((self.call("GET", "/v2/clusters").data or {}).get("clusters", []))
+        return _items(self.call("GET", "/v2/clusters"), "clusters", "GET /v2/clusters",
+                      ("id", "name"))
 
     def find_cluster(self, name: str) -> dict[str, Any] | None:
-        return next((c for c in self.list_clusters() if c.get("name") == name), None)
+        return next((c for c in self.list_clusters() if c["name"] == name), None)
 
     def cluster_pods(self, cluster_id: str) -> list[dict[str, Any]] | None:
         """None when the cluster is gone."""
-        answer = self.call("GET", f"/v2/clusters/{quote(cluster_id, safe='')}/pods",
-                           missing_ok=True)
-        return None if answer.status == 404 else list((answer.data or {}).get("pods", []))
+        path = f"/v2/clusters/{quote(cluster_id, safe='')}/pods"
+        answer = self.call("GET", path, missing_ok=True)
+        if answer.status == 404:
+            return None
+        return [check_pod(p, f"GET {path}") for p in _items(answer, "pods", f"GET {path}")]
 
     def delete_cluster(self, cluster_id: str) -> bool:
         answer = self.call("DELETE", f"/v2/clusters/{quote(cluster_id, safe='')}",
                            missing_ok=True)
         return answer.status != 404
 
-    def stream_logs(self, pod_id: str, last_event_id: str | None = None,
-                    idle: float = 60.0) -> Iterator[tuple[str, dict[str, Any]]]:
-        """GET /v2/pods/{id}/logs, Server-Sent Events: (event id, {ts, source, line}) as they
-        come. Ends when the server closes the stream or is silent for `idle` seconds; the
-        caller reconnects with the last id (Last-Event-ID: RunPod resumes after it)."""
+    # --- logs ---------------------------------------------------------------------------------
+
+    def stream_logs(self, pod_id: str, cursor: LogCursor, idle: float = 60.0,
+                    opened: Callable[[], None] = lambda: None) -> Iterator[dict[str, Any]]:
+        """GET /v2/pods/{id}/logs, Server-Sent Events: each new container line's payload
+        ({ts, source, line}) as it comes, resumed where `cursor` says and never one twice;
+        `opened()` once RunPod answered 200. Ends when the server closes the stream or is
+        silent for `idle` seconds; the caller calls again with the same cursor."""
         url = f"{self.base_url}/v2/pods/{quote(pod_id, safe='')}/logs"
         headers = {"Accept": "text/event-stream"}
         params: dict[str, Any] = {"source": "container"}
-        if last_event_id:
-            headers["Last-Event-ID"] = last_event_id
+        resume = cursor.resume_from()
+        if resume:
+            headers["Last-Event-ID"] = resume
         else:
             params["tail"] = 5000  # the document's maximum: the run's start, when we are late
+        self._paced()
         failure = None
         try:
             response = self._session.get(url, params=params, headers=headers, stream=True,
@@ -289,12 +508,86 @@ class Client:
         if failure is not None:
             raise RunPodApiError(f"RunPod API: GET {url}: {failure}")
         with response:
-            if self.on_call:
-                self.on_call("GET", f"/v2/pods/{pod_id}/logs", response.status_code)
+            self._heard("GET", f"/v2/pods/{pod_id}/logs", response)
             if response.status_code != 200:
                 raise self._error(f"RunPod API: GET {url} answered {response.status_code} "
                                   f"{_reason(response)}", response.status_code)
-            yield from _events(response)
+            cursor.reconnected()
+            opened()
+            for _event_id, payload in _events(response):
+                if payload.get("source", "container") != "container":
+                    continue
+                if cursor.admit(payload.get("ts"), str(payload.get("line", ""))):
+                    yield payload
+
+
+# --- the log stream's cursor -----------------------------------------------------------------
+
+_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\d)[Tt ](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?"
+                      r"([Zz]|[+-]\d\d:\d\d)")
+
+
+def rfc3339_ns(text: Any) -> int | None:
+    """Nanoseconds since the epoch of an RFC 3339 date-time (RunPod may give 9 digits of a
+    second, more than datetime keeps); None when `text` is none."""
+    m = _RFC3339.fullmatch(text) if isinstance(text, str) else None
+    if not m:
+        return None
+    zone = "+00:00" if m.group(6) in ("Z", "z") else m.group(6)
+    try:
+        whole = dt.datetime.fromisoformat(
+            f"{m.group(1)}T{m.group(2)}:{m.group(3)}:{m.group(4)}{zone}")
+    except ValueError:
+        return None
+    return int(whole.timestamp()) * 10**9 + int((m.group(5) or "0").ljust(9, "0"))
+
+
+def rfc3339_of(ns: int) -> str:
+    seconds, rest = divmod(ns, 10**9)
+    stamp = dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{stamp}.{rest // 1000:06d}Z"
+
+
+class LogCursor:
+    """Where a pod's log stream resumes, whatever RunPod does with a repeated timestamp.
+
+    Event ids are the lines' timestamps (the document), several lines can share one, and what
+    a resume from a timestamp repeats is not documented: lines of that timestamp not yet sent
+    could be lost ("after") or those sent could come again ("at"). So a resume asks from just
+    before the last timestamp seen, which either way sends every line of it again, and what
+    comes again is recognized: lines older than it, and those of it already seen, in order."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None  # the latest timestamp seen (ns)
+        self._at_last: list[str] = []  # the lines seen with it, in order
+        self._matched = 0  # how many of them a resumed stream has repeated so far
+        self.repeats = 0  # lines recognized and not handed on (for tests and figures)
+
+    def resume_from(self) -> str | None:
+        """The Last-Event-ID to resume with: one microsecond before the latest timestamp."""
+        return None if self.last is None else rfc3339_of(max(0, self.last - 1000))
+
+    def reconnected(self) -> None:
+        self._matched = 0
+
+    def admit(self, ts: Any, line: str) -> bool:
+        """Whether this line is new (and so handed on)."""
+        ns = rfc3339_ns(ts)
+        if ns is None:
+            return True  # no time to place it by: shown rather than lost
+        if self.last is None or ns > self.last:
+            self.last, self._at_last, self._matched = ns, [line], 1
+            return True
+        if ns < self.last:
+            self.repeats += 1
+            return False
+        if self._matched < len(self._at_last) and self._at_last[self._matched] == line:
+            self._matched += 1
+            self.repeats += 1
+            return False
+        self._at_last.append(line)
+        self._matched = len(self._at_last)
+        return True
 
 
 def _arriving(response: requests.Response) -> Iterator[bytes]:
@@ -312,11 +605,17 @@ def _arriving(response: requests.Response) -> Iterator[bytes]:
         yield from response.iter_content(chunk_size=1)
 
 
+_LINE_MAX = 1 << 20  # a line of the stream longer than this is cut (a stranger's bytes)
+
+
 def _lines(response: requests.Response) -> Iterator[str]:
     pending = b""
     for data in _arriving(response):
         pending += data
         *complete, pending = pending.split(b"\n")
+        if len(pending) > _LINE_MAX:
+            complete.append(pending[:_LINE_MAX])
+            pending = b""
         for line in complete:
             yield line.rstrip(b"\r").decode("utf-8", errors="replace")
     if pending:
@@ -353,9 +652,13 @@ def _events(response: requests.Response) -> Iterator[tuple[str, dict[str, Any]]]
         raise
 
 
-def stop_pod(pod_id: str, api_key: str, base_url: str = DEFAULT_BASE_URL,
-             timeout: float = 30.0, say: Callable[[str], None] | None = None) -> None:
-    """Ask RunPod to stop pod `pod_id`: POST {base_url}/pods/{pod_id}/stop (v1).
+def stop_pod(pod_id: str, api_key: str, base_url: str = DEFAULT_URL,
+             timeout: float = 30.0, say: Callable[[str], None] | None = None) -> bool:
+    """Ask RunPod to stop pod `pod_id` (POST /v2/pods/{id}/action {"action": "stop"}), which
+    ends its GPU billing: RunPod then sends the container SIGTERM. True when RunPod took the
+    stop; False when it answered 409: stop is valid in every status but EXITED, ERROR and
+    TERMINATED, and a pod whose container runs this is in none of them unless it is being
+    stopped already.
 
     Raises RunPodApiError naming the request, the status and RunPod's reason, never the key,
     with no exception chained to it.
@@ -364,6 +667,9 @@ def stop_pod(pod_id: str, api_key: str, base_url: str = DEFAULT_BASE_URL,
         raise RunPodApiError("RunPod API: no pod id to stop (RUNPOD_POD_ID is not set)")
     client = Client(api_key, base_url, timeout=timeout, say=say)
     try:
-        client.call("POST", f"/pods/{quote(pod_id, safe='')}/stop")
+        client.pod_action(pod_id, "stop")
+    except RunPodConflict:
+        return False
     finally:
         client.close()
+    return True
