@@ -25,8 +25,12 @@ class AfterRun(Named):
     STOP_POD = "stop-pod"
 
     @classmethod
-    def default(cls, on_runpod: bool) -> AfterRun:
-        return cls.STAY if on_runpod else cls.EXIT
+    def default(cls, on_runpod: bool, can_stop: bool = True) -> AfterRun:
+        """On RunPod a pod stops itself (with the key RunPod injects), or stays without one:
+        an idle pod bills as much as a busy one, so staying is only the fallback."""
+        if not on_runpod:
+            return cls.EXIT
+        return cls.STOP_POD if can_stop else cls.STAY
 
     @property
     def meaning(self) -> str:
@@ -34,11 +38,11 @@ class AfterRun(Named):
 
 
 _AFTER_RUN_MEANING = {
-    AfterRun.STAY: "stay up idle until SIGTERM; RunPod would otherwise restart the container and "
-                   "run again",
-    AfterRun.EXIT: "exit with the run's outcome",
-    AfterRun.STOP_POD: "ask RunPod's API to stop this pod, which ends its GPU billing; needs "
-                       "RUNPOD_API_KEY",
+    AfterRun.STAY: "stay up idle until the pod is stopped (RunPod would otherwise start the "
+                   "container again and run again; an idle pod bills as a busy one)",
+    AfterRun.EXIT: "exit with the run's outcome (on RunPod the container is started again)",
+    AfterRun.STOP_POD: "ask RunPod's API (v2) to stop this pod, which ends its GPU billing, with "
+                       "the RUNPOD_API_KEY RunPod injects; refused, stay",
 }
 
 

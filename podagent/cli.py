@@ -66,6 +66,9 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                 "not answer in time (the line names the request)"),
     (errors.PodsNotReady, 21, "`podagent up`: a pod did not start (RUNNING) in time or failed; "
                               "what was created has been terminated"),
+    (errors.PodGone, 24, "`podagent up`: a pod of the run was stopped, failed or was "
+                         "terminated at RunPod while the run went on (the line names it); every "
+                         "pod has been terminated"),
     (errors.PeerLost, 22, "`podagent torchrun/accelerate`: another pod of the run was lost, "
                           "cut off, stopped, or its training failed (the line names it); this "
                           "pod's training was stopped"),
@@ -73,6 +76,27 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                              "samples (the line has the numbers)"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
+
+# What a pod's podagent does after each code on RunPod (cluster/after_run.py), where RunPod starts
+# a container again whenever its process exits. Codes a new start may mend exit, and RunPod
+# starts the pod's podagent again; every other code of a pod stops the pod (PODAGENT_AFTER_RUN).
+RESTARTABLE = frozenset({5, 6, 7, 8, 9, 10, 14, 22, EXIT_INTERNAL})
+NOT_A_POD = frozenset({15, 18, 19, 20, 21, 24})  # `podagent stop`, and the laptop's up/down/ls
+_ON_RUNPOD = {
+    "stops": "stops itself (PODAGENT_AFTER_RUN)",
+    "restarts": "exits; RunPod starts it again (a crash loop, or no volume, stops it)",
+    "not a pod": "—",
+}
+
+
+def restartable(code: int) -> bool:
+    """Whether a new start of a pod's podagent may mend this exit (RunPod then starts it)."""
+    return code in RESTARTABLE
+
+
+def _on_runpod(code: int) -> str:
+    kind = "not a pod" if code in NOT_A_POD else "restarts" if restartable(code) else "stops"
+    return _ON_RUNPOD[kind]
 
 
 def exit_code(exc: BaseException) -> int:
@@ -90,35 +114,60 @@ def _code_of(error: type[BaseException]) -> int:
 
 
 def exit_code_table() -> str:
-    rows = ["| code | meaning |", "|---|---|", "| 0 | success: the job succeeded / the worker "
-            "left an orderly cluster |"]
-    rows += [f"| {code} | {meaning} |" for _, code, meaning in EXIT_CODES]
-    rows += [f"| {EXIT_INTERNAL} | internal error in podagent (traceback in the pod's log) |",
-             "| 130 / 143 | stopped by SIGINT / SIGTERM after a clean teardown |"]
+    rows = ["| code | meaning | on RunPod, the pod then |", "|---|---|---|",
+            "| 0 | success: the job succeeded / the worker left an orderly cluster | stops "
+            "itself: the run is over (PODAGENT_AFTER_RUN) |"]
+    rows += [f"| {code} | {meaning} | {_on_runpod(code)} |" for _, code, meaning in EXIT_CODES]
+    rows += [f"| {EXIT_INTERNAL} | internal error in podagent (traceback in the pod's log) | "
+             f"{_on_runpod(EXIT_INTERNAL)} |",
+             "| 130 / 143 | stopped by SIGINT / SIGTERM after a clean teardown | stopped (RunPod "
+             "stopped it, or a person) |"]
     return "\n".join(rows)
 
 
-def _boundary(command: Callable[..., Any]) -> Callable[..., Any]:
+def _boundary(command: Callable[..., Any] | None = None, *, pod: bool = False) -> Any:
     """The one place a command's error ends it: podagent's errors as one line on stderr and the
     table's code (a signal's as 128 + its number, without a line: whoever sent it knows); a bug
     as its traceback and 70. A role that runs reports its own errors (to its log) and returns
-    its code."""
+    its code. `pod`: the command is a pod's own podagent, whose bad input, found before its
+    settings exist, ends as any final code does on RunPod (the pod stops itself)."""
 
-    @functools.wraps(command)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except errors.PodagentError as exc:
-            if not isinstance(exc, errors.Interrupted):
-                click.echo(f"podagent: error: {exc}", err=True)
-            sys.exit(exit_code(exc))
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise  # click's own: it says them and exits as it does
-        except Exception:
-            traceback.print_exc()
-            sys.exit(EXIT_INTERNAL)
+    def wrap(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return command(*args, **kwargs)
+            except errors.PodagentError as exc:
+                if not isinstance(exc, errors.Interrupted):
+                    click.echo(f"podagent: error: {exc}", err=True)
+                code = exit_code(exc)
+                if pod and not isinstance(exc, errors.Interrupted) and not restartable(code) \
+                        and not _dry_run_asked():
+                    from podagent.cluster import after_run
 
-    return guarded
+                    after_run.settle_unconfigured(
+                        os.environ, code, lambda line: click.echo(line, err=True))
+                sys.exit(code)
+            except (click.exceptions.ClickException, click.exceptions.Exit,
+                    click.exceptions.Abort):
+                raise  # click's own: it says them and exits as it does
+            except Exception:
+                traceback.print_exc()
+                sys.exit(EXIT_INTERNAL)
+
+        return guarded
+
+    return wrap if command is None else wrap(command)
+
+
+def _dry_run_asked() -> bool:
+    """Whether the command under way is a dry run (its own --dry-run or its group's)."""
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        if ctx.params.get("dry_run"):
+            return True
+        ctx = ctx.parent
+    return False
 
 
 def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -151,7 +200,7 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
 
     settings = _build(flags, job_argv)
     sys.exit(run.run_role(settings, explicit, dry_run=dry_run, exit_code=exit_code,
-                          outcome_code=_earlier_exit))
+                          outcome_code=_earlier_exit, restartable=restartable))
 
 
 # How each way a start of the run can end (the lifecycle's outcome: the error's class name, or
@@ -205,7 +254,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 @settings_options
 @dry_run_option
 @click.pass_context
-@_boundary
+@_boundary(pod=True)
 def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """Bring a multi-node Ray cluster up on GPU pods: run the same command on every pod.
 
@@ -220,7 +269,7 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
 @dry_run_option
 @click.argument("entrypoint", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-@_boundary
+@_boundary(pod=True)
 def head(ctx: click.Context, entrypoint: tuple[str, ...], dry_run: bool | None,
          **flags: Any) -> None:
     """Be the head: start Ray, wait for the workers, run the job (ENTRYPOINT after --)."""
@@ -232,7 +281,7 @@ def head(ctx: click.Context, entrypoint: tuple[str, ...], dry_run: bool | None,
 @settings_options
 @dry_run_option
 @click.pass_context
-@_boundary
+@_boundary(pod=True)
 def worker(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """Be a worker: find the head, join its Ray, stay until the head closes the run."""
     _run_role(_flags(ctx, flags), Role.WORKER, dry_run=_dry(ctx, dry_run))
@@ -412,12 +461,12 @@ def _run_without_ray(ctx: click.Context, name: str, launcher_args: tuple[str, ..
                                 f"[OPTIONS] [--] SCRIPT ARGS (or --data-check)")
     sys.exit(gang_run.run(settings, launcher, data_check=data_check, loader=loader,
                           dry_run=_dry(ctx, dry_run), exit_code=exit_code,
-                          outcome_code=_earlier_exit))
+                          outcome_code=_earlier_exit, restartable=restartable))
 
 
 @main.command(context_settings=LAUNCHER_CONTEXT)
 @launcher_options
-@_boundary
+@_boundary(pod=True)
 def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool | None,
              data_check: bool, loader: str | None) -> None:
     """Run torchrun on every pod with the ranks worked out: [TORCHRUN OPTIONS] [--] SCRIPT ARGS.
@@ -434,7 +483,7 @@ def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool |
 
 @main.command(context_settings=LAUNCHER_CONTEXT)
 @launcher_options
-@_boundary
+@_boundary(pod=True)
 def accelerate(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool | None,
                data_check: bool, loader: str | None) -> None:
     """Run `accelerate launch` on every pod: [ACCELERATE OPTIONS] [--] SCRIPT ARGS.
@@ -474,22 +523,17 @@ def _launch_key(key_file: str | None) -> str:
     return commands.api_key(os.environ, key_file)
 
 
-def _launched(action: Callable[[], int]) -> None:
-    """Runs up/down/ls: SIGTERM (a closed terminal, a CI job cancelled) is a Ctrl-C: the pods
-    are terminated, not left billing. Their errors go to the boundary as any command's."""
+def _launched(action: Callable[[Any], int]) -> None:
+    """Runs up/down/ls under their signal handling (launch/interrupts.py): a first SIGINT,
+    SIGTERM or SIGHUP ends what they do (up then terminates its pods), a second leaves. Their
+    errors go to the boundary as any command's."""
+    from podagent.launch.interrupts import Interrupts, Leave, signum_of
 
-    def interrupt(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(signum)
-
-    # SIGINT too: a process started in the background inherits it ignored, and Python then
-    # leaves it so; Ctrl-C must always reach up's clean-up.
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
+    interrupts = Interrupts().install()
     try:
-        code = action()
-    except KeyboardInterrupt as exc:  # before anything was created, or a second Ctrl-C
-        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
-        sys.exit(128 + signum)
+        code = action(interrupts)
+    except (KeyboardInterrupt, Leave) as exc:  # before anything was created, or in down/ls
+        sys.exit(128 + signum_of(exc))
     sys.exit(code)
 
 
@@ -530,6 +574,12 @@ key_file_option = click.option(
 @click.option("--secret", "secrets", multiple=True, metavar="NAME=SECRET",
               help="Variable NAME from the RunPod secret SECRET (RunPod puts the value in).")
 @click.option("--keep", is_flag=True, help="Leave the pods up after the run (they bill).")
+@click.option("--detach", is_flag=True,
+              help="Leave once every pod runs: the run goes on, each pod stops itself when it "
+                   "is over (GPU billing ends); `podagent up --name RUN` follows it again.")
+@click.option("--registry-auth", "registry_auth", default=None, metavar="ID|NAME",
+              help="The RunPod registry credential (its id or name) that pulls a private "
+                   "--image (not with --cluster: RunPod takes none there).")
 @click.option("--timeout", type=float, default=900.0, show_default=True, metavar="SECONDS",
               help="Every pod must be RUNNING within this.")
 @click.option("--api-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
@@ -541,7 +591,8 @@ key_file_option = click.option(
 @_boundary
 def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any) -> None:
     """From this machine: create the pods at RunPod, bring the cluster up, follow the run, and
-    terminate the pods at the end. The job's command goes after --.
+    terminate the pods at the end. The job's command goes after --. `podagent up --name RUN`
+    alone follows a run that exists (a detached one) to its end.
 
     \b
     RUNPOD_API_KEY=... podagent up --image ghcr.io/me/trainer:1 --gpu 'NVIDIA H100 80GB HBM3' \\
@@ -553,8 +604,8 @@ def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any
     key = _launch_key(key_file)
     url = commands.api_url(os.environ)
     if list_gpus:
-        def listing() -> int:
-            api, _ = commands.client(key, url, lambda line: click.echo(line, err=True))
+        def listing(_interrupts: Any) -> int:
+            api = commands.client(key, url, lambda line: click.echo(line, err=True))
             for gpu in sorted(api.gpu_types(), key=lambda g: str(g.get("id"))):
                 price = (gpu.get("price") or {}).get("secure")
                 click.echo(f"{gpu.get('id')!s:40} {gpu.get('memory')!s:>4} GB  "
@@ -562,8 +613,15 @@ def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any
                            f"${price}/GPU/h")
             return EXIT_OK
         _launched(listing)
+    if shape["run"] and not shape["image"] and not shape["template"] and not job:
+        # `up --name RUN` alone: follow the run that exists; never create anything.
+        state_dir = specs.default_state_dir(os.environ)
+        spec = commands.reattach_spec(shape["run"], key, url, state_dir, shape["api_timeout"],
+                                      None)
+        _launched(lambda interrupts: commands.up(spec, key, _meaning, interrupts,
+                                                 follow_only=True))
     spec = specs.build(**shape, job=job, api_url=url, state_dir=None)
-    _launched(lambda: commands.up(spec, key, _meaning))
+    _launched(lambda interrupts: commands.up(spec, key, _meaning, interrupts))
 
 
 @main.command(context_settings=CONTEXT)
@@ -583,7 +641,7 @@ def down(run: str, timeout: float, key_file: str | None) -> None:
     except ValueError as exc:
         raise errors.InputError(f"RUN={run!r}: {exc}") from None
     key = _launch_key(key_file)
-    _launched(lambda: commands.down(
+    _launched(lambda _interrupts: commands.down(
         run, key, commands.api_url(os.environ), specs.default_state_dir(os.environ),
         lambda line: click.echo(f"[down] {line}"), timeout) and EXIT_OK)
 
@@ -597,8 +655,8 @@ def ls_command(key_file: str | None) -> None:
     from podagent.launch import spec as specs
 
     key = _launch_key(key_file)
-    _launched(lambda: commands.ls(key, commands.api_url(os.environ),
-                                  specs.default_state_dir(os.environ)) and EXIT_OK)
+    _launched(lambda _interrupts: commands.ls(key, commands.api_url(os.environ),
+                                              specs.default_state_dir(os.environ)) and EXIT_OK)
 
 
 def _register_reward_server() -> None:

@@ -35,12 +35,15 @@ from podagent.choices import (
     OnNodeLoss,
     one_of,
 )
-from podagent.errors import ConfigError
+from podagent.errors import ConfigError, InputError
 
 # Variables whose values must never be shown or put on a command line.
 SECRET_NAMES = frozenset(
-    {"WANDB_API_KEY", "RAY_AUTH_TOKEN", "PODAGENT_TOKEN", "RUNPOD_API_KEY", "HF_TOKEN"}
+    {"WANDB_API_KEY", "RAY_AUTH_TOKEN", "PODAGENT_TOKEN", "RUNPOD_API_KEY", "HF_TOKEN",
+     "PODAGENT_RUNPOD_API_KEY"}
 )
+RUNPOD_API_URL = "RUNPOD_API_URL"  # the one setting for RunPod's API (on a pod and for `up`)
+UP_RUN_LABEL = "PODAGENT_UP_RUN"  # every pod `podagent up` creates carries its run's name in it
 SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
 
 
@@ -150,7 +153,7 @@ def run_name(raw: str) -> str:
 
 
 def http_url(raw: str) -> str:
-    rule = "must be an http:// or https:// URL such as https://rest.runpod.io/v1"
+    rule = "must be an http:// or https:// URL such as https://api.runpod.io"
     try:
         parts = urlsplit(raw)
         _ = parts.port  # raises ValueError on a bad port
@@ -392,13 +395,19 @@ FIELDS: tuple[Field, ...] = (
     Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
           "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
     Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
-          "What podagent does when the run is over: "
+          "What podagent does when the run is over, or after an exit a new start cannot mend "
+          "(bad input, a refused token, restarts used up, a crash loop): "
           + one_of([f"{policy} ({policy.meaning})" for policy in AfterRun]) + ".",
           default=AfterRun.EXIT.value,
-          default_doc="stay on RunPod (RUNPOD_POD_ID set), else exit"),
-    Field("runpod_api_url", "PODAGENT_RUNPOD_API_URL", "--runpod-api-url", http_url,
-          "Base URL of RunPod's REST API (for PODAGENT_AFTER_RUN=stop-pod).",
-          default="https://rest.runpod.io/v1"),
+          default_doc="stop-pod on RunPod (RUNPOD_POD_ID and its RUNPOD_API_KEY set; stay "
+                      "without the key), else exit"),
+    Field("runpod_api_url", RUNPOD_API_URL, "--runpod-api-url", http_url,
+          "Base URL of RunPod's REST API v2 (paths /v2/... follow it), for a pod stopping "
+          "itself and for `podagent up/down/ls`.", default="https://api.runpod.io"),
+    Field("over_linger", "PODAGENT_OVER_LINGER", "--over-linger", seconds_or_zero,
+          "Seconds a head whose run is over stays to tell workers that did not leave with it "
+          "(their containers were being started again) that the run is over, before its "
+          "pod stops; 0: no wait.", default=120.0),
     Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
           "NCCL preset from env/ (auto picks by evidence).", default="auto"),
     Field("run_name", "PODAGENT_RUN_NAME", "--run-name", run_name,
@@ -632,8 +641,9 @@ class Settings:
 
     @property
     def runpod_api_key(self) -> str | None:
-        """RUNPOD_API_KEY (for PODAGENT_AFTER_RUN=stop-pod). Never a flag, never shown."""
-        return self.environ.get(RUNPOD_API_KEY, "").strip() or None
+        """RUNPOD_API_KEY: on a pod, the pod-scoped key RunPod injects (PODAGENT_AFTER_RUN=
+        stop-pod). Never a flag, never shown."""
+        return runpod_key(self.environ, from_file=False)
 
     @property
     def run_name_shared(self) -> bool:
@@ -730,7 +740,9 @@ def build(
             started = time.gmtime(time.time() if now is None else now)
             values["run_name"] = time.strftime("podagent-%Y%m%d-%H%M%S", started)
     # A RunPod pod whose process exits is restarted, and would run again: stay up instead.
-    values.setdefault("after_run", AfterRun.default(on_runpod=bool(values.get("pod_id"))).value)
+    values.setdefault("after_run", AfterRun.default(
+        on_runpod=bool(values.get("pod_id")), can_stop=bool(runpod_key(env, from_file=False))
+    ).value)
     restarts = values.get("restarts", FIELD_BY_ATTR["restarts"].default)
     values.setdefault("on_node_loss", OnNodeLoss.default(restarts).value)
     values.setdefault("log_dir", _default_log_dir())
@@ -821,8 +833,10 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_CHECK_START_TIMEOUT": "seconds the cluster check gives its ranks to start",
     "PODAGENT_CHECK_RUN_TIMEOUT": "seconds the cluster check gives a collective to finish",
     "PODAGENT_RAY_MATRIX_ONLY": "set by the test suite when it runs itself under another Ray",
-    "PODAGENT_UP_RUN": "set by `podagent up` on the pods it creates: the run they belong to "
+    UP_RUN_LABEL: "set by `podagent up` on the pods it creates: the run they belong to "
                        "(how `podagent down` finds them)",
+    "PODAGENT_RUNPOD_API_KEY": "a RunPod account key for the pods of an `up` run (a RunPod "
+                               "secret): the head terminates every pod of its run at its end",
     RAY_OWNER: "set by podagent on every Ray it starts (and so on that Ray's jobs): its mark",
     "PODAGENT_REWARD_URL": "verl's reward function (podagent.rewards.client): the reward "
                            "server's URL, used before the REMOTE_RM_URL the head sets for the job",
@@ -831,10 +845,17 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
 })
 
 
+# Names podagent read once and reads no more: set, each gets its own line.
+RETIRED_VARIABLES: Mapping[str, str] = MappingProxyType({
+    "PODAGENT_RUNPOD_API_URL": "is retired with RunPod's API v1: RUNPOD_API_URL is the one "
+                               "setting for RunPod's API (v2, https://api.runpod.io)",
+})
+
+
 def known_variables() -> frozenset[str]:
     """Every variable podagent reads or sets: FIELDS, the reward server's table, the rest."""
     return frozenset({f.env for f in FIELDS} | {f.env for f in REWARD_FIELDS}
-                     | set(OTHER_VARIABLES) | set(TOKEN_VARIABLES))
+                     | set(OTHER_VARIABLES) | set(TOKEN_VARIABLES) | set(RETIRED_VARIABLES))
 
 
 def _shown_name(name: str) -> str:
@@ -853,6 +874,9 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
         by_stem.setdefault(name.removeprefix(PREFIX), name)
     warnings = []
     for name in sorted(environ):
+        if name in RETIRED_VARIABLES and str(environ[name]).strip():
+            warnings.append(f"{name} {RETIRED_VARIABLES[name]} (ignored)")
+            continue
         if not name.startswith(PREFIX) or name in known or not str(environ[name]).strip():
             continue
         close = difflib.get_close_matches(name.removeprefix(PREFIX), list(by_stem), n=1)
@@ -862,6 +886,33 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
 
 
 RUNPOD_API_KEY = "RUNPOD_API_KEY"  # RunPod's own name; a secret, read from the environment
+# An account key given to the pods of an `up` run (a RunPod secret) to terminate them all at
+# its end; the pod-scoped RUNPOD_API_KEY may not be allowed to.
+RUNPOD_ACCOUNT_KEY = "PODAGENT_RUNPOD_API_KEY"
+RUNPOD_API_KEY_FILE = "RUNPOD_API_KEY_FILE"
+
+
+def runpod_key(environ: Mapping[str, str], key_file: str | None = None,
+               names: tuple[str, ...] = (RUNPOD_API_KEY,), from_file: bool = True) -> str | None:
+    """RunPod's API key, the one place podagent reads one: from the first of `names` set in the
+    environment, else (`from_file`) from a file (`key_file`, or RUNPOD_API_KEY_FILE), never from
+    a command line, where every user of the machine could read it. None when there is none; a
+    file that cannot be read is InputError."""
+    for name in names:
+        key = environ.get(name, "").strip()
+        if key:
+            return key
+    path = (key_file or environ.get(RUNPOD_API_KEY_FILE, "").strip()) if from_file else ""
+    if not path:
+        return None
+    try:
+        key = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise InputError(f"--api-key-file {path!r}: cannot be read "
+                         f"({exc.strerror or exc})") from None
+    if not key:
+        raise InputError(f"--api-key-file {path!r}: is empty (it should hold the key)")
+    return key
 TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN")
 TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"  # Ray's own: a file that holds the token
 TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
@@ -870,7 +921,7 @@ TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` 
 # the pod); Ray and the job keep every other one (the job's W&B key, the cluster token Ray
 # needs); a reward server never talks to Ray, so never gets the cluster token, and the built-in
 # one, which runs sympy on model output, gets no secret at all.
-ONLY_PODAGENTS = (RUNPOD_API_KEY,)
+ONLY_PODAGENTS = (RUNPOD_API_KEY, RUNPOD_ACCOUNT_KEY)
 CLUSTER_TOKEN = (*TOKEN_VARIABLES, TOKEN_PATH_VARIABLE)
 
 

@@ -1,35 +1,181 @@
-"""What a pod does once its run is over (PODAGENT_AFTER_RUN).
+"""What a pod does when podagent's work on it ends (PODAGENT_AFTER_RUN).
 
-On RunPod a container whose process exits is started again: a head that exits after its job
-would start the run again, billing GPUs in a loop. So on a RunPod pod podagent stays up, idle
-and healthy, until the pod is stopped (`stay`), or asks RunPod's API to stop the pod
-(`stop-pod`). Elsewhere it exits with the run's outcome (`exit`). The head's closing
-announcement tells the workers which one, and they do the same.
+RunPod starts a container again whenever its process exits. That is what a run cut short wants
+(a lost Ray, a pod lost mid-run: the new start resumes it), and what must never happen to a run
+that is over, or after an exit a new start cannot mend (bad input, a refused token, restarts
+used up): the run would start again, or fail again, in a loop, each start billing a GPU. So each
+end is judged (`final`):
+
+* over: the run ended for good (its ledger says so, or the head said so);
+* final: the CLI's table says a new start cannot mend this code; or the pod keeps ending in
+  codes a start could mend, CRASH_LOOP times in a row, each soon after it started (counted in
+  `StartBook`, on the volume, which a restart keeps); or there is no volume, so a new start
+  would remember nothing (RunPod wipes the container disk when it starts it again) and begin
+  the run anew;
+* otherwise podagent exits and RunPod starts it again.
+
+Over or final, the policy says what happens: `stop-pod` (the default on RunPod) asks RunPod's
+API to stop this pod with the pod-scoped key RunPod injects, which ends its GPU billing; when
+RunPod refuses, the pod stays idle and says why and how to stop it. `stay` stays idle until the
+pod is stopped, `exit` exits (and RunPod starts it again: asked for). Run by hand at a terminal,
+podagent only exits: a person is there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from podagent import config
 from podagent.choices import AfterRun
-from podagent.config import Settings
 from podagent.errors import Interrupted, RunPodApiError
 from podagent.platform import runpod_api
-from podagent.report import Reporter
 from podagent.waiting import Signals
 
 STAY_NOTE_EVERY = 600.0  # a staying pod says once in a while what it is waiting for
+# Restartable ends in a row, each within CRASH_WINDOW of its start, that make a crash loop:
+# the last of them is not left to RunPod's restart.
+CRASH_LOOP = 3
+CRASH_WINDOW = 600.0
+STARTS_FILE = "pod-starts.json"
+VOLUME = "/workspace"  # where RunPod mounts a pod's volume (volumeMountPath's default)
 
 
-def settle(policy: AfterRun, settings: Settings, reporter: Reporter, signals: Signals,
-           summary: str) -> None:
-    """Returns at once for `exit`; otherwise returns when a signal ends the stay."""
+@dataclass(frozen=True)
+class End:
+    """How this start of podagent ended: its exit code, whether the run is over for good, and
+    whether the CLI's table says a new start may mend the code."""
+    code: int
+    over: bool
+    restartable: bool
+
+
+def persistent(log_dir: str | Path, given: bool) -> bool:
+    """Whether what podagent writes under `log_dir` survives a restart of the container: a
+    directory given explicitly (PODAGENT_LOG_DIR: the user knows where it lives), or one on
+    RunPod's volume (mounted at /workspace: an image may have a plain /workspace of its own,
+    which is container disk)."""
+    if given:
+        return True
+    path = Path(log_dir).absolute()
+    return path.is_relative_to(VOLUME) and os.path.ismount(VOLUME)
+
+
+class StartBook:
+    """This pod's ends, kept beside the run's logs (`pod-starts.json`): how long each start ran
+    and how it ended. Unwritable (a full volume), it counts in memory only."""
+
+    def __init__(self, run_dir: Path, pod: str):
+        self.path = Path(run_dir) / STARTS_FILE
+        self.pod = pod
+
+    def _read(self) -> list[dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return []
+        ends = data.get(self.pod) if isinstance(data, dict) else None
+        return [e for e in ends if isinstance(e, dict)] if isinstance(ends, list) else []
+
+    def ended(self, took: float, end: End) -> int:
+        """Record this end; how many restartable ends in a row (this one included) came soon
+        after their start."""
+        ends = [*self._read(), {"at": round(time.time(), 3), "took": round(took, 1),
+                                "code": end.code, "restartable": end.restartable}][-20:]
+        with contextlib.suppress(OSError, ValueError):
+            try:
+                whole = json.loads(self.path.read_text())
+                whole = whole if isinstance(whole, dict) else {}
+            except (OSError, ValueError):
+                whole = {}
+            whole[self.pod] = ends
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{STARTS_FILE}.{os.getpid()}")
+            tmp.write_text(json.dumps(whole))
+            tmp.replace(self.path)
+        in_a_row = 0
+        for entry in reversed(ends):
+            quick = isinstance(entry.get("took"), (int, float)) and entry["took"] < CRASH_WINDOW
+            if not (entry.get("restartable") and quick):
+                break
+            in_a_row += 1
+        return in_a_row
+
+
+def final(end: End, in_a_row: int, kept: bool) -> str | None:
+    """Why this end must not be left to RunPod's restart (None: a new start may mend it)."""
+    if end.over:
+        return "the run is over"
+    if not end.restartable:
+        return f"exit {end.code} is not mended by starting again"
+    if not kept:
+        return (f"exit {end.code}, and no volume keeps the run's state (RunPod wipes the "
+                f"container disk when it starts a container again): a new start would begin "
+                f"the run anew")
+    if in_a_row >= CRASH_LOOP:
+        return (f"a crash loop: {in_a_row} starts in a row ended within "
+                f"{CRASH_WINDOW / 60:g} min (exit {end.code} last)")
+    return None
+
+
+def interactive() -> bool:
+    """Run by hand at a terminal (a person is there), not as a container's main process."""
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Pod:
+    """This pod at RunPod, as settling needs it. A head of an `up` run (`up_run`: its label)
+    given an account key (`account_key`) terminates every pod of its run at the end."""
+    pod_id: str | None
+    api_key: str | None
+    api_url: str
+    account_key: str | None = None
+    up_run: str | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], api_url: str | None = None) -> Pod:
+        return cls(environ.get("RUNPOD_POD_ID", "").strip() or None,
+                   config.runpod_key(environ, from_file=False),
+                   api_url or runpod_api.DEFAULT_URL)
+
+
+def settle(policy: AfterRun | str, pod: Pod, reporter: Any, signals: Signals,
+           summary: str, why: str) -> None:
+    """The run is over, or this end is final (`why`): stop the pod, stay, or exit, as `policy`
+    says. Returns at once for `exit`; otherwise when a signal ends the stay (RunPod stopping
+    the pod sends SIGTERM)."""
     policy = AfterRun(policy)
-    if policy is AfterRun.EXIT:
+    if policy is AfterRun.EXIT or signals.received:
         return
-    if policy is AfterRun.STOP_POD:
-        _stop_pod(settings, reporter)
-    reporter.say(f"staying up (PODAGENT_AFTER_RUN={policy}) so that RunPod does not start the "
-                 f"run again: {summary}; stop the pod to end")
-    reporter.event("staying", policy=policy)
+    if interactive():
+        reporter.say(f"{summary}; run at a terminal, so exiting (PODAGENT_AFTER_RUN={policy} "
+                     f"applies to a pod's own podagent)")
+        return
+    if policy is AfterRun.STOP_POD and pod.account_key and pod.up_run and \
+            terminate_run(pod, reporter):
+        stay_line = f"terminating: every pod of run {pod.up_run} is being terminated: {summary}"
+    elif policy is AfterRun.STOP_POD and _stop_pod(pod, reporter, why):
+        stay_line = (f"stopping: RunPod stops pod {pod.pod_id} ({why}): {summary}")
+    elif policy is AfterRun.STOP_POD:
+        stay_line = (f"staying up idle, not exiting (RunPod would start the run again): "
+                     f"{summary}; stop the pod yourself (RunPod's console; `podagent down "
+                     f"RUN` for a run `podagent up` created)")
+    else:
+        stay_line = (f"staying up (PODAGENT_AFTER_RUN={policy}) so that RunPod does not start "
+                     f"the run again: {summary}; stop the pod to end")
+    reporter.say(stay_line)
+    reporter.event("staying", policy=policy, why=why)
     try:
         while True:
             signals.sleep(STAY_NOTE_EVERY)
@@ -38,17 +184,98 @@ def settle(policy: AfterRun, settings: Settings, reporter: Reporter, signals: Si
         reporter.say(f"{exc}: leaving")
 
 
-def _stop_pod(settings: Settings, reporter: Reporter) -> None:
-    """Ask RunPod to stop this pod; it then sends SIGTERM, which ends the stay."""
-    pod_id = settings.pod_id or ""
+def _stop_pod(pod: Pod, reporter: Any, why: str) -> bool:
+    """Ask RunPod to stop this pod; it then sends SIGTERM, which ends the stay. False when it
+    cannot be asked or refused (said in one line)."""
+    missing = [name for name, value in (("RUNPOD_POD_ID", pod.pod_id),
+                                        (runpod_api.API_KEY, pod.api_key)) if not value]
+    if missing:
+        reporter.warn(f"cannot stop this pod through RunPod's API: {' and '.join(missing)} "
+                      f"{'is' if len(missing) == 1 else 'are'} not set")
+        reporter.event("stop_pod", pod=pod.pod_id, ok=False, error=f"{missing} not set")
+        return False
     try:
-        runpod_api.stop_pod(pod_id, settings.runpod_api_key or "", settings.runpod_api_url,
-                            say=reporter.warn)
+        took = runpod_api.stop_pod(pod.pod_id or "", pod.api_key or "", pod.api_url,
+                                   say=reporter.warn)
     except RunPodApiError as exc:
         # Exiting instead would only get the container started again: stay, and say so.
-        reporter.warn(f"could not stop pod {pod_id} through RunPod's API ({exc}); staying up "
-                      f"instead")
-        reporter.event("stop_pod", pod=pod_id, ok=False, error=str(exc))
+        reporter.warn(f"RunPod refused to stop pod {pod.pod_id} with the key it gave the pod "
+                      f"({exc})")
+        reporter.event("stop_pod", pod=pod.pod_id, ok=False, error=str(exc))
+        return False
+    reporter.say(f"asked RunPod's API to stop pod {pod.pod_id}"
+                 + ("" if took else " (it is being stopped already)"))
+    reporter.event("stop_pod", pod=pod.pod_id, ok=True, why=why)
+    return True
+
+
+def terminate_run(pod: Pod, reporter: Any) -> bool:
+    """The head of an `up` run given an account key, once its workers have left the run:
+    every pod of the run is terminated (found by its label), this one last (an Instant
+    Cluster's: the cluster). False, said in one line, when RunPod refuses: the caller falls
+    back to stopping this pod with its own key."""
+    client = runpod_api.Client(pod.account_key or "", pod.api_url, timeout=30.0,
+                               say=reporter.warn)
+    try:
+        pods = [p for p in client.list_pods(include_cluster_pods=True)
+                if (p.get("env") or {}).get(config.UP_RUN_LABEL) == pod.up_run]
+        clusters = {str(p["cluster"]["id"]) for p in pods if isinstance(p.get("cluster"), dict)}
+        for other in sorted(pods, key=lambda p: p["id"] == pod.pod_id):  # this one last
+            if not isinstance(other.get("cluster"), dict):
+                client.terminate_pod(other["id"])
+        for cluster in clusters:
+            client.delete_cluster(cluster)
+    except RunPodApiError as exc:
+        reporter.warn(f"could not terminate the pods of run {pod.up_run} with the account key "
+                      f"({exc}); stopping this pod instead")
+        reporter.event("terminate_run", run=pod.up_run, ok=False, error=str(exc))
+        return False
+    finally:
+        client.close()
+    reporter.say(f"terminated the {len(pods)} pod(s) of run {pod.up_run}, this one last")
+    reporter.event("terminate_run", run=pod.up_run, ok=True, pods=len(pods))
+    return True
+
+
+def ended(end: End, started: float, run_dir: Path, pod_name: str, kept: bool) -> str | None:
+    """Record this end in the pod's start book (when its run dir is kept) and judge it."""
+    in_a_row = StartBook(run_dir, pod_name).ended(time.monotonic() - started, end) if kept \
+        else 0
+    return final(end, in_a_row, kept)
+
+
+class _Plain:
+    """A reporter for the time before settings exist: lines on stderr."""
+
+    def __init__(self, write: Callable[[str], None]):
+        self._write = write
+
+    def say(self, text: str) -> None:
+        self._write(f"podagent: {text}")
+
+    def warn(self, text: str) -> None:
+        self._write(f"podagent: WARNING: {text}")
+
+    def event(self, event: str, **fields: Any) -> None:
+        pass
+
+
+def settle_unconfigured(environ: Mapping[str, str], code: int,
+                        write: Callable[[str], None]) -> None:
+    """Bad input found before podagent's settings exist (exit 2): on a RunPod pod a new start
+    would meet the same input, so the pod stops itself, or stays idle when RunPod refuses,
+    unless PODAGENT_AFTER_RUN asks otherwise."""
+    if not environ.get("RUNPOD_POD_ID", "").strip():
         return
-    reporter.say(f"asked RunPod's API to stop pod {pod_id}")
-    reporter.event("stop_pod", pod=pod_id, ok=True)
+    raw = environ.get("PODAGENT_AFTER_RUN", "").strip()
+    policy = raw if raw in {p.value for p in AfterRun} else AfterRun.STOP_POD.value
+    try:  # the address may be the bad input itself
+        url = config.http_url(environ.get(runpod_api.API_URL, "").strip() or
+                              runpod_api.DEFAULT_URL)
+    except ValueError:
+        url = runpod_api.DEFAULT_URL
+    signals = Signals()
+    signals.install()
+    settle(policy, Pod.from_environ(environ, url), _Plain(write), signals,
+           f"podagent could not start (exit {code})", f"exit {code} is not mended by starting "
+           f"again")

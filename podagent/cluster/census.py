@@ -66,6 +66,13 @@ class WorkerCensus:
         self.lost: dict[str, LostWorker] = {}
         self._size: int | None = None  # the table's size before the last read
         self._read_at = float("-inf")
+        self.still_there: list[str] = []  # workers still connected when the head left
+
+    def stragglers(self) -> list[str]:
+        """Addresses of the workers that did not leave with the head at the end: lost while
+        the job ran (and not replaced), or still connected when it stopped waiting."""
+        lost = [g.worker.ip for g in self.lost.values() if g.state is not Loss.REPLACED]
+        return sorted(set(lost) | set(self.still_there))
 
     def alive(self) -> list[NodeInfo]:
         return [n for n in self._nodes() if n.alive and not n.is_head]
@@ -248,4 +255,6 @@ class WorkerCensus:
         except Expired as expired:
             left = expired.last
         if left:
+            with contextlib.suppress(RayUnhealthy, GcsUnavailable):
+                self.still_there = sorted(w.ip for w in self.alive())
             self.reporter.warn(f"{left} worker(s) still connected; stopping Ray anyway")

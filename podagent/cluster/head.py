@@ -143,6 +143,11 @@ class HeadNode:
                            "the Jobs API nor telling the workers; stopping Ray")
         return True
 
+    def over_word(self) -> tuple[str, list[str]]:
+        """Where this head tells returning workers that the run is over (its cluster
+        address), and the workers that did not leave with it."""
+        return self.setup.node_ip, self.census.stragglers()
+
     def announce_close(self, outcome: str, job_status: str | None,
                        departures: Callable[[], Deadline]) -> None:
         """The closing announcement, then a moment (from then on) for the workers to leave."""
@@ -165,8 +170,7 @@ class Head(Lifecycle[HeadState]):
         self.finished_earlier: dict[str, Any] | None = None  # the ledger's, when it finished
         self.reward: RewardServer | None = None
         self.job: JobAttempt | None = None  # from SUBMITTING until it ends or is restarted
-        self._next_watch = 0.0
-        self._next_own_look = 0.0
+        self._next_watch = self._next_own_look = 0.0
 
     @property
     def node(self) -> HeadNode:
@@ -360,6 +364,9 @@ class Head(Lifecycle[HeadState]):
     def after_run(self) -> AfterRun | None:
         return AfterRun(self.settings.after_run) if self.ledger.finished else None
 
+    def over_word(self) -> tuple[str, list[str]] | None:
+        return self._node.over_word() if self._node else None
+
     def _teardown(self, outcome: str) -> None:
         """Every step runs whatever the one before did: a full volume must not leave the job,
         the reward server or Ray running."""
@@ -399,4 +406,4 @@ class Head(Lifecycle[HeadState]):
                           f"{settings.run_dir}")
 
     def _own_pids(self) -> list[int]:  # podagent's children beside the job's: Popen reaps
-        return [pid for pid in [self.reward.process.pid if self.reward else None] if pid]
+        return [self.reward.process.pid] if self.reward and self.reward.process.pid else []

@@ -99,6 +99,11 @@ class Lifecycle(Generic[State]):
         signal, a lost Ray: left to a restart, which resumes it)."""
         return None
 
+    def over_word(self) -> tuple[str, list[str]] | None:
+        """A head: its address, to say there that the run is over, and the workers that did
+        not leave with it (they may come back and ask). None elsewhere."""
+        return None
+
     # --- the teardown's time and steps --------------------------------------------------------
 
     def _note_signal(self) -> bool:

@@ -9,10 +9,12 @@ error, `outcome_code` for a finished run's recorded outcome); 0 is success.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +23,14 @@ from typing import TYPE_CHECKING, TextIO
 import psutil
 
 from podagent import __version__, config, extras, process
+from podagent.choices import AfterRun
+from podagent.cluster import after_run
+from podagent.errors import Interrupted
 from podagent.platform.head_location import head_location
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
-from podagent.waiting import Signals
+from podagent.waiting import Backoff, Expired, Signals, retry
 
 if TYPE_CHECKING:  # the lifecycles load only when a role runs
     from podagent.cluster.lifecycle import Lifecycle
@@ -92,7 +97,8 @@ def install_signals(reporter: Reporter) -> Signals:
 
 def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool,
              exit_code: Callable[[BaseException], int],
-             outcome_code: Callable[[str], int]) -> int:
+             outcome_code: Callable[[str], int],
+             restartable: Callable[[int], bool] = lambda code: False) -> int:
     """Work out the role, check what it needs, and run it (or say what it would do); the exit
     code. Bad input raises before anything starts."""
     _warn_early(settings)
@@ -103,7 +109,7 @@ def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool,
     if dry_run:
         _dry_run(settings, decision, ray)
         return SUCCESS
-    return _run(settings, decision, ray, exit_code, outcome_code)
+    return _run(settings, decision, ray, exit_code, outcome_code, restartable)
 
 
 def _warn_early(settings: config.Settings) -> None:
@@ -167,7 +173,8 @@ def _dry_run(settings: config.Settings, decision: RoleDecision,
 
 
 def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayVersion,
-         exit_code: Callable[[BaseException], int], outcome_code: Callable[[str], int]) -> int:
+         exit_code: Callable[[BaseException], int], outcome_code: Callable[[str], int],
+         restartable: Callable[[int], bool]) -> int:
     from podagent.cluster.head import Head
     from podagent.cluster.worker import Worker
 
@@ -188,6 +195,7 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
 
     signals = install_signals(reporter)
     process.become_subreaper()
+    started = time.monotonic()
     lifecycle: Lifecycle | None = None
     code = SUCCESS
     try:
@@ -205,21 +213,78 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
         if bringup:
             bringup.finish(code)
     if lifecycle is not None:
-        _after_run(lifecycle, settings, reporter, signals, code)
+        lifecycle.record_exit(code)
+        policy = lifecycle.after_run()
+        end = after_run.End(code, over=policy is not None, restartable=restartable(code))
+        settle(settings, reporter, signals, end, started, policy, lifecycle.over_word())
     reporter.close()
     return code
 
 
-def _after_run(lifecycle: Lifecycle, settings: config.Settings, reporter: Reporter,
-               signals: Signals, code: int) -> None:
-    """A run that is over for good: stay, stop the pod or exit (PODAGENT_AFTER_RUN). A run
-    cut short (a signal, a lost Ray) is left to a restart, which resumes it."""
-    from podagent.cluster import after_run
-
-    lifecycle.record_exit(code)
-    policy = lifecycle.after_run()
-    if policy is None or signals.received:
+def settle(settings: config.Settings, reporter: Reporter, signals: Signals, end: after_run.End,
+           started: float, policy: AfterRun | None = None,
+           over_word: tuple[str, list[str]] | None = None) -> None:
+    """This start of podagent is over: leave it to RunPod to start the pod again, or (the run
+    over, or an end a new start cannot mend) stop the pod, stay or exit as PODAGENT_AFTER_RUN
+    says (a worker: as its head said). A head first says on its supervisor port that the run
+    is over, for workers that did not leave with it, and waits a while for them to ask.
+    A signal (RunPod stopping the pod) ends it at once."""
+    if signals.received:
         return
-    summary = (f"run {settings.run_name} is over ({'exit ' + str(code)}); logs in "
-               f"{settings.run_dir}")
-    after_run.settle(policy, settings, reporter, signals, summary)
+    policy = policy or AfterRun(settings.after_run)
+    summary = (f"run {settings.run_name} is over (exit {end.code}); logs in {settings.run_dir}"
+               if end.over else f"exit {end.code}; logs in {settings.run_dir}")
+    pod = after_run.Pod(settings.pod_id, settings.runpod_api_key, settings.runpod_api_url)
+    if not settings.pod_id:  # not on RunPod: nothing starts podagent again
+        if end.over:
+            after_run.settle(policy, pod, reporter, signals, summary, "the run is over")
+        return
+    kept = after_run.persistent(settings.log_dir, settings.sources.get("log_dir") != "default")
+    why = after_run.ended(end, started, settings.run_dir, reporter.pod, kept)
+    if why is None:
+        reporter.say(f"exit {end.code}: RunPod starts this pod's container again, and podagent "
+                     f"with it ({after_run.CRASH_LOOP} such quick ends in a row stop the pod)")
+        return
+    # `podagent up` reads this to know that the run is over for good (its code is the run's).
+    reporter.event("run_over", code=end.code, over=end.over, why=why, policy=policy.value)
+    if over_word is not None and end.over and policy is not AfterRun.EXIT:
+        _say_over(settings, reporter, signals, end, policy, *over_word)
+    if over_word is not None and end.over:  # an `up` run's head may terminate the whole run
+        pod = dataclasses.replace(
+            pod, account_key=config.runpod_key(settings.environ, from_file=False,
+                                               names=(config.RUNPOD_ACCOUNT_KEY,)),
+            up_run=settings.environ.get(config.UP_RUN_LABEL, "").strip() or None)
+    after_run.settle(policy, pod, reporter, signals, summary, why)
+
+
+def _say_over(settings: config.Settings, reporter: Reporter, signals: Signals,
+              end: after_run.End, policy: AfterRun, addr: str, stragglers: list[str]) -> None:
+    """Answer "over" on the supervisor port until this process ends; before the pod stops,
+    wait for the workers that did not leave with the head to ask (PODAGENT_OVER_LINGER at
+    most)."""
+    from podagent.cluster import beacon
+
+    word = beacon.Over(settings.run_name, "succeeded" if end.code == 0 else "ended",
+                       end.code, policy.value)
+    told = beacon.Beacon(word, addr, settings.supervisor_port, settings.auth_token).start()
+    if told is None:
+        reporter.warn(f"cannot say on {addr}:{settings.supervisor_port} that the run is over "
+                      f"(the port is taken): workers that come back will not hear it")
+        return
+    waiting = set(stragglers)
+    # Staying, the head answers for as long as it stays: only a pod about to stop waits.
+    if not waiting or settings.over_linger <= 0 or policy is not AfterRun.STOP_POD:
+        return
+    reporter.say(f"waiting up to {settings.over_linger:g} s for worker(s) "
+                 f"{', '.join(sorted(waiting))}, which did not leave with the head, to hear "
+                 f"that the run is over")
+    try:
+        retry(lambda: waiting - told.heard_from(), awaited="the workers to ask",
+              backoff=Backoff.every(0.5), deadline=settings.over_linger, sleep=signals.sleep,
+              until=lambda left: not left)
+        reporter.say("every worker that was away has heard that the run is over")
+    except Expired as exc:
+        reporter.say(f"worker(s) {', '.join(sorted(exc.last or waiting))} did not come back "
+                     f"within {settings.over_linger:g} s")
+    except Interrupted:
+        return

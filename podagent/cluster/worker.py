@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from podagent import process, runstate
 from podagent.choices import AfterRun
-from podagent.cluster import node, ray_node
-from podagent.cluster.lifecycle import Lifecycle
+from podagent.cluster import beacon, node, ray_node
+from podagent.cluster.lifecycle import EndRequested, Lifecycle
 from podagent.config import Settings
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.platform.discovery import HeadFinder, HeadLocation
@@ -24,6 +24,17 @@ WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace 
 JOIN_ATTEMPT_TIMEOUT = 120.0
 JOIN_HEAD_GRACE = 3.0  # a head silent this long while `ray start` runs has gone away
 JOIN_PROGRESS_EVERY = 10.0
+OVER_ASK_EVERY = 2.0  # while the head's Ray is silent: how often to ask whether its run is over
+
+
+class RunOver(EndRequested):
+    """The head says the run is over: this pod was away when it closed it (its container being
+    started again). Leaving is the orderly end, and the pod does what the head asked."""
+
+    def __init__(self, over: beacon.Over):
+        self.over = over
+        super().__init__("left", f"the head says run {over.run} is over ({over.outcome}, "
+                                 f"exit {over.code}); leaving")
 
 
 class _HeadWentAway(Exception):
@@ -59,7 +70,7 @@ class Worker(Lifecycle[WorkerState]):
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
         super().__init__(settings, decision, reporter, signals)
-        self.finder = HeadFinder(settings, reporter, signals)
+        self.finder = self._finder()
         self._found: FoundHead | None = None  # from FINDING_HEAD on
         self.setup: node.NodeSetup | None = None  # from PREPARING on
         self._after_run: AfterRun | None = None  # what the head's closing announcement asked
@@ -68,6 +79,29 @@ class Worker(Lifecycle[WorkerState]):
         self._head_start: bytes | None = None
         self._silent_since: float | None = None
         self._join_progress = 0.0
+
+    def _finder(self) -> HeadFinder:
+        self._next_over_ask = 0.0
+        return HeadFinder(self.settings, self.reporter, self.signals, self._ask_over)
+
+    def _ask_over(self, ip: str) -> None:
+        """The head's Ray is silent: a head whose run is over says so on its supervisor port
+        (beacon), and then this worker has nothing to wait for."""
+        now = time.monotonic()
+        if now < self._next_over_ask:
+            return
+        self._next_over_ask = now + OVER_ASK_EVERY
+        settings = self.settings
+        over = beacon.ask(ip, settings.supervisor_port, settings.run_name, settings.auth_token)
+        if over is not None:
+            try:
+                self._after_run = AfterRun(over.after_run)
+            except ValueError:
+                self._after_run = AfterRun(settings.after_run)
+            self.reporter.say(f"the head {ip} says run {over.run} is over ({over.outcome}, "
+                              f"exit {over.code}): this pod was away when it closed; leaving")
+            self.reporter.event("run_over", outcome=over.outcome, code=over.code)
+            raise RunOver(over)
 
     @property
     def found(self) -> FoundHead:
@@ -88,7 +122,7 @@ class Worker(Lifecycle[WorkerState]):
         if self._found is not None:  # finding it again: a fresh deadline, the DNS name anew
             self._found.gcs.close()
             self._found = None
-            self.finder = HeadFinder(self.settings, self.reporter, self.signals)
+            self.finder = self._finder()
         self._head_start = None
         # At once, not after the wait for a head: a pod with someone else's Ray is refused.
         node.refuse_foreign_ray(self.settings)

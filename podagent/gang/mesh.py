@@ -497,6 +497,9 @@ class Link:
                          f"(last try: {gave_up.seen})"))
         wire = Wire(sock)
         greeting = self._read(wire, GREETING_TIMEOUT)
+        if isinstance(greeting, dict) and "over" in greeting:
+            wire.close()
+            raise HeadSaysOver(rv, json.dumps(greeting).encode())
         if not isinstance(greeting, dict) or "rendezvous" not in greeting:
             wire.close()
             raise HeadUnreachable(f"{rv}: what listens there is not podagent's supervisor")
@@ -591,6 +594,15 @@ class Link:
                 self.events.put(Lost(self.head, f"silent for {self.grace:g} s (no heartbeat: "
                                                 f"cut off, or its host is gone)"))
                 return
+
+
+class HeadSaysOver(Exception):
+    """The head answered the rendezvous with its word that the run is over (cluster/beacon.py
+    reads and checks it): this pod was away when the run ended."""
+
+    def __init__(self, rv: Rendezvous, line: bytes):
+        self.line = line
+        super().__init__(f"{rv}: the head says the run is over")
 
 
 class NotSupervisor(Exception):

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import shlex
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 from podagent import __version__, process
 from podagent.choices import AfterRun
+from podagent.cluster import beacon
 from podagent.cluster.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
-from podagent.config import Settings
-from podagent.errors import PodagentError, RestartsExhausted
+from podagent.config import AFTER_RUN, Settings
+from podagent.errors import HeadUnreachable, PodagentError, RestartsExhausted
 from podagent.gang import mesh
 from podagent.gang.launchers import (
     Accelerate,
@@ -42,8 +44,10 @@ def launcher_for(name: str, user_args: Sequence[str]) -> Launcher:
 
 def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str | None,
         dry_run: bool, exit_code: Callable[[BaseException], int],
-        outcome_code: Callable[[str], int]) -> int:
-    from podagent.cluster.run import install_signals, report_end, reporter_for
+        outcome_code: Callable[[str], int],
+        restartable: Callable[[int], bool] = lambda code: False) -> int:
+    from podagent.cluster import after_run
+    from podagent.cluster.run import install_signals, report_end, reporter_for, settle
 
     decision = detect_role(settings)
     role = decision.role
@@ -58,20 +62,36 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
                    version=__version__, launcher=launcher.name)
     signals = install_signals(reporter)
     process.become_subreaper()  # the launcher's workers stay ours when it dies
+    started = time.monotonic()
     ledger = Ledger.load(settings.run_dir, settings.run_name)
     finished = recall(ledger, settings.run_name, settings.run_dir, reporter)
     code = SUCCESS
+    policy: AfterRun | None = None  # a worker told by its head that the run is over
+    head_addr: str | None = None
     if finished:
         code = outcome_code(finished["outcome"])
     else:
         outcome = "succeeded"
         try:
             check_restarts(settings, ledger)
-            cause, me = _supervised(settings, launcher, role, reporter, signals, data_check,
-                                    loader, asked_rank)
+            cause, me, head_addr = _supervised(settings, launcher, role, reporter, signals,
+                                               data_check, loader, asked_rank)
             error = cause.error(me, launcher.name)
             if error is not None:
                 raise error
+        except mesh.HeadSaysOver as said:
+            over = beacon.read(said.line, settings.run_name, settings.auth_token)
+            if over is None:
+                outcome = HeadUnreachable.__name__
+                code = report_end(HeadUnreachable(f"{said}: not this run's head, or not "
+                                                  f"proven with the cluster token"),
+                                  settings, reporter, exit_code)
+            else:
+                reporter.say(f"the head says run {over.run} is over ({over.outcome}, exit "
+                             f"{over.code}): this pod was away when it closed; leaving")
+                reporter.event("exit", code=code)
+                policy = AfterRun(over.after_run) if over.after_run in AFTER_RUN else None
+                policy = policy or AfterRun(settings.after_run)
         except Exception as exc:
             outcome = type(exc).__name__ if isinstance(exc, PodagentError) else INTERNAL_ERROR
             code = report_end(exc, settings, reporter, exit_code)
@@ -79,12 +99,10 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
             reporter.event("exit", code=code)
         record_or_warn(lambda: ledger.ended(outcome, None), reporter)
         record_or_warn(lambda: ledger.exit_code(code), reporter)
-    if ledger.finished and not signals.received:
-        from podagent.cluster import after_run
-
-        after_run.settle(AfterRun(settings.after_run), settings, reporter, signals,
-                         f"run {settings.run_name} is over (exit {code}); logs in "
-                         f"{settings.run_dir}")
+    over = policy is not None or bool(ledger.finished)
+    end = after_run.End(code, over=over, restartable=restartable(code))
+    settle(settings, reporter, signals, end, started, policy,
+           (head_addr, []) if head_addr else None)
     reporter.close()
     return code
 
@@ -108,8 +126,9 @@ def check_restarts(settings: Settings, ledger: Ledger) -> None:
 
 def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Reporter,
                 signals: Signals, data_check: bool, loader: str | None,
-                asked_rank: int | None) -> tuple[Cause, str]:
-    """The cause the run ended with, and this pod as its peers name it."""
+                asked_rank: int | None) -> tuple[Cause, str, str | None]:
+    """The cause the run ended with, this pod as its peers name it, and (the head) its
+    address."""
     from podagent.cluster import node
     from podagent.platform import discovery
 
@@ -134,7 +153,8 @@ def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Re
                 dict(setup.nccl.variables), setup.gpus)
     kind = HeadSupervisor if role is Role.HEAD else WorkerSupervisor
     supervisor = kind(settings, role, plan, me, rv, reporter, signals, settings.run_dir)
-    return supervise(supervisor, deadline, asked_rank), str(me)
+    return (supervise(supervisor, deadline, asked_rank), str(me),
+            head_ip if role is Role.HEAD else None)
 
 
 def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,

@@ -111,8 +111,12 @@ class HeadLocation:
 class HeadFinder:
     """Resolves the head and waits for its GCS, all within the head-wait timeout."""
 
-    def __init__(self, settings: Settings, reporter: Reporter, signals: Signals):
+    def __init__(self, settings: Settings, reporter: Reporter, signals: Signals,
+                 on_silence: Callable[[str], None] = lambda ip: None):
         self.settings, self.reporter, self.signals = settings, reporter, signals
+        # Called with an address whose GCS did not answer (it may raise to end the wait: a
+        # head whose run is over says so on another port).
+        self.on_silence = on_silence
         self.deadline = time.monotonic() + settings.head_timeout
         self.last_dns: DnsResult | None = None
         self.last_probe = "not tried yet"
@@ -202,6 +206,7 @@ class HeadFinder:
                 ) from None
             except GcsUnavailable as exc:
                 probes[ip] = str(exc)
+                self.on_silence(ip)
                 return False
             return True
 

@@ -3,8 +3,9 @@ and the same volume (here: podagent started again in the same pod, same log dir)
 
 A finished run is never run again; a head that dies mid-job is started again and submits the
 job once more, resuming from its checkpoint, while the workers (never restarted) wait for it
-and join it again; after the run a pod stays up, exits or asks RunPod's API to stop it; a
-signal ends each pod within RunPod's SIGTERM-to-SIGKILL window.
+and join it again; after the run a pod stays up or exits (a pod that stops itself through
+RunPod's API: tests/e2e/test_pod_end.py); a signal ends each pod within RunPod's
+SIGTERM-to-SIGKILL window.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 
 from tests.e2e.test_cluster import FORM_TIMEOUT
-from tests.fakes.runpod_api import FakeRunPodApi
 from tests.harness.agents import Agent, form_cluster
 from tests.harness.pods import Pod, wait_for
 
@@ -122,46 +122,6 @@ def test_a_finished_run_is_not_run_again_and_a_staying_pod_leaves_on_sigterm(
     assert exited < 2.0, f"a staying pod took {exited:.2f} s to leave on SIGTERM"
     assert staying.proc.returncode == code, staying.output[-3000:]
     assert len(_ledger(head)["submissions"]) == 1
-
-
-def test_stop_pod_asks_runpods_api_to_stop_each_pod_once(make_pod, dns_server, pod_network,
-                                                         tmp_path, agents):
-    """b) PODAGENT_AFTER_RUN=stop-pod on a head and a worker: after the job each pod asks
-    RunPod's API (a fake one on the pod network) to stop itself, once, with the key; then it
-    stays up until the pod's SIGTERM. The key is in no output and no file."""
-    key = "rpa_e2e_StopPodKey_7c1d93"
-    with FakeRunPodApi(pod_network.host_ip, 0, expected_key=key) as api:
-        common = {"RUNPOD_API_KEY": key, "PODAGENT_AFTER_RUN": "stop-pod",
-                  "PODAGENT_RUNPOD_API_URL": api.url}
-        head, (worker,) = form_cluster(
-            make_pod, dns_server, tmp_path, agents, workers=1,
-            head_env={"EXPECTED_WORKERS": "1", "PODAGENT_REWARD": "none",
-                      "PODAGENT_JOB": "python -c 'print(6 * 7)'", **common},
-            worker_env=common)
-        for a in (head, worker):
-            a.start()
-        for a in (head, worker):
-            a.wait_output("staying up (PODAGENT_AFTER_RUN=stop-pod)", timeout=FORM_TIMEOUT)
-        time.sleep(2)  # a second call would come now
-        calls = api.calls
-    assert "[head] job SUCCEEDED" in head.output, head.output[-3000:]
-    assert sorted(c.pod_id for c in calls) == sorted([head.pod.pod_id, worker.pod.pod_id]), calls
-    for call in calls:
-        assert call.method == "POST" and call.authorized and call.status == 200, call
-        assert call.path == f"/v1/pods/{call.pod_id}/stop", call
-    for a in (head, worker):
-        assert f"asked RunPod's API to stop pod {a.pod.pod_id}" in a.output, a.output[-3000:]
-        assert a.proc is not None and a.proc.poll() is None  # staying, until RunPod stops it
-    # The workers were told by the head's closing announcement.
-    assert "the head is closing the run (succeeded" in worker.output
-    for a in (head, worker):
-        _sigterm(a)
-        assert a.proc.returncode == 0, a.output[-3000:]
-    roots = [tmp_path, *(Path(a.ray_tmp) for a in (head, worker))]
-    files = [p for r in roots for p in r.rglob("*") if p.is_file() and not p.is_symlink()]
-    assert any(p.name == "ledger.json" for p in files)
-    for path in files:
-        assert key not in path.read_bytes().decode(errors="replace"), f"the key is in {path}"
 
 
 def test_head_lost_while_a_worker_joins_then_mid_job_the_worker_rejoins_and_the_job_resumes_once(

@@ -74,7 +74,9 @@ BAD_INPUTS = {
 
 # Should a worker wrongly start, it finds no head at once and exits 6 (it starts nothing).
 _SAFETY_NET = {"PODAGENT_HEAD_ADDR": "127.0.0.1", "PODAGENT_RAY_PORT": str(_closed_port()),
-               "PODAGENT_HEAD_TIMEOUT": "1", "PODAGENT_LOG_DIR": "logs"}
+               "PODAGENT_HEAD_TIMEOUT": "1", "PODAGENT_LOG_DIR": "logs",
+               # A pod stops itself after bad input (or stays idle): here, just exit.
+               "PODAGENT_AFTER_RUN": "exit"}
 
 CONFLICTS = {
     "env-ray-worker-0-vs-pod-ids": (
@@ -238,6 +240,9 @@ EXIT_CODES = [
     (errors.PodsNotReady("PROVISIONING"), 21),
     (errors.PeerLost("pod w1 was lost"), 22),
     (errors.DataOverlap("ranks 0 and 1 share 16 of 16 samples"), 23),
+    (errors.PodGone("pod w1 was stopped at RunPod"), 24),
+    (errors.RunPodNonsense("answered 201 with an empty body"), 20),
+    (errors.RunPodConflict("409"), 20),
     (errors.Interrupted(signal.SIGTERM), 143),
     (errors.Interrupted(signal.SIGINT), 130),
     (errors.PodagentError("unclassified"), 70),
@@ -258,6 +263,18 @@ def test_exit_code_table_documents_every_code():
         cell = row.split("|")[1]
         documented.update(int(code) for code in cell.split("/"))
     assert documented == {0} | {code for _, code in EXIT_CODES}
+
+
+def test_what_the_pod_does_after_each_code_is_said_for_every_code():
+    """The table's third column: a pod stops itself after every code a new start cannot mend
+    (RunPod would start it again, and again); the others are left to RunPod's restart."""
+    rows = {row.split("|")[1].strip(): row.split("|")[3].strip()
+            for row in cli.exit_code_table().splitlines()[2:]}
+    assert rows["2"].startswith("stops itself") and rows["13"].startswith("stops itself")
+    assert rows["16"].startswith("stops itself") and rows["23"].startswith("stops itself")
+    assert rows["6"].startswith("exits; RunPod starts it again")
+    assert rows["19"] == rows["24"] == "—"  # the laptop's codes: no pod exits with them
+    assert all(rows.values())
 
 
 @pytest.mark.parametrize("outcome", (*ledger.FINISHED, ledger.INTERNAL_ERROR))

@@ -150,13 +150,13 @@ INVALID = [
     ("PODAGENT_ON_NODE_LOSS", "retry", "one of restart, wait, fail"),
     ("PODAGENT_RESTARTS", "-1", ""),
     ("PODAGENT_RETRY_FAILED_JOB", "true", "0 or 1"),
-    ("PODAGENT_RUNPOD_API_URL", "ftp://rest.runpod.io/v1", "http:// or https:// URL"),
-    ("PODAGENT_RUNPOD_API_URL", "rest.runpod.io/v1", "http:// or https:// URL"),
-    ("PODAGENT_RUNPOD_API_URL", "https://", "http:// or https:// URL"),
-    ("PODAGENT_RUNPOD_API_URL", "https://host:99999/v1", "http:// or https:// URL"),
-    ("PODAGENT_RUNPOD_API_URL", "https://u:p@host/v1", "http:// or https:// URL"),
-    ("PODAGENT_RUNPOD_API_URL", "https://host/v1?x=1", "http:// or https:// URL"),
-    ("PODAGENT_RUNPOD_API_URL", "https://host/a b", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "ftp://api.runpod.io", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "api.runpod.io", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "https://", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "https://host:99999", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "https://u:p@host", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "https://host/x?x=1", "http:// or https:// URL"),
+    ("RUNPOD_API_URL", "https://host/a b", "http:// or https:// URL"),
 ]
 
 
@@ -649,7 +649,8 @@ KEY = "rpa_" + "S3cret" * 6
 
 @pytest.mark.parametrize(("env", "expected", "source"), [
     ({}, "exit", "default"),
-    ({"RUNPOD_POD_ID": "p1"}, "stay", "default"),
+    ({"RUNPOD_POD_ID": "p1"}, "stay", "default"),  # no key to stop itself with: stays
+    ({"RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": KEY}, "stop-pod", "default"),
     ({"RUNPOD_POD_ID": "p1", "PODAGENT_AFTER_RUN": "exit"}, "exit", "env"),
     ({"PODAGENT_AFTER_RUN": "stay"}, "stay", "env"),
     ({"RUNPOD_POD_ID": "p1", "RUNPOD_API_KEY": KEY, "PODAGENT_AFTER_RUN": "stop-pod"},
@@ -711,13 +712,17 @@ def test_the_api_key_is_read_from_the_environment_and_never_shown():
 def test_rejoin_and_api_url():
     s = build()
     assert s.rejoin is True and s.sources["rejoin"] == "default"
-    assert s.runpod_api_url == "https://rest.runpod.io/v1"
+    assert s.runpod_api_url == "https://api.runpod.io"  # v2's server: one setting, pod and up
     assert build({"PODAGENT_REJOIN": "0"}).rejoin is False
     assert build(flags={"rejoin": "0"}).rejoin is False
-    assert build({"PODAGENT_RUNPOD_API_URL": "http://10.0.0.9:8080/v1/"}).runpod_api_url == (
-        "http://10.0.0.9:8080/v1")
-    assert build({"PODAGENT_RUNPOD_API_URL": "http://[fd00::9]:80"}).runpod_api_url == (
+    assert build({"RUNPOD_API_URL": "http://10.0.0.9:8080/"}).runpod_api_url == (
+        "http://10.0.0.9:8080")
+    assert build({"RUNPOD_API_URL": "http://[fd00::9]:80"}).runpod_api_url == (
         "http://[fd00::9]:80")
+    # v1's old setting is retired: said once, ignored (its v1 address would no longer work).
+    old = build({"PODAGENT_RUNPOD_API_URL": "https://rest.runpod.io/v1"})
+    assert old.runpod_api_url == "https://api.runpod.io"
+    assert any(w.startswith("PODAGENT_RUNPOD_API_URL is retired") for w in old.warnings)
 
 
 # --- PODAGENT_* variables podagent does not know ----------------------------------------------

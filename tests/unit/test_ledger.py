@@ -158,9 +158,13 @@ def _sigterm_soon(signals: Signals, after: float = 0.3) -> threading.Timer:
     return timer
 
 
+def _pod(settings: config.Settings) -> after_run.Pod:
+    return after_run.Pod(settings.pod_id, settings.runpod_api_key, settings.runpod_api_url)
+
+
 def test_exit_returns_at_once():
     reporter, out, _ = _reporter()
-    after_run.settle("exit", _settings(), reporter, Signals(), "run r1 is over")
+    after_run.settle("exit", _pod(_settings()), reporter, Signals(), "run r1 is over", "over")
     assert out.getvalue() == ""
 
 
@@ -168,7 +172,8 @@ def test_stay_stays_until_sigterm_and_says_why():
     reporter, out, events = _reporter()
     signals = Signals()
     _sigterm_soon(signals)
-    after_run.settle("stay", _settings(), reporter, signals, "run r1 is over (exit 0)")
+    after_run.settle("stay", _pod(_settings()), reporter, signals, "run r1 is over (exit 0)",
+                     "the run is over")
     assert "staying up (PODAGENT_AFTER_RUN=stay) so that RunPod does not start the run " \
            "again: run r1 is over (exit 0)" in out.getvalue()
     assert "stopped by SIGTERM: leaving" in out.getvalue()
@@ -182,20 +187,60 @@ def test_stop_pod_asks_runpod_once_with_the_key_in_a_header_only():
         signals = Signals()
         _sigterm_soon(signals)
         settings = _settings(PODAGENT_AFTER_RUN="stop-pod", RUNPOD_API_KEY=key,
-                             PODAGENT_RUNPOD_API_URL=api.url)
-        after_run.settle("stop-pod", settings, reporter, signals, "run r1 is over")
-    assert [(c.method, c.pod_id, c.authorized) for c in api.calls] == [("POST", "pod-1", True)]
+                             RUNPOD_API_URL=api.url)
+        after_run.settle("stop-pod", _pod(settings), reporter, signals, "run r1 is over",
+                         "the run is over")
+    assert [(c.method, c.pod_id, c.action, c.authorized) for c in api.calls] == [
+        ("POST", "pod-1", "stop", True)]
     assert "asked RunPod's API to stop pod pod-1" in out.getvalue()
     assert key not in out.getvalue() and key not in json.dumps(events)
 
 
-def test_stop_pod_refused_stays_instead_of_exiting():
-    with FakeRunPodApi("127.0.0.1", 0, expected_key="right-key-" + "x" * 30) as api:
+@pytest.mark.parametrize("refuse", ["wrong key", "refused key"])
+def test_stop_pod_refused_stays_instead_of_exiting(refuse):
+    right = "right-key-" + "x" * 30
+    with FakeRunPodApi("127.0.0.1", 0, expected_key=right,
+                       refuse_key=refuse == "refused key") as api:
         reporter, out, _ = _reporter()
         signals = Signals()
         _sigterm_soon(signals)
-        settings = _settings(PODAGENT_AFTER_RUN="stop-pod", RUNPOD_API_KEY="wrong-" + "y" * 30,
-                             PODAGENT_RUNPOD_API_URL=api.url)
-        after_run.settle("stop-pod", settings, reporter, signals, "run r1 is over")
-    assert "could not stop pod pod-1 through RunPod's API" in out.getvalue()
-    assert "staying up" in out.getvalue() and "wrong-" not in out.getvalue()
+        key = right if refuse == "refused key" else "wrong-" + "y" * 30
+        settings = _settings(PODAGENT_AFTER_RUN="stop-pod", RUNPOD_API_KEY=key,
+                             RUNPOD_API_URL=api.url)
+        after_run.settle("stop-pod", _pod(settings), reporter, signals, "run r1 is over",
+                         "the run is over")
+    assert "RunPod refused to stop pod pod-1 with the key it gave the pod" in out.getvalue()
+    assert "staying up idle, not exiting" in out.getvalue() and key not in out.getvalue()
+    assert "stop the pod yourself" in out.getvalue()
+
+
+# --- which ends are left to RunPod's restart ---------------------------------------------------
+
+@pytest.mark.parametrize(("end", "in_a_row", "kept", "final"), [
+    (after_run.End(0, over=True, restartable=False), 0, True, "the run is over"),
+    (after_run.End(2, over=False, restartable=False), 0, True, "not mended"),
+    (after_run.End(6, over=False, restartable=True), 1, True, None),
+    (after_run.End(6, over=False, restartable=True), 3, True, "a crash loop: 3 starts"),
+    (after_run.End(8, over=False, restartable=True), 1, False, "no volume keeps"),
+])
+def test_which_ends_are_final(end, in_a_row, kept, final):
+    why = after_run.final(end, in_a_row, kept)
+    assert (why is None) if final is None else (final in why), why
+
+
+def test_the_start_book_counts_quick_restartable_ends_in_a_row(tmp_path):
+    book = after_run.StartBook(tmp_path, "pod-1")
+    quick = after_run.End(6, over=False, restartable=True)
+    assert [book.ended(3.0, quick) for _ in range(3)] == [1, 2, 3]
+    assert after_run.StartBook(tmp_path, "pod-2").ended(3.0, quick) == 1  # its own
+    assert book.ended(3600.0, quick) == 0  # a long start is not a loop
+    assert book.ended(3.0, quick) == 1
+    (tmp_path / after_run.STARTS_FILE).write_text("[not json")
+    assert book.ended(3.0, quick) == 1  # unreadable: counted anew, not a crash
+
+
+def test_only_a_volume_or_a_given_log_dir_is_kept(tmp_path):
+    assert after_run.persistent(tmp_path, given=True)
+    assert not after_run.persistent("podagent-logs", given=False)
+    # /workspace here is no mount point (an image's own directory would be container disk)
+    assert not after_run.persistent("/workspace/podagent/logs", given=False)
