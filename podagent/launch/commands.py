@@ -5,105 +5,126 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from podagent import extras
-from podagent.errors import InputError
+from podagent import config, extras
+from podagent.errors import InputError, PodsNotReady
 from podagent.launch import down as downs
 from podagent.launch import spec as specs
 from podagent.launch import state
 from podagent.launch import view as views
+from podagent.launch.interrupts import Interrupts
 from podagent.launch.spec import UpSpec
 from podagent.launch.up import Up
-from podagent.platform.runpod_api import DEFAULT_V2_URL, Client
+from podagent.platform.runpod_api import BILLING_STATUSES, Client, rfc3339_ns
 
-API_KEY = "RUNPOD_API_KEY"
-API_KEY_FILE = "RUNPOD_API_KEY_FILE"
-API_URL = "RUNPOD_API_URL"
 API_TIMEOUT = 60.0  # one API call, its retries included (`up --api-timeout`)
 
 
 def api_url(environ: Mapping[str, str]) -> str:
-    return environ.get(API_URL, "").strip() or DEFAULT_V2_URL
+    """RUNPOD_API_URL, read and checked as the pods read it (config.FIELDS holds the one
+    definition: name, rule, default)."""
+    field = config.FIELD_BY_ATTR["runpod_api_url"]
+    values, _ = config.read_fields([field], {}, environ)
+    return values.get("runpod_api_url", field.default)
 
 
 def api_key(environ: Mapping[str, str], key_file: str | None) -> str:
     """From RUNPOD_API_KEY, else a file (--api-key-file or RUNPOD_API_KEY_FILE): never from
     the command line, where every user of the machine could read it."""
-    key = environ.get(API_KEY, "").strip()
-    if key:
-        return key
-    path = key_file or environ.get(API_KEY_FILE, "").strip()
-    if not path:
-        raise InputError(f"no RunPod API key: set {API_KEY}, or give --api-key-file FILE "
-                          f"(a key is never taken from the command line)")
-    try:
-        key = Path(path).expanduser().read_text().strip()
-    except OSError as exc:
-        raise InputError(f"--api-key-file {path!r}: cannot be read "
-                          f"({exc.strerror or exc})") from None
+    key = config.runpod_key(environ, key_file)
     if not key:
-        raise InputError(f"--api-key-file {path!r}: is empty (it should hold the key)")
+        raise InputError(f"no RunPod API key: set {config.RUNPOD_API_KEY}, or give "
+                         f"--api-key-file FILE (a key is never taken from the command line)")
     return key
 
 
-class CallCounter:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, method: str, path: str, status: int) -> None:
-        self.count += 1
-
-
 def client(key: str, url: str, say: Callable[[str], None],
-           timeout: float = API_TIMEOUT) -> tuple[Client, CallCounter]:
-    counter = CallCounter()
-    return Client(key, url, timeout=timeout, say=say, on_call=counter), counter
+           timeout: float = API_TIMEOUT) -> Client:
+    return Client(key, url, timeout=timeout, say=say)
 
 
-def up(spec: UpSpec, key: str, explain: Callable[[int], str],
-       stream: TextIO | None = None) -> int:
+def up(spec: UpSpec, key: str, explain: Callable[[int], str], interrupts: Interrupts,
+       stream: TextIO | None = None, follow_only: bool = False) -> int:
     extras.require("up", "podagent up's live view")
     view = views.choose(stream)
-    api, counter = client(key, spec.api_url, lambda line: view.line(f"[up] {line}"),
-                          spec.api_timeout)
+    api = client(key, spec.api_url, lambda line: view.line(f"[up] {line}"), spec.api_timeout)
     try:
-        return Up(spec, api, view, calls=lambda: counter.count, explain=explain).run()
+        return Up(spec, api, view, interrupts, explain=explain, follow_only=follow_only).run()
     finally:
         view.close()
         api.close()
 
 
+def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: float,
+                  timeout: float | None) -> UpSpec:
+    """`podagent up --name RUN` alone: the run's spec from this machine's record, else from
+    its pods at RunPod (their number, their GPU type, a cluster or not)."""
+    record = state.load(state_dir, run)
+    if record is not None and record.spec:
+        try:
+            return UpSpec.from_record(record.spec, api_url=url, api_timeout=api_timeout,
+                                      state_dir=state_dir, timeout=timeout)
+        except TypeError:
+            pass  # a record of an older podagent: from RunPod then
+    api = client(key, url, lambda line: None, api_timeout)
+    try:
+        pods = [p for p in downs.find(api, run, record).pods if p.get("status") != "TERMINATED"]
+    finally:
+        api.close()
+    if not pods:
+        raise PodsNotReady(f"run {run}: nothing of it at RunPod and no record of it here: "
+                           f"`podagent up` needs --image (or --template) and --gpu to start "
+                           f"it")
+    gpu = pods[0].get("gpu") or {}
+    return UpSpec(run=run, gpu_type=str(gpu.get("id") or "?"),
+                  gpus_per_pod=int(gpu.get("count") or 1), pods=len(pods),
+                  image=str(pods[0].get("image") or "") or None,
+                  cluster=any(p.get("cluster") for p in pods), api_url=url,
+                  api_timeout=api_timeout, state_dir=state_dir,
+                  **({"timeout": timeout} if timeout is not None else {}))
+
+
 def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
          timeout: float) -> int:
     """Terminate the run's pods; how many there were."""
-    api, _ = client(key, url, say)
+    api = client(key, url, say)
     try:
         record = state.load(state_dir, run)
         found = downs.find(api, run, record)
         if not found:
             say(f"run {run}: nothing of it at RunPod")
             if record is not None:
-                record.mark(state.DOWN)
+                record.try_mark(state.DOWN)
             return 0
         return downs.terminate(api, run, record, say, timeout=timeout)
     finally:
         api.close()
 
 
+def _billed_so_far(pod: Mapping[str, Any], now: float) -> float:
+    """A pod still billing: its rate times the time since RunPod created it."""
+    created = rfc3339_ns(pod.get("createdAt"))
+    if pod.get("status") not in BILLING_STATUSES or created is None:
+        return 0.0
+    return float(pod.get("cost") or 0.0) * max(0.0, now - created / 1e9) / 3600.0
+
+
 def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
-    """The runs this machine started and every pod at RunPod that `up` created, with what
-    they cost per hour now. Returns how many pods are billing."""
-    api, _ = client(key, url, lambda line: out.write(f"[ls] {line}\n"))
+    """The runs this machine started and every pod at RunPod that `up` created: their state,
+    what they cost per hour now, and what each run has cost (its record's figure once it is
+    over; for pods still billing, their rate since RunPod created them). Returns how many
+    pods are billing."""
+    api = client(key, url, lambda line: out.write(f"[ls] {line}\n"))
+    records = {r.run: r for r in state.all_records(state_dir)}
     try:
         pods = [p for p in api.list_pods(include_cluster_pods=True)
-                if specs.run_of(p) or any(specs.belongs(p, r.run)
-                                          for r in state.all_records(state_dir))]
+                if specs.run_of(p) or any(specs.belongs(p, r) for r in records)]
     finally:
         api.close()
-    records = {r.run: r for r in state.all_records(state_dir)}
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in records}
     for pod in pods:
         run = specs.run_of(pod) or next(r for r in records if specs.belongs(pod, r))
@@ -111,21 +132,31 @@ def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
     if not runs:
         out.write("no runs: `podagent up` starts one\n")
         return 0
+    now = time.time()
     billing = 0
-    rows = [("run / pod", "id", "status", "$/h")]
-    total = 0.0
+    rows = [("run / pod", "id", "status", "$/h", "cost")]
+    total_rate = total_cost = 0.0
     for run, its_pods in sorted(runs.items()):
         record = records.get(run)
         told = record.status if record else "no local record"
-        cost = sum(float(p.get("cost") or 0.0) for p in its_pods)
-        total += cost
-        rows.append((run, "", f"{told}, {len(its_pods)} pod(s)", f"{cost:.2f}"))
+        if record and record.outcome and "code" in record.outcome:
+            told += f" (exit {record.outcome['code']})"
+        rate = sum(float(p.get("cost") or 0.0) for p in its_pods)
+        spent = ((record.cost or {}).get("dollars") if record and record.cost else None)
+        spent = float(spent) if isinstance(spent, (int, float)) else sum(
+            _billed_so_far(p, now) for p in its_pods)
+        total_rate += rate
+        total_cost += spent
+        rows.append((run, "", f"{told}, {len(its_pods)} pod(s)", f"{rate:.2f}",
+                     f"${spent:.2f}"))
         for pod in sorted(its_pods, key=lambda p: str(p.get("name"))):
-            billing += pod.get("status") in ("PROVISIONING", "STARTING", "RUNNING")
+            billing += pod.get("status") in BILLING_STATUSES
             rows.append((f"  {pod.get('name')}", str(pod.get("id")), str(pod.get("status")),
-                         f"{float(pod.get('cost') or 0.0):.2f}"))
-    rows.append(("total", "", f"{billing} pod(s) billing", f"{total:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+                         f"{float(pod.get('cost') or 0.0):.2f}",
+                         f"${_billed_so_far(pod, now):.2f}"))
+    rows.append(("total", "", f"{billing} pod(s) billing", f"{total_rate:.2f}",
+                 f"${total_cost:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         out.write("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
                   + "\n")

@@ -1,7 +1,12 @@
 """Finding a run's pods at RunPod and terminating all of them: by the local record's ids, by
 their names and by their label, so that a pod created just before this machine crashed (its
 id never recorded) is found too. Shared by `podagent down`, `podagent ls` and `up`'s own
-clean-up."""
+clean-up.
+
+Terminating goes in rounds until RunPod lists nothing of the run: a create that was still on
+its way when the first round looked (its answer lost, or a parallel create) is found and
+terminated by a later one.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,11 @@ from podagent.errors import RunPodApiError
 from podagent.launch import spec as names
 from podagent.launch.state import DOWN, RunRecord
 from podagent.platform.runpod_api import BILLING_STATUSES, Client
-from podagent.waiting import Backoff, Expired, retry
+from podagent.waiting import Backoff, Expired, NotYet, retry
 
 GONE_TIMEOUT = 120.0  # terminated pods are gone from RunPod's list within this
-GONE_POLL = 2.0
+GONE_POLL = Backoff(0.5, 2.0)  # a first look soon after the terminate, then every 2 s
+AGAIN_EVERY = 10  # rounds: pods still listed this long after their terminate get another
 
 
 @dataclass(frozen=True)
@@ -38,51 +44,69 @@ def find(client: Client, run: str, record: RunRecord | None) -> Found:
     cluster_ids = set(record.ids("cluster")) if record else set()
     pods = [p for p in client.list_pods(include_cluster_pods=True)
             if p.get("id") in pod_ids or names.belongs(p, run)]
-    cluster_ids |= {str(p["cluster"]["id"]) for p in pods if p.get("cluster")}
+    cluster_ids |= {str(p["cluster"]["id"]) for p in pods
+                    if isinstance(p.get("cluster"), dict) and p["cluster"].get("id")}
     clusters = [c for c in client.list_clusters()
                 if c.get("id") in cluster_ids or c.get("name") == names.cluster_name(run)]
     return Found(pods, clusters)
 
 
-def terminate(client: Client, run: str, record: RunRecord | None,
-              say: Callable[[str], None], timeout: float = GONE_TIMEOUT) -> int:
-    """Terminate every pod and cluster of the run and wait until RunPod lists none of them.
-    Returns how many pods there were. Raises RunPodApiError when some are still there."""
-    found = find(client, run, record)
+def _terminate_found(client: Client, found: Found) -> int:
+    """One round: every cluster deleted, every pod outside them terminated; how many pods."""
     in_cluster = {str(c["id"]) for c in found.clusters}
     for cluster in found.clusters:
         client.delete_cluster(str(cluster["id"]))
-    count = len([p for p in found.pods if p.get("status") != "TERMINATED"])
+    count = 0
     for pod in found.pods:
+        if pod.get("status") == "TERMINATED":
+            continue
+        count += 1
         member = pod.get("cluster")
-        if member and str(member.get("id")) in in_cluster:
-            continue  # went with its cluster (RunPod refuses a member's own delete)
-        if pod.get("status") != "TERMINATED":
-            client.terminate_pod(str(pod["id"]))
-    if count or found.clusters:
-        say(f"terminating {count} pod(s) of run {run}"
-            + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
+        if isinstance(member, dict) and str(member.get("id")) in in_cluster:
+            continue  # goes with its cluster (RunPod refuses a member's own delete)
+        client.terminate_pod(str(pod["id"]))
+    return count
+
+
+def terminate(client: Client, run: str, record: RunRecord | None,
+              say: Callable[[str], None], timeout: float = GONE_TIMEOUT) -> int:
+    """Terminate every pod and cluster of the run, in rounds, until RunPod lists none of them.
+    Returns how many pods there were. Raises RunPodApiError when some are still there."""
     started = time.monotonic()
-    left = _wait_gone(client, run, record, timeout)
-    if left:
+    seen: set[str] = set()
+    first = True
+    rounds = 0
+
+    def round_() -> Found:
+        nonlocal first, rounds
+        rounds += 1
+        found = find(client, run, record)
+        new = {str(p["id"]) for p in found.pods if p.get("status") != "TERMINATED"} - seen
+        # Again now and then for what is still listed: a terminate RunPod lost is sent anew.
+        if found and (first or new or rounds % AGAIN_EVERY == 0):
+            count = _terminate_found(client, found)
+            seen.update(new)
+            if first and (count or found.clusters):
+                say(f"terminating {count} pod(s) of run {run}"
+                    + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
+            first = False
+            raise NotYet("terminated; not gone yet")
+        return found
+
+    try:
+        retry(round_, awaited=f"run {run}'s pods to be gone", backoff=GONE_POLL,
+              deadline=timeout, until=lambda left: not left)
+    except Expired as exc:
+        left = exc.last if isinstance(exc.last, Found) else find(client, run, record)
         listed = ", ".join(f"{p.get('name')} ({p.get('id')}: {p.get('status')})"
                            for p in left.pods) or ", ".join(str(c.get("name"))
                                                             for c in left.clusters)
         raise RunPodApiError(f"run {run}: still at RunPod {timeout:g} s after termination: "
-                             f"{listed}; run `podagent down {run}` again")
-    if count:
-        say(f"terminated {count} pod(s) of run {run} in {time.monotonic() - started:.1f} s: "
-            f"nothing of it is billing")
+                             f"{listed or 'unknown'}; run `podagent down {run}` again"
+                             ) from None
+    if seen:
+        say(f"terminated {len(seen)} pod(s) of run {run} in "
+            f"{time.monotonic() - started:.1f} s: nothing of it is billing")
     if record is not None:
-        record.mark(DOWN)
-    return count
-
-
-def _wait_gone(client: Client, run: str, record: RunRecord | None, timeout: float) -> Found:
-    """What of the run RunPod still lists once it lists nothing, or when `timeout` ran out."""
-    try:
-        return retry(lambda: find(client, run, record), awaited=f"run {run}'s pods to be gone",
-                     backoff=Backoff.every(GONE_POLL), deadline=timeout,
-                     until=lambda left: not left)
-    except Expired as exc:
-        return exc.last
+        record.try_mark(DOWN)
+    return len(seen)

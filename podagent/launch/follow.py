@@ -1,25 +1,37 @@
 """Following the head pod from afar: its container log through RunPod's log stream (Server-Sent
 Events), each line one of podagent's JSON records (the head runs with PODAGENT_LOG_FORMAT=json:
-messages, events and the job's own lines), handed on as HeadRecords."""
+messages, events and the job's own lines), handed on as HeadRecords.
+
+The stream is never trusted to stay up: it is opened again whenever it ends, drops or fails,
+resuming where it was (runpod_api.LogCursor: no line twice, none lost, whatever RunPod does
+with a repeated timestamp), with a growing pause while it keeps failing. A stream broken for
+BROKEN_SAY seconds is reported once ("broken"), and again when it is back ("restored"): `up`
+keeps judging the pods' statuses meanwhile, so a head that is gone is noticed all the same.
+"""
 
 from __future__ import annotations
 
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from podagent.errors import RunPodApiError, RunPodAuthError
-from podagent.platform.runpod_api import Client
+from podagent.errors import RunPodAuthError
+from podagent.platform.runpod_api import Client, LogCursor
+from podagent.waiting import Backoff
 
-RECONNECT_PAUSE = 1.0  # seconds between a stream that ended and the next (it resumes by id)
+RECONNECT_PAUSE = 1.0  # seconds between a stream that ended and the next (it resumes)
+BROKEN_BACKOFF = Backoff(1.0, 8.0)  # between tries while the stream keeps failing
+BROKEN_SAY = 5.0  # a stream failing this long is reported (a moment's failure is not)
 IDLE = 30.0  # a stream silent this long is opened again (a proxy may have dropped it)
 
 
 @dataclass(frozen=True)
 class HeadRecord:
-    kind: str  # "event", "job" (a line of the job's output), "message", "text", "lost"
+    kind: str  # "event", "job" (the job's output), "message", "text", "lost", "broken",
+    # "restored"
     data: dict[str, Any]
 
     @property
@@ -46,13 +58,13 @@ def parse(line: str) -> HeadRecord:
 
 
 class HeadLog:
-    """A thread that streams pod `pod_id`'s container log into `records`, resuming after the
-    last event it saw whenever the stream ends, until stop(). A refused key ends it with a
-    'lost' record naming why."""
+    """A thread that streams pod `pod_id`'s container log into `records` until stop(). A
+    refused key ends it with a 'lost' record naming why; anything else is tried again."""
 
     def __init__(self, client: Client, pod_id: str, records: queue.Queue[HeadRecord]):
         self.client, self.pod_id, self.records = client, pod_id, records
-        self.last_id: str | None = None
+        self.cursor = LogCursor()
+        self.connections = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"log-{pod_id}", daemon=True)
 
@@ -63,19 +75,43 @@ class HeadLog:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
+        failures = 0
+        broken_since: float | None = None
+        said = False
+
+        def opened() -> None:
+            nonlocal failures, broken_since, said
+            failures, broken_since = 0, None
+            if said:
+                said = False
+                self.records.put(HeadRecord("restored", {}))
+
         while not self._stop.is_set():
+            why = None
             try:
-                for event_id, payload in self.client.stream_logs(self.pod_id, self.last_id,
-                                                                 idle=IDLE):
-                    self.last_id = event_id or self.last_id
-                    if payload.get("source", "container") == "container":
-                        self.records.put(parse(str(payload.get("line", ""))))
+                self.connections += 1
+                for payload in self.client.stream_logs(self.pod_id, self.cursor, idle=IDLE,
+                                                       opened=opened):
+                    self.records.put(parse(str(payload.get("line", ""))))
                     if self._stop.is_set():
                         return
             except RunPodAuthError as exc:
                 self.records.put(HeadRecord("lost", {"why": str(exc)}))
                 return
-            except RunPodApiError:
-                pass  # no answer, or the pod is not there (yet): the caller watches the pods
-            self._stop.wait(RECONNECT_PAUSE)
+            except Exception as exc:  # an API error, a dropped stream, a reading bug: again
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if why is None:
+                self._stop.wait(RECONNECT_PAUSE)
+                continue
+            failures += 1
+            now = time.monotonic()
+            broken_since = broken_since or now
+            if not said and now - broken_since >= BROKEN_SAY:
+                said = True
+                self.records.put(HeadRecord("broken", {"why": why}))
+            self._stop.wait(BROKEN_BACKOFF.pause(failures))

@@ -8,6 +8,7 @@ a run's pods are found again from RunPod's own list even when the local state is
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -22,7 +23,7 @@ from podagent.choices import AfterRun
 from podagent.errors import ConfigError, InputError
 
 PREFIX = "podagent"
-LABEL = "PODAGENT_UP_RUN"  # the env label every pod of a run carries
+LABEL = config.UP_RUN_LABEL  # the env label every pod of a run carries
 HEAD_NAME, WORKER_NAME = "head", "w"
 VOLUME_PATH = "/workspace"  # where RunPod mounts the volume: podagent's logs and checkpoints
 CLOUDS = ("SECURE", "COMMUNITY")
@@ -39,7 +40,11 @@ _IMAGE = re.compile(
     r"(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?")
 # What podagent on the pods is told by `up` itself: a user's -e may not set these.
 OWN_VARIABLES = ("PODAGENT_RUN_NAME", "EXPECTED_WORKERS", "PODAGENT_JOB", "HEAD_POD_ID",
-                 "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", LABEL)
+                 "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", LABEL,
+                 config.RUNPOD_API_URL)
+# The one variable a run's pods may be given an account key in (--secret NAME=SECRET only):
+# the head then terminates every pod of the run at its end.
+ACCOUNT_KEY = config.RUNPOD_ACCOUNT_KEY
 
 
 def pod_name(run: str, rank: int) -> str:
@@ -86,6 +91,8 @@ class UpSpec:
     env: tuple[tuple[str, str], ...] = ()
     job: tuple[str, ...] = ()
     keep: bool = False
+    detach: bool = False  # leave once the pods run: they stop themselves at the run's end
+    registry_auth: str | None = None  # a registry credential's id or name (a private image)
     timeout: float = 900.0  # every pod RUNNING within this
     api_url: str = ""
     api_timeout: float = 60.0  # one API call, its retries included
@@ -102,6 +109,36 @@ class UpSpec:
         how = "an Instant Cluster" if self.cluster else "Global Networking pods"
         return f"{self.pods} x {self.gpus_per_pod} {self.gpu_type} ({how})"
 
+    def to_record(self) -> dict[str, Any]:
+        """What the run's local record keeps of the spec, so that `podagent up --name RUN`
+        alone re-attaches to it (no secret: secrets are RunPod references)."""
+        kept = {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("state_dir", "api_url", "api_timeout", "detach")}
+        kept["env"] = [list(pair) for pair in self.env]
+        return kept
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any], *, api_url: str, api_timeout: float,
+                    state_dir: Path, timeout: float | None = None) -> UpSpec:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in data.items() if k in fields}
+        given.update(env=tuple(tuple(pair) for pair in given.get("env", ())),
+                     job=tuple(given.get("job", ())),
+                     data_centers=tuple(given.get("data_centers", ())),
+                     api_url=api_url, api_timeout=api_timeout, state_dir=state_dir)
+        if timeout is not None:
+            given["timeout"] = timeout
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What CHECKING resolved against RunPod's catalogs: the GPU type's catalog id, the data
+    centers to allow, and the registry credential's id (a private image)."""
+    gpu_id: str
+    data_centers: tuple[str, ...] = ()
+    registry: str | None = None
+
 
 def _fail(name: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(name, value, rule)
@@ -116,7 +153,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           volume_gb: int | None, network_volume: str | None, disk_gb: int | None,
           env: tuple[str, ...], secrets: tuple[str, ...], job: tuple[str, ...], keep: bool,
           timeout: float, api_url: str, state_dir: Path | None,
-          api_timeout: float = 60.0) -> UpSpec:
+          api_timeout: float = 60.0, detach: bool = False,
+          registry_auth: str | None = None) -> UpSpec:
     """The spec from the command line, or one line naming what is wrong (ConfigError)."""
     run = run or default_run_name()
     try:
@@ -147,6 +185,22 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                                             "create takes an image, not a template")
     if cloud.upper() not in CLOUDS:
         raise _fail("--cloud", cloud, f"must be one of {', '.join(CLOUDS)}")
+    if cloud.upper() != "SECURE":
+        # RunPod's document (CreatePodRequest.globalNetworking) and runpodctl's page: Global
+        # Networking is Secure Cloud only; an Instant Cluster is Secure Cloud too.
+        raise _fail("--cloud", cloud, "cannot be used: a run's pods reach each other over "
+                                      "RunPod's Global Networking or an Instant Cluster, both "
+                                      "Secure Cloud only (--cloud SECURE)")
+    if registry_auth is not None and not registry_auth.strip():
+        raise _fail("--registry-auth", registry_auth, "must name a registry credential (its "
+                                                      "id or name at RunPod)")
+    if registry_auth and cluster:
+        raise InputError("--registry-auth cannot be used with --cluster: RunPod's cluster "
+                         "create takes no registry credential (private images are not yet "
+                         "supported for clusters); use pods (no --cluster), or a public image")
+    if detach and keep:
+        raise InputError("give at most one of --detach and --keep (a detached run's pods stop "
+                         "themselves at its end; --keep leaves them running)")
     if volume_gb is not None and volume_gb < 10:
         raise _fail("--volume", volume_gb, "must be at least 10 (GB; RunPod's floor)")
     if volume_gb is not None and network_volume:
@@ -167,8 +221,9 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                   image=image, template=template, cluster=cluster, cloud=cloud.upper(),
                   data_centers=tuple(d.strip() for d in data_centers if d.strip()),
                   volume_gb=volume_gb, network_volume=network_volume or None, disk_gb=disk_gb,
-                  env=_environment(env, secrets), job=tuple(job), keep=keep, timeout=timeout,
-                  api_url=api_url.rstrip("/"), api_timeout=api_timeout,
+                  env=_environment(env, secrets), job=tuple(job), keep=keep, detach=detach,
+                  registry_auth=registry_auth.strip() if registry_auth else None,
+                  timeout=timeout, api_url=api_url.rstrip("/"), api_timeout=api_timeout,
                   state_dir=state_dir or default_state_dir(os.environ))
 
 
@@ -221,7 +276,48 @@ def check_gpu(spec: UpSpec, catalog: list[Mapping[str, Any]]) -> Mapping[str, An
     if isinstance(most, int) and spec.gpus_per_pod > most:
         raise _fail("--gpus", spec.gpus_per_pod,
                     f"is more than a {gpu['id']} pod has in the {spec.cloud} cloud ({most})")
+    if not spec.cluster and gpu.get("manufacturer") not in (None, "NVIDIA"):
+        raise _fail("--gpu", spec.gpu_type, f"is a {gpu.get('manufacturer')} GPU: RunPod's "
+                                            f"Global Networking needs an NVIDIA GPU (use "
+                                            f"--cluster, or an NVIDIA type)")
     return gpu
+
+
+def check_data_centers(spec: UpSpec, catalog: list[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The data centers to allow: those asked for, each known to RunPod's catalog (and, for
+    Global Networking pods, one that supports it); none asked for, every one that supports
+    Global Networking (RunPod places the pods only there), or any for a cluster."""
+    known = {str(dc.get("id")): dc for dc in catalog}
+    for asked in spec.data_centers:
+        if asked not in known:
+            raise _fail("--data-center", asked, f"is not a RunPod data center (the catalog "
+                                                f"has {', '.join(sorted(known)) or 'none'})")
+    if spec.cluster:
+        return spec.data_centers
+    networked = sorted(i for i, dc in known.items() if dc.get("globalNetwork") is True)
+    for asked in spec.data_centers:
+        if asked not in networked:
+            raise _fail("--data-center", asked,
+                        f"does not support Global Networking, which a run's pods need to "
+                        f"reach each other (those that do: {', '.join(networked) or 'none'}; "
+                        f"or use --cluster)")
+    if not networked:
+        raise InputError("no RunPod data center supports Global Networking now (RunPod's "
+                         "catalog): use --cluster")
+    return spec.data_centers or tuple(networked)
+
+
+def check_registry(spec: UpSpec, registries: list[Mapping[str, Any]]) -> str | None:
+    """The registry credential's id, given its id or its name."""
+    if not spec.registry_auth:
+        return None
+    for entry in registries:
+        if spec.registry_auth in (entry.get("id"), entry.get("name")):
+            return str(entry["id"])
+    names = ", ".join(f"{r.get('name')} ({r.get('id')})" for r in registries) or "none"
+    raise _fail("--registry-auth", spec.registry_auth,
+                f"is not a registry credential of this RunPod account (it has: {names}; "
+                f"create one under Settings, Container Registry Auth)")
 
 
 def price_per_hour(spec: UpSpec, gpu: Mapping[str, Any]) -> float | None:
@@ -236,10 +332,13 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
     """The environment podagent on a pod gets from `up`: the user's, then the run's own.
     rank None: every pod of a cluster (the same env; NODE_RANK picks the head)."""
     env = dict(spec.env)
+    if spec.api_url and spec.api_url != config.FIELD_BY_ATTR["runpod_api_url"].default:
+        env[config.RUNPOD_API_URL] = spec.api_url  # a pod stops itself where `up` creates
     env.update({"PODAGENT_RUN_NAME": spec.run, LABEL: spec.run,
-                # A finished run stays up until `up` has read its outcome and terminates it
-                # (RunPod would restart an exited container and run it again).
-                "PODAGENT_AFTER_RUN": AfterRun.STAY.value})
+                # Once the run is over each pod stops itself, which ends its GPU billing
+                # whether or not `up` is still there to terminate it (a closed laptop).
+                # --keep: they stay up, idle (RunPod would start an exited container again).
+                "PODAGENT_AFTER_RUN": (AfterRun.STAY if spec.keep else AfterRun.STOP_POD).value})
     if rank in (0, None):
         env.update({"EXPECTED_WORKERS": str(spec.workers),
                     # One JSON record per line: `up` reads the head's events and the job's
@@ -249,10 +348,11 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
             env["PODAGENT_JOB"] = shlex.join(spec.job)
     if rank not in (0, None):
         env.update({"RAY_WORKER": "1", "HEAD_POD_ID": str(head_id)})
+        env.pop(ACCOUNT_KEY, None)  # the head alone terminates the run's pods
     return env
 
 
-def _container(spec: UpSpec) -> dict[str, Any]:
+def _container(spec: UpSpec, placement: Placement) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if spec.image:
         body["image"] = spec.image
@@ -262,25 +362,33 @@ def _container(spec: UpSpec) -> dict[str, Any]:
         body["mounts"] = {"persistent": {"size": spec.volume_gb, "path": VOLUME_PATH}}
     elif spec.network_volume:
         body["mounts"] = {"network": [{"volumeId": spec.network_volume, "path": VOLUME_PATH}]}
-    if spec.data_centers:
-        body["dataCenterIds"] = list(spec.data_centers)
+    if placement.data_centers:
+        body["dataCenterIds"] = list(placement.data_centers)
     return body
 
 
-def pod_body(spec: UpSpec, rank: int, head_id: str | None = None) -> dict[str, Any]:
-    """POST /v2/pods (CreatePodRequest) for the head (rank 0) or worker `rank`."""
-    body = {"name": pod_name(spec.run, rank), **_container(spec),
-            "gpu": {"id": spec.gpu_type, "count": spec.gpus_per_pod}, "cloud": spec.cloud,
+def pod_body(spec: UpSpec, rank: int, head_id: str | None = None,
+             placement: Placement | None = None) -> dict[str, Any]:
+    """POST /v2/pods (CreatePodRequest) for the head (rank 0) or worker `rank`: the GPU by its
+    catalog id, Global Networking in the data centers that support it, the registry
+    credential of a private image."""
+    placement = placement or Placement(spec.gpu_type, spec.data_centers)
+    body = {"name": pod_name(spec.run, rank), **_container(spec, placement),
+            "gpu": {"id": placement.gpu_id, "count": spec.gpus_per_pod}, "cloud": spec.cloud,
             "globalNetworking": True, "env": pod_env(spec, rank, head_id)}
+    if placement.registry:
+        body["registry"] = placement.registry
     if spec.template:
         body["templateId"] = spec.template
     return body
 
 
-def cluster_body(spec: UpSpec) -> dict[str, Any]:
+def cluster_body(spec: UpSpec, placement: Placement | None = None) -> dict[str, Any]:
     """POST /v2/clusters (CreateClusterRequest). TRAINING: podagent brings Ray up itself (a RAY
-    cluster's own Ray would be refused by podagent on the pods)."""
+    cluster's own Ray would be refused by podagent on the pods). No registry: RunPod takes
+    none for clusters."""
+    placement = placement or Placement(spec.gpu_type, spec.data_centers)
     return {"name": cluster_name(spec.run), "type": "TRAINING",
-            "compute": {"gpuTypeId": spec.gpu_type, "gpuCountPerPod": spec.gpus_per_pod,
+            "compute": {"gpuTypeId": placement.gpu_id, "gpuCountPerPod": spec.gpus_per_pod,
                         "podCount": spec.pods},
-            **_container(spec), "env": pod_env(spec, None)}
+            **_container(spec, placement), "env": pod_env(spec, None)}

@@ -20,8 +20,9 @@ from typing import Any
 
 from podagent.errors import ConfigError, InputError
 
-# A run's life as the record tells it.
-CREATING, RUNNING, FINISHED, DOWN = "creating", "running", "finished", "down"
+# A run's life as the record tells it (DETACHED: `up --detach` left it running on its own).
+CREATING, RUNNING, DETACHED, FINISHED, DOWN = ("creating", "running", "detached", "finished",
+                                               "down")
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RunRecord:
     created_at: float = field(default_factory=time.time)
     resources: list[Resource] = field(default_factory=list)
     outcome: dict[str, Any] | None = None
+    spec: dict[str, Any] | None = None  # UpSpec.to_record(): `up --name RUN` re-attaches
+    cost: dict[str, Any] | None = None  # pod-hours and dollars so far (RunPod's rates)
     path: Path | None = None
 
     # --- what was asked -------------------------------------------------------------------
@@ -73,6 +76,22 @@ class RunRecord:
         if outcome:
             self.outcome = outcome
         self.save()
+
+    def try_mark(self, status: str, **outcome: Any) -> bool:
+        """mark(), where a record that cannot be written (a full disk) must not stop what is
+        under way (terminating pods, say): False then."""
+        try:
+            self.mark(status, **outcome)
+        except OSError:
+            return False
+        return True
+
+    def try_save(self) -> bool:
+        try:
+            self.save()
+        except OSError:
+            return False
+        return True
 
     # --- the file -------------------------------------------------------------------------
 
@@ -117,13 +136,27 @@ def load(state_dir: Path, run: str) -> RunRecord | None:
     except (OSError, ValueError) as exc:
         raise InputError(f"the record of run {run} ({path}) cannot be read ({exc}): "
                           f"`podagent down {run}` still finds its pods by name") from None
-    resources = [Resource(**r) for r in data.pop("resources", [])]
-    known = {k: v for k, v in data.items() if k in RunRecord.__dataclass_fields__}
-    return RunRecord(**known, resources=resources, path=path)
+    try:
+        resources = [Resource(**{k: v for k, v in r.items()
+                                 if k in Resource.__dataclass_fields__ and k != "kind"},
+                              kind=str(r["kind"]))
+                     for r in data.pop("resources", [])]
+        known = {k: v for k, v in data.items()
+                 if k in RunRecord.__dataclass_fields__ and k not in ("path", "resources")}
+        record = RunRecord(**known, resources=resources, path=path)
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise InputError(f"the record of run {run} ({path}) is not one podagent wrote "
+                         f"({type(exc).__name__}: {exc}): `podagent down {run}` still finds "
+                         f"its pods by name") from None
+    if not isinstance(record.run, str) or not isinstance(record.status, str):
+        raise InputError(f"the record of run {run} ({path}) is not one podagent wrote")
+    return record
 
 
-def new(state_dir: Path, run: str, api_url: str, shape: str) -> RunRecord:
-    record = RunRecord(run=run, api_url=api_url, shape=shape, path=path_of(state_dir, run))
+def new(state_dir: Path, run: str, api_url: str, shape: str,
+        spec: dict[str, Any] | None = None) -> RunRecord:
+    record = RunRecord(run=run, api_url=api_url, shape=shape, spec=spec,
+                       path=path_of(state_dir, run))
     record.save()
     return record
 

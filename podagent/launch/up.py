@@ -1,16 +1,20 @@
 """`podagent up`: from the user's machine to a finished multi-node run, and nothing left billing.
 
 A state machine (Phase) with its policy apart (`judge`, a pure function of what RunPod and the
-head said): CHECKING (the key, the GPU type against RunPod's catalog, what of the run exists
-already) → CREATING (the head first, then the workers with its id; or one cluster; each
-create recorded before it goes out) → STARTING (every pod RUNNING, within --timeout) →
-FORMING (the head's Ray up, the workers joining: the head's own events) → RUNNING (the job's
-output) → FINISHED (the head's exit event: its code is ours) → CLEANING (every pod terminated
-and gone from RunPod's list, unless --keep).
+head said): CHECKING (the key, the GPU type, data centers and registry credential against
+RunPod's catalogs, what of the run exists already) → CREATING (the head first, then the
+workers with its id, several at once; or one cluster; each create recorded before it goes
+out) → STARTING (every pod RUNNING, within --timeout) → FORMING (the head's Ray up, the
+workers joining: the head's own events) → RUNNING (the job's output) → FINISHED (the head's
+word that the run is over: its code is ours) → CLEANING (every pod terminated and gone from
+RunPod's list, unless --keep). With --detach, `up` leaves once the pods run: each pod stops
+itself when the run is over.
 
-Whatever ends it early (an error, a pod in ERROR, Ctrl-C or SIGTERM) terminates what was
-created; a second Ctrl-C leaves the pods and says how to clean up. Running it again with the
-same --name re-attaches to the run's pods instead of creating more.
+Money first: once anything may have been created, every way out (an error, a bug, Ctrl-C or
+SIGTERM at any moment, the clean-up included) terminates the pods and waits until RunPod lists
+none; only a second interrupt leaves them, saying `podagent down RUN`. A pod that ran and is
+stopped, fails or is terminated at RunPod ends the run. Running it again with the same --name
+re-attaches to the run's pods instead of creating more.
 """
 
 from __future__ import annotations
@@ -18,24 +22,20 @@ from __future__ import annotations
 import contextlib
 import enum
 import queue
-import signal
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from podagent.errors import (
-    ConfigError,
-    Interrupted,
-    NoCapacity,
-    PodagentError,
-    PodsNotReady,
-)
+from podagent.errors import Interrupted, PodGone, PodsNotReady
 from podagent.launch import down, state
 from podagent.launch import spec as specs
+from podagent.launch.create import Checked, Creator, check
 from podagent.launch.follow import HeadLog, HeadRecord
+from podagent.launch.interrupts import Interrupts, Leave, signum_of
 from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, LiveView, PlainView
+from podagent.launch.watch import CostMeter, Watch
 from podagent.platform.runpod_api import Client
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
@@ -43,6 +43,11 @@ RECORD_WAIT = 0.25  # the loop's wait for the head's next record
 # A head whose container keeps being started again is a crash loop, billing for nothing.
 # (A run resumed after a lost node or a restarted head starts it a few times at most.)
 MAX_HEAD_STARTS = 5
+# A pod that ran and is now EXITED was stopped outside the run once this long has passed
+# without the head's word that the run is over (its log lags a little behind); CLOSING_GRACE
+# while the head is closing the run: its workers stop themselves before it has said so.
+GONE_GRACE = 10.0
+CLOSING_GRACE = 90.0
 
 
 class Phase(str, enum.Enum):
@@ -52,6 +57,7 @@ class Phase(str, enum.Enum):
     FORMING = "forming the cluster"
     RUNNING = "running the job"
     FINISHED = "finished"
+    DETACHED = "detached"
     CLEANING = "terminating pods"
 
 
@@ -65,28 +71,45 @@ _HEAD_PHASES = {"waiting_workers": Phase.FORMING, "starting_reward": Phase.FORMI
 class Verdict:
     action: str  # "wait", "fail" or "done"
     why: str = ""
+    gone: bool = False  # a pod that ran was stopped, failed or terminated at RunPod
 
 
 def judge(statuses: Mapping[str, str | None], started: float, now: float, timeout: float,
           head_exit: int | None, shape: str, head_starts: int = 1,
-          ran: Collection[str] = ()) -> Verdict:
+          ran: Collection[str] = (), exited_since: Mapping[str, float] | None = None,
+          grace: float = GONE_GRACE, cluster: bool = False) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
-    code once its run is over for good, how often the head's podagent has started, and which
-    pods have been RUNNING (one restarting later is not one that never started)."""
+    code once its run is over for good, how often the head's podagent has started, which pods
+    have been RUNNING (one restarting later is not one that never started) and since when each
+    EXITED pod has been so."""
     if head_exit is not None:
         return Verdict("done")
     if head_starts > MAX_HEAD_STARTS:
         return Verdict("fail", f"the head's podagent has started {head_starts} times without "
                                f"finishing the run (its container keeps exiting: a crash "
                                f"loop); its log above says why")
+    exited_since = exited_since or {}
     for name, status in statuses.items():
+        if status == "ERROR" and name in ran:
+            return Verdict("fail", f"pod {name} failed at RunPod (ERROR) while the run went "
+                                   f"on (its system log at RunPod says why)", gone=True)
         if status == "ERROR":
-            return Verdict("fail", f"pod {name} is in ERROR at RunPod (its system log at "
-                                   f"RunPod says why: an image that cannot be pulled, a host "
-                                   f"fault)")
+            cause = ("an image RunPod could not pull: an Instant Cluster takes no registry "
+                     "credential, so a private image fails there (use pods without --cluster "
+                     "and --registry-auth, or a public image)" if cluster else
+                     "an image that cannot be pulled (a private one needs --registry-auth), "
+                     "or a host fault")
+            return Verdict("fail", f"pod {name} is in ERROR at RunPod before it ran: likely "
+                                   f"{cause}; its system log at RunPod says more")
         if status in (None, "TERMINATED"):
-            return Verdict("fail", f"pod {name} was terminated outside this run")
-    waiting = {n: s for n, s in statuses.items() if s != "RUNNING" and n not in ran}
+            return Verdict("fail", f"pod {name} was terminated outside this run",
+                           gone=name in ran)
+        if status == "EXITED" and now - exited_since.get(name, now) >= grace:
+            return Verdict("fail", f"pod {name} was stopped at RunPod (EXITED) while the run "
+                                   f"went on, {now - exited_since[name]:.0f} s without the "
+                                   f"head saying the run was over", gone=True)
+    waiting = {n: s for n, s in statuses.items()
+               if s not in ("RUNNING", "EXITED") and n not in ran}
     if waiting and now - started > timeout:
         listed = ", ".join(f"{n} {s}" for n, s in sorted(waiting.items()))
         return Verdict("fail", f"{len(waiting)} of {len(statuses)} pod(s) not RUNNING after "
@@ -97,24 +120,36 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
 
 class Up:
     def __init__(self, spec: UpSpec, client: Client, view: PlainView | LiveView,
-                 calls: Callable[[], int] = lambda: 0,
-                 explain: Callable[[int], str] = lambda code: f"exit {code}"):
+                 interrupts: Interrupts | None = None,
+                 explain: Callable[[int], str] = lambda code: f"exit {code}",
+                 follow_only: bool = False):
         self.spec, self.client, self.view = spec, client, view
-        self.calls = calls  # how many API calls so far (the summary says it)
+        self.interrupts = interrupts or Interrupts()
         self.explain = explain  # an exit code's meaning (the CLI's table)
+        self.follow_only = follow_only  # `up --name RUN` alone: never create anything
         self.board = Board(spec.run, spec.shape(), expected=spec.workers)
-        self.record: state.RunRecord | None = None
+        self.checked: Checked | None = None
+        self.creator: Creator | None = None
+        self.watch: Watch | None = None
         self.records: queue.Queue[HeadRecord] = queue.Queue()
         self.head_log: HeadLog | None = None
-        self.head_id: str | None = None
-        self.cluster_id: str | None = None
-        self.pod_ids: dict[str, str] = {}  # name -> id
         self.ran: set[str] = set()  # pods seen RUNNING at least once
+        self.exited_since: dict[str, float] = {}
+        self.detached = False
+        self.left = False  # a second interrupt: the pods were left as they are
         self.started = time.monotonic()
         self.head = HeadProgress(spec.run, self.board, view, self.say, self._phase,
                                  self._head_name, self.started)
 
-    # --- output ---------------------------------------------------------------------------
+    @property
+    def created(self) -> bool:
+        """Something of the run may exist at RunPod: the end terminates it."""
+        return bool(self.checked and self.checked.exists) or bool(
+            self.creator and self.creator.created)
+
+    @property
+    def record(self) -> state.RunRecord | None:
+        return self.checked.record if self.checked else None
 
     def say(self, text: str) -> None:
         self.view.line(f"[up] {text}")
@@ -126,225 +161,192 @@ class Up:
     # --- the machine ----------------------------------------------------------------------
 
     def run(self) -> int:
-        created = False
+        """The run's exit code; raises what ended it otherwise, once what was created is gone
+        (or left, after a second interrupt)."""
+        failure: BaseException | None = None
+        code: int | None = None
         try:
-            self._phase(Phase.CHECKING)
-            gpu = self._check()
+            code = self._drive()
+        except BaseException as exc:  # whatever it is, a bug included: the pods go first
+            failure = exc
+        if self.created and not self._leaves_pods(failure):
+            self._clean_up(failure)
+        return self._outcome(failure, code)
+
+    def _drive(self) -> int | None:
+        spec = self.spec
+        self._phase(Phase.CHECKING)
+        self.checked = check(spec, self.client, self.follow_only, self.say)
+        if not self.follow_only:
             self._phase(Phase.CREATING)
-            created = True
-            self._create(gpu)
-            self._phase(Phase.STARTING)
-            code = self._follow()
-        except KeyboardInterrupt as exc:
-            signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
-            self._interrupted(int(signum), created)
-            raise Interrupted(int(signum)) from None
-        except ConfigError:
-            raise  # nothing was created: a bad input is found before the first create
-        except PodagentError:
-            if created:
-                self._clean_up()
-            raise
-        self._phase(Phase.FINISHED)
-        self._finish(code)
+            self.creator = Creator(spec, self.client, self.checked, self.board, self.view)
+            self.creator.create()
+        self.watch = Watch(spec, self.client, self.board, self.view, self.say,
+                           self.checked.pod_ids, self.checked.cluster_id)
+        self._phase(Phase.STARTING)
+        code = self._follow(self.watch)
+        self._phase(Phase.DETACHED if self.detached else Phase.FINISHED)
         return code
 
-    def _check(self) -> Mapping[str, Any]:
-        gpu = specs.check_gpu(self.spec, self.client.gpu_types())
-        self.record = state.load(self.spec.state_dir, self.spec.run)
-        found = down.find(self.client, self.spec.run, self.record)
-        alive = [p for p in found.pods if p.get("status") != "TERMINATED"]
-        if self.record is None or (self.record.status == state.DOWN and not found):
-            self.record = state.new(self.spec.state_dir, self.spec.run, self.spec.api_url,
-                                    self.spec.shape())
-        if alive or found.clusters:
-            self.say(f"run {self.spec.run} exists at RunPod ({len(alive)} pod(s)): "
-                     f"re-attaching to it, creating only what is missing")
-        for pod in alive:
-            self.pod_ids[str(pod["name"])] = str(pod["id"])
-        if found.clusters:
-            self.cluster_id = str(found.clusters[0]["id"])
-        price = specs.price_per_hour(self.spec, gpu)
-        priced = f" at about ${price:.2f}/h (RunPod's list price)" if price is not None else ""
-        self.say(f"run {self.spec.run}: {self.spec.shape()}{priced}; state in "
-                 f"{state.path_of(self.spec.state_dir, self.spec.run)}")
-        return gpu
+    def _leaves_pods(self, failure: BaseException | None) -> bool:
+        """Whether this end leaves the pods as they are (and says so)."""
+        run = self.spec.run
+        if isinstance(failure, Leave):
+            self.left = True
+            self.say(f"left the pods of run {run} as they are; they bill until `podagent "
+                     f"down {run}` terminates them")
+            return True
+        if failure is None and self.detached:
+            self._say_detached()
+            return True
+        if self.spec.keep and (failure is None or isinstance(failure, KeyboardInterrupt)):
+            why = (f"{self.interrupts.name}: leaving run {run} running" if failure else
+                   "the pods stay up idle (and bill)")
+            self.say(f"--keep: {why}: `podagent up --name {run}` re-attaches, `podagent down "
+                     f"{run}` terminates them")
+            return True
+        return False
 
-    def _create(self, gpu: Mapping[str, Any]) -> None:
-        assert self.record is not None
-        try:
-            if self.spec.cluster:
-                self._create_cluster()
-            else:
-                self._create_pods()
-        except NoCapacity as exc:
-            where = ", ".join(self.spec.data_centers) or "any data center"
-            raise NoCapacity(f"RunPod could not place {self.spec.gpus_per_pod} x "
-                             f"{gpu.get('id')} ({self.spec.cloud} cloud) in {where}: {exc}"
-                             ) from None
-        self.record.mark(state.RUNNING)
-
-    def _create_pods(self) -> None:
-        assert self.record is not None
-        head_name = specs.pod_name(self.spec.run, 0)
-        if head_name not in self.pod_ids and len(self.pod_ids) > 0:
-            raise PodsNotReady(f"run {self.spec.run} has workers at RunPod but no head (it "
-                               f"was terminated): they are terminated too; up again starts "
-                               f"the run afresh")
-        for rank, name in enumerate(self.spec.names()):
-            row = self.board.row(name)
-            if name not in self.pod_ids:
-                asked = self.record.asking("pod", name, rank)
-                self.view.update(self.board)
-                pod = self.client.create_pod(specs.pod_body(self.spec, rank, self.head_id))
-                self.record.got(asked, str(pod["id"]))
-                self.pod_ids[name] = str(pod["id"])
-                row.show(pod)
-            if rank == 0:
-                self.head_id = self.pod_ids[name]
-            row.id = self.pod_ids[name]
-            self.view.update(self.board)
-
-    def _create_cluster(self) -> None:
-        assert self.record is not None
-        if self.cluster_id is None:
-            name = specs.cluster_name(self.spec.run)
-            asked = self.record.asking("cluster", name, None)
-            cluster = self.client.create_cluster(specs.cluster_body(self.spec))
-            self.record.got(asked, str(cluster["id"]))
-            self.cluster_id = str(cluster["id"])
-
-    def _look(self) -> dict[str, str | None]:
-        """Every pod's status now (one API call), onto the board."""
-        if self.spec.cluster:
-            assert self.cluster_id is not None
-            listed = self.client.cluster_pods(self.cluster_id)
-            if not listed:  # gone (None), or its pods not placed yet (RunPod adds them)
-                name = specs.cluster_name(self.spec.run)
-                return {name: None if listed is None else "PROVISIONING"}
-            pods = listed
-            for pod in pods:
-                rank = (pod.get("cluster") or {}).get("rank")
-                if rank == 0:
-                    self.head_id = str(pod["id"])
-                self.pod_ids[str(pod["name"])] = str(pod["id"])
-        else:
-            listed = {str(p.get("id")): p for p in self.client.list_pods()}
-            pods = [listed[i] for i in self.pod_ids.values() if i in listed]
-        by_id = {str(p["id"]): p for p in pods}
-        statuses: dict[str, str | None] = {}
-        for name, pod_id in self.pod_ids.items():
-            pod = by_id.get(pod_id)
-            row = self.board.row(name)
-            row.id = pod_id
-            if pod is None:
-                row.status = "GONE"
-                statuses[name] = None
-            else:
-                row.show(pod)
-                statuses[name] = row.status
-        self.view.update(self.board)
-        return statuses
-
-    def _follow(self) -> int:
-        """From the pods' creation until the head's run is over for good: the pods'
-        statuses every POLL seconds, the head's records as they come."""
-        next_look = 0.0
-        statuses: dict[str, str | None] = {}
-        while True:
-            now = time.monotonic()
-            if now >= next_look:
-                statuses = self._look()
-                self.ran |= {name for name, status in statuses.items() if status == "RUNNING"}
-                next_look = now + POLL
-                if self.head_log is None and self.head_id and statuses.get(
-                        self._head_name()) in ("STARTING", "RUNNING"):
-                    self.head_log = HeadLog(self.client, self.head_id, self.records).start()
-                if statuses and all(s == "RUNNING" for s in statuses.values()) and (
-                        self.board.phase == Phase.STARTING.value):
-                    self._phase(Phase.FORMING)
-            verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
-                            self.head.exit, self.spec.shape(), self.head.starts, self.ran)
-            if verdict.action == "done":
-                assert self.head.exit is not None
-                return self.head.exit
-            if verdict.action == "fail":
-                raise PodsNotReady(f"run {self.spec.run}: {verdict.why}")
-            with contextlib.suppress(queue.Empty):
-                self.head.take(self.records.get(timeout=RECORD_WAIT))
-                while True:  # what else has come meanwhile
-                    self.head.take(self.records.get_nowait())
-
-    def _head_name(self) -> str:
-        for name, pod_id in self.pod_ids.items():
-            if pod_id == self.head_id:
-                return name
-        return specs.pod_name(self.spec.run, 0)
-
-    # --- the end --------------------------------------------------------------------------
-
-    def _stop_following(self) -> None:
+    def _clean_up(self, failure: BaseException | None) -> None:
+        """Terminate everything of the run; a first signal meanwhile does not stop it."""
+        run = self.spec.run
         if self.head_log is not None:
             self.head_log.stop()
-
-    def _finish(self, code: int) -> None:
-        assert self.record is not None
-        self._stop_following()
-        took = time.monotonic() - self.started
-        outcome = "succeeded" if code == 0 else f"ended: {self.explain(code)}"
-        first = (f"; the job's first line after {self.head.first_job_line - self.started:.1f}"
-                 f" s" if self.head.first_job_line else "")
-        self.say(f"run {self.spec.run} {outcome} (exit {code}) after {took:.1f} s{first}; "
-                 f"{self.calls()} RunPod API calls")
-        self.record.mark(state.FINISHED, code=code, took=round(took, 1))
-        if self.spec.keep:
-            self.say(f"--keep: the pods stay up (and bill): `podagent down {self.spec.run}` "
-                     f"terminates them")
-            return
-        self._terminate()
+        try:
+            with self.interrupts.shielded():
+                if isinstance(failure, KeyboardInterrupt):
+                    self.say(f"{self.interrupts.name}: stopping run {run} and terminating its "
+                             f"pods (Ctrl-C again to leave them running)")
+                if self.creator is not None:
+                    self.creator.wait()
+                self._terminate()
+        except Leave:
+            self.left = True
+            self.say(f"left the pods of run {run} as they are; they bill until `podagent down "
+                     f"{run}` terminates them")
+        except Exception as exc:  # an API that stays down; a bug in the clean-up itself
+            self.say(f"clean-up failed ({type(exc).__name__}: {exc}); the pods may still bill: "
+                     f"`podagent down {run}` tries again")
 
     def _terminate(self) -> None:
         """Every pod of the run terminated and gone from RunPod's list (else an error)."""
         self._phase(Phase.CLEANING)
         down.terminate(self.client, self.spec.run, self.record, self.say)
+        if self.watch is not None:
+            self.watch.cost.close(time.time())
         for row in self.board.pods.values():
             row.status, row.cost, row.since = "TERMINATED", 0.0, time.monotonic()
         self.view.update(self.board)
 
-    def _clean_up(self) -> None:
-        self._stop_following()
-        try:
-            self._terminate()
-        except PodagentError as exc:
-            self.say(f"clean-up failed: {exc}; `podagent down {self.spec.run}` tries again")
+    def _outcome(self, failure: BaseException | None, code: int | None) -> int:
+        if self.left:
+            raise Interrupted(signum_of(failure) if isinstance(
+                failure, (Leave, KeyboardInterrupt)) else self.interrupts.first or 2)
+        if failure is None:
+            if self.detached:
+                return 0
+            assert code is not None
+            self._summary(code)
+            return code
+        if isinstance(failure, KeyboardInterrupt):
+            raise Interrupted(signum_of(failure))
+        raise failure  # podagent's error: the CLI's code; a bug: its traceback and 70
 
-    def _interrupted(self, signum: int, created: bool) -> None:
-        """The first Ctrl-C (or SIGTERM): terminate what was created. A second one, wherever
-        it lands, leaves the pods and says how to clean up."""
-        name = signal.Signals(signum).name
-        try:
-            self._stop_following()
-            if not created:
-                return
-            if self.spec.keep:
-                self.say(f"{name}: leaving run {self.spec.run} running (--keep): `podagent up "
-                         f"--name {self.spec.run} ...` re-attaches, `podagent down "
-                         f"{self.spec.run}` terminates it")
-                return
-            self.say(f"{name}: stopping run {self.spec.run} and terminating its pods "
-                     f"(Ctrl-C again to leave them running)")
-            self._terminate()
-        except KeyboardInterrupt:
-            self.say(f"left the pods of run {self.spec.run} as they are; they bill until "
-                     f"`podagent down {self.spec.run}` terminates them")
-        except PodagentError as exc:
-            self.say(f"clean-up failed: {exc}; `podagent down {self.spec.run}` tries again")
+    # --- following ----------------------------------------------------------------------------
+
+    def _follow(self, watch: Watch) -> int | None:
+        """From the pods' creation until the head's run is over for good (its code), or, with
+        --detach, until every pod runs (None)."""
+        next_look = 0.0
+        statuses: dict[str, str | None] = {}
+        while True:
+            now = time.monotonic()
+            if now >= next_look:
+                statuses = watch.look_again(statuses)
+                next_look = now + POLL
+                self.ran |= {name for name, status in statuses.items() if status == "RUNNING"}
+                for name, status in statuses.items():
+                    if status == "EXITED":
+                        self.exited_since.setdefault(name, now)
+                    else:
+                        self.exited_since.pop(name, None)
+                self._keep_following(statuses)
+                if statuses and all(s == "RUNNING" for s in statuses.values()):
+                    if self.board.phase == Phase.STARTING.value:
+                        self._phase(Phase.FORMING)
+                    if self.spec.detach and self.head.starts:
+                        self.detached = True
+                        return None
+            verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
+                            self.head.exit, self.spec.shape(), self.head.starts, self.ran,
+                            self.exited_since, cluster=self.spec.cluster,
+                            grace=CLOSING_GRACE if self.head.closing else GONE_GRACE)
+            if verdict.action == "done":
+                return self.head.exit
+            if verdict.action == "fail":
+                raise (PodGone if verdict.gone else PodsNotReady)(
+                    f"run {self.spec.run}: {verdict.why}")
+            with contextlib.suppress(queue.Empty):
+                self.head.take(self.records.get(timeout=RECORD_WAIT))
+                while True:  # what else has come meanwhile
+                    self.head.take(self.records.get_nowait())
+
+    def _keep_following(self, statuses: Mapping[str, str | None]) -> None:
+        """The head's log stream, from when its container starts; started again should its
+        thread ever end (it never should)."""
+        head_id = self.watch.head_id if self.watch else None
+        if (self.head_log is not None and self.head_log.alive) or not head_id:
+            return
+        if statuses.get(self._head_name()) in ("STARTING", "RUNNING", "EXITED"):
+            old = self.head_log
+            if old is not None:
+                self.say("the head's log stream ended; opening it again")
+            self.head_log = HeadLog(self.client, head_id, self.records)
+            if old is not None:
+                self.head_log.cursor = old.cursor
+            self.head_log.start()
+
+    def _head_name(self) -> str:
+        return self.watch.head_name() if self.watch else specs.pod_name(self.spec.run, 0)
+
+    # --- the end --------------------------------------------------------------------------
+
+    def _say_detached(self) -> None:
+        run = self.spec.run
+        if self.record is not None:
+            self.record.try_mark(state.DETACHED)
+        self.say(f"detached: run {run} goes on without this machine; when it is over each pod "
+                 f"stops itself, which ends its GPU billing (given --secret "
+                 f"{specs.ACCOUNT_KEY}=..., the head terminates them all). `podagent up --name "
+                 f"{run}` follows it again, `podagent ls` shows it, `podagent down {run}` "
+                 f"terminates it")
+
+    def _summary(self, code: int) -> None:
+        """The run's last line: its outcome, what it cost, the API calls it made."""
+        took = time.monotonic() - self.started
+        cost = self.watch.cost if self.watch else CostMeter()
+        hours, dollars = cost.totals(time.time())
+        outcome = "succeeded" if code == 0 else f"ended: {self.explain(code)}"
+        first = (f"; the job's first line after {self.head.first_job_line - self.started:.1f}"
+                 f" s" if self.head.first_job_line else "")
+        pace = self.client.pace
+        quota = pace.quota("minute")
+        allowed = f"; RunPod allows {quota}" if quota else ""
+        self.say(f"run {self.spec.run} {outcome} (exit {code}) after {took:.1f} s{first}; "
+                 f"{len(cost.spans)} pod(s), {hours:.3f} pod-hours, about ${dollars:.2f} at "
+                 f"RunPod's rates; {pace.calls} RunPod API calls (at most "
+                 f"{pace.busiest_minute()} in a minute{allowed})")
+        record = self.record
+        if record is not None:
+            record.cost = {"pod_hours": round(hours, 4), "dollars": round(dollars, 2)}
+            record.try_mark(state.FINISHED if self.spec.keep else state.DOWN, code=code,
+                            took=round(took, 1))
 
 
 class HeadProgress:
     """What the head's records tell `up`: its phase and who joined (onto the board), the job's
     output and podagent's messages (onto the view), how often its podagent started, and the
-    run's code once the head stays after its exit."""
+    run's code once the head says the run is over."""
 
     def __init__(self, run: str, board: Board, view: PlainView | LiveView,
                  say: Callable[[str], None], phase: Callable[[Phase], None],
@@ -353,8 +355,13 @@ class HeadProgress:
         self.phase, self.head_name, self.started = phase, head_name, started
         self.exit: int | None = None  # the run's code, once it is over for good
         self.last_exit: int | None = None  # the code of the head's podagent's last start
-        self.starts = 0
+        self._starts: set[Any] = set()  # each start of the head's podagent, by its time
+        self.closing = False  # the head's current start is ending the run (its teardown)
         self.first_job_line: float | None = None
+
+    @property
+    def starts(self) -> int:
+        return len(self._starts)
 
     def take(self, record: HeadRecord) -> None:
         data = record.data
@@ -369,6 +376,11 @@ class HeadProgress:
             self.view.line(f"[{data.get('role', 'head')}] {label}{record.text}")
         elif record.kind == "text":
             self.view.line(record.text)
+        elif record.kind == "broken":
+            self.say(f"the head's log stream is broken ({data.get('why')}); trying again, and "
+                     f"watching the pods' statuses meanwhile")
+        elif record.kind == "restored":
+            self.say("the head's log stream is back")
         elif record.kind == "lost":
             raise PodsNotReady(f"run {self.run}: the head's log stream was refused: "
                                f"{data.get('why')}")
@@ -390,16 +402,30 @@ class HeadProgress:
             self.board.mark_joined(str(data.get("ip")), False)
             self.view.update(self.board)
         elif event == "workers_counted":
-            self.board.joined = int(data.get("workers") or 0)
+            workers = data.get("workers")
+            self.board.joined = workers if isinstance(workers, int) else 0
             self.view.update(self.board)
+        elif event == "teardown_started":
+            self.closing = True
         elif event == "role":  # the head's podagent started (again): its workers join anew
-            self.starts += 1
+            # Counted by the start's own time: the same record read twice is one start.
+            self._starts.add((data.get("ts"), data.get("pod")))
+            self.closing = False
             self.board.joined = 0
             self.board.mark_joined(None, False)
             self.view.update(self.board)
-        elif event == "exit" and isinstance(data.get("code"), int):
+        elif event == "exit" and _code(data.get("code")) is not None:
             # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
-            # RunPod and resumes the run. The run is over when the head stays (after_run).
-            self.last_exit = int(data["code"])
-        elif event == "staying" and self.last_exit is not None:
+            # RunPod and resumes the run. The run is over when the head says so (run_over).
+            self.last_exit = _code(data.get("code"))
+        elif event == "run_over" and _code(data.get("code")) is not None:
+            self.exit = _code(data.get("code"))
+        elif event == "staying" and self.last_exit is not None:  # a podagent before run_over
             self.exit = self.last_exit
+
+
+def _code(value: Any) -> int | None:
+    """An exit code from a record (a stranger's bytes: anything but a small int is none)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 256:
+        return value
+    return None

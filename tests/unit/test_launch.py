@@ -3,6 +3,7 @@ bodies, the local record, the policy, the head's records, the plain view."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -19,15 +20,20 @@ from podagent.launch.up import judge
 from podagent.launch.view import Board, PlainView
 
 H100 = "NVIDIA H100 80GB HBM3"
-CATALOG = [{"id": H100, "name": "H100 SXM", "maxCount": {"secure": 8, "community": 0},
-            "price": {"secure": 2.99, "community": 0.0}}]
+CATALOG = [{"id": H100, "name": "H100 SXM", "manufacturer": "NVIDIA",
+            "maxCount": {"secure": 8, "community": 0}, "price": {"secure": 2.99, "community": 0.0}},
+           {"id": "AMD Instinct MI300X OAM", "name": "MI300X", "manufacturer": "AMD",
+            "maxCount": {"secure": 8, "community": 0}, "price": {"secure": 2.49, "community": 0}}]
+DATA_CENTERS = [{"id": "US-KS-2", "globalNetwork": True}, {"id": "EU-RO-1", "globalNetwork": True},
+                {"id": "EUR-IS-1", "globalNetwork": False}]
 
 
 def build(**over):
     args = dict(run="demo", gpu_type=H100, gpus_per_pod=8, pods=3, image="ghcr.io/me/trainer:1",
                 template=None, cluster=False, cloud="SECURE", data_centers=(), volume_gb=None,
                 network_volume=None, disk_gb=None, env=(), secrets=(), job=(), keep=False,
-                timeout=900.0, api_url="https://api.runpod.io", state_dir=None)
+                timeout=900.0, api_url="https://api.runpod.io", state_dir=None, detach=False,
+                registry_auth=None)
     args.update(over)
     return specs.build(**args)
 
@@ -44,6 +50,12 @@ def build(**over):
     ({"image": None, "template": "tpl1", "cluster": True}, "cannot be used with --cluster"),
     ({"run": "a b"}, "--name='a b' must be 1-64 characters"),
     ({"cloud": "CHEAP"}, "--cloud='CHEAP' must be one of SECURE, COMMUNITY"),
+    ({"cloud": "COMMUNITY"}, "--cloud='COMMUNITY' cannot be used: a run's pods reach each "
+                             "other over RunPod's Global Networking or an Instant Cluster, both "
+                             "Secure Cloud only"),
+    ({"registry_auth": "cred", "cluster": True}, "--registry-auth cannot be used with --cluster"),
+    ({"registry_auth": " "}, "--registry-auth=' ' must name a registry credential"),
+    ({"detach": True, "keep": True}, "give at most one of --detach and --keep"),
     ({"volume_gb": 5}, "--volume=5 must be at least 10"),
     ({"env": ("NOEQUALS",)}, "--env='NOEQUALS' must be NAME=VALUE"),
     ({"env": ("EXPECTED_WORKERS=3",)}, "is set by `podagent up` itself"),
@@ -88,7 +100,8 @@ def test_the_head_and_workers_get_their_roles_and_the_run():
     assert worker["env"]["RAY_WORKER"] == "1" and worker["env"]["HEAD_POD_ID"] == "abc"
     for body in (head, worker):
         assert body["env"][specs.LABEL] == "demo" and body["env"]["PODAGENT_RUN_NAME"] == "demo"
-        assert body["env"]["PODAGENT_AFTER_RUN"] == "stay"
+        # Each pod stops itself once the run is over: a closed laptop leaves nothing billing.
+        assert body["env"]["PODAGENT_AFTER_RUN"] == "stop-pod"
         assert body["gpu"] == {"id": H100, "count": 8} and body["globalNetworking"] is True
         assert body["mounts"] == {"persistent": {"size": 50, "path": "/workspace"}}
         assert body["dataCenterIds"] == ["US-TX-3"]
@@ -96,6 +109,55 @@ def test_the_head_and_workers_get_their_roles_and_the_run():
     assert cluster["type"] == "TRAINING" and cluster["compute"] == {
         "gpuTypeId": H100, "gpuCountPerPod": 8, "podCount": 3}
     assert "RAY_WORKER" not in cluster["env"] and cluster["env"]["EXPECTED_WORKERS"] == "2"
+    assert specs.pod_body(build(keep=True), 0)["env"]["PODAGENT_AFTER_RUN"] == "stay"
+
+
+def test_what_checking_resolved_goes_into_the_bodies():
+    """The GPU by its catalog id (a short name given), the data centers that support Global
+    Networking, the registry credential of a private image; a cluster gets no registry."""
+    spec = build(gpu_type="H100 SXM", registry_auth="my-creds")
+    placement = specs.Placement(specs.check_gpu(spec, CATALOG)["id"],
+                                specs.check_data_centers(spec, DATA_CENTERS),
+                                specs.check_registry(spec, [{"id": "r1", "name": "my-creds"}]))
+    body = specs.pod_body(spec, 1, "abc", placement)
+    assert body["gpu"] == {"id": H100, "count": 8}
+    assert body["dataCenterIds"] == ["EU-RO-1", "US-KS-2"] and body["registry"] == "r1"
+    cluster = specs.cluster_body(build(cluster=True, gpu_type="H100 SXM"),
+                                 specs.Placement(H100, ()))
+    assert cluster["compute"]["gpuTypeId"] == H100 and "registry" not in cluster
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    ({"data_centers": ("EUR-IS-1",)}, "--data-center='EUR-IS-1' does not support Global "
+                                      "Networking, which a run's pods need to reach each other "
+                                      "(those that do: EU-RO-1, US-KS-2"),
+    ({"data_centers": ("MARS-1",)}, "--data-center='MARS-1' is not a RunPod data center"),
+])
+def test_data_centers_that_cannot_hold_the_run_are_refused(over, says):
+    with pytest.raises(ConfigError) as caught:
+        specs.check_data_centers(build(**over), DATA_CENTERS)
+    assert says in str(caught.value)
+    # An Instant Cluster needs no Global Networking: any known data center does.
+    assert specs.check_data_centers(build(cluster=True, data_centers=("EUR-IS-1",)),
+                                    DATA_CENTERS) == ("EUR-IS-1",)
+
+
+def test_a_registry_credential_by_id_or_name_or_one_line():
+    creds = [{"id": "r1", "name": "ghcr"}, {"id": "r2", "name": "ecr"}]
+    assert specs.check_registry(build(registry_auth="ecr"), creds) == "r2"
+    assert specs.check_registry(build(registry_auth="r1"), creds) == "r1"
+    assert specs.check_registry(build(), creds) is None
+    with pytest.raises(ConfigError, match=r"is not a registry credential of this RunPod "
+                                          r"account \(it has: ghcr \(r1\), ecr \(r2\)"):
+        specs.check_registry(build(registry_auth="dockerhub"), creds)
+
+
+def test_the_spec_survives_its_record_for_a_reattach(tmp_path):
+    spec = build(job=("python", "-m", "train"), env=("LR=1e-5",), data_centers=("US-KS-2",),
+                 detach=True)
+    again = specs.UpSpec.from_record(spec.to_record(), api_url=spec.api_url,
+                                     api_timeout=spec.api_timeout, state_dir=spec.state_dir)
+    assert again == dataclasses.replace(spec, detach=False)
 
 
 def test_a_runs_pods_are_known_by_label_or_exact_name():
@@ -111,8 +173,11 @@ def test_the_gpu_type_is_checked_against_the_catalog():
     with pytest.raises(ConfigError, match="not a GPU type RunPod offers; did you mean "
                                           "'NVIDIA H100 80GB HBM3'"):
         specs.check_gpu(build(gpu_type="NVIDIA H100 80GB"), CATALOG)
-    with pytest.raises(ConfigError, match=r"--gpus=8 is more than .* COMMUNITY cloud \(0\)"):
-        specs.check_gpu(build(cloud="COMMUNITY"), CATALOG)
+    with pytest.raises(ConfigError, match=r"--gpus=9 is more than .* SECURE cloud \(8\)"):
+        specs.check_gpu(build(gpus_per_pod=9), CATALOG)
+    with pytest.raises(ConfigError, match="is a AMD GPU: RunPod's Global Networking needs an "
+                                          "NVIDIA GPU"):
+        specs.check_gpu(build(gpu_type="MI300X"), CATALOG)
 
 
 def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_path):
@@ -146,6 +211,64 @@ def test_the_policy():
     loop = judge(running, t0, t0 + 60, 900, None, shape, head_starts=6)
     assert loop.action == "fail" and "started 6 times" in loop.why
     assert judge(running, t0, t0 + 60, 900, None, shape, head_starts=5).action == "wait"
+
+
+def test_a_pod_stopped_or_failed_at_runpod_ends_the_run_after_a_grace():
+    t0, shape = 100.0, "3 x H100"
+    stopped = {"a": "RUNNING", "b": "EXITED"}
+    # Pods stop themselves once the run is over: the head's word may be on its way.
+    assert judge(stopped, t0, t0 + 29, 900, None, shape, ran={"a", "b"},
+                 exited_since={"b": t0 + 20}).action == "wait"
+    gone = judge(stopped, t0, t0 + 31, 900, None, shape, ran={"a", "b"},
+                 exited_since={"b": t0 + 20})
+    assert gone.action == "fail" and gone.gone and "pod b was stopped at RunPod (EXITED)" in \
+        gone.why
+    # While the head closes the run its workers stop themselves before it says it is over.
+    assert judge(stopped, t0, t0 + 31, 900, None, shape, ran={"a", "b"},
+                 exited_since={"b": t0 + 20}, grace=90).action == "wait"
+    assert judge(stopped, t0, t0 + 51, 900, 0, shape, ran={"a", "b"},
+                 exited_since={"b": t0 + 20}).action == "done"  # the head said: over
+    failed = judge({"a": "ERROR"}, t0, t0 + 5, 900, None, shape, ran={"a"})
+    assert failed.gone and "failed at RunPod (ERROR) while the run went on" in failed.why
+    never = judge({"a": "ERROR"}, t0, t0 + 5, 900, None, shape, cluster=True)
+    assert not never.gone and "Instant Cluster takes no registry credential" in never.why
+    assert "--registry-auth" in judge({"a": "ERROR"}, t0, t0 + 5, 900, None, shape).why
+
+
+def test_the_cost_of_a_run_from_runpods_own_fields():
+    from podagent.launch.watch import CostMeter
+    from podagent.platform.runpod_api import rfc3339_ns
+
+    meter = CostMeter()
+    created = "2026-11-27T10:00:00Z"
+    t = rfc3339_ns(created) / 1e9
+    meter.observe("head", {"status": "PROVISIONING", "cost": 2.99, "createdAt": created},
+                  t + 60)
+    meter.observe("head", {"status": "RUNNING", "cost": 2.99}, t + 1800)
+    meter.observe("head", {"status": "EXITED", "cost": 0.0}, t + 3600)  # stopped itself
+    meter.observe("w1", {"status": "RUNNING", "cost": 1.0, "createdAt": "nonsense"}, t + 1800)
+    meter.close(t + 5400)
+    hours, dollars = meter.totals(t + 9999)
+    assert hours == pytest.approx(1.0 + 1.0)  # from createdAt; w1 from when it was seen
+    assert dollars == pytest.approx(2.99 + 1.0)
+
+
+def test_a_record_read_twice_is_one_start_and_run_over_ends_the_run():
+    from podagent.launch.up import HeadProgress
+
+    board = Board("demo", "2 x H100", expected=1)
+    progress = HeadProgress("demo", board, PlainView(io.StringIO()), lambda text: None,
+                            lambda phase: None, lambda: "head", 0.0)
+    role = parse('{"ts": 1.5, "pod": "p", "event": "role"}')
+    for record in (role, role, parse('{"ts": 9.5, "pod": "p", "event": "role"}')):
+        progress.take(record)
+    assert progress.starts == 2
+    progress.take(parse('{"ts": 10, "event": "exit", "code": 3}'))
+    assert progress.exit is None  # a start's end is not the run's
+    progress.take(parse('{"ts": 11, "event": "run_over", "code": true}'))
+    assert progress.exit is None  # a stranger's bytes: not a code
+    progress.take(parse('{"ts": 11, "event": "run_over", "code": 3}'))
+    assert progress.exit == 3
 
 
 def test_the_heads_records():
@@ -202,7 +325,7 @@ def test_the_key_from_a_file_and_bad_input_before_any_call(tmp_path):
 @pytest.mark.parametrize("over", [{}, {"cluster": True}, {"volume_gb": 20},
                                   {"network_volume": "vol_1", "data_centers": ("EU-RO-1",)},
                                   {"image": None, "template": "tpl_abc", "disk_gb": 50},
-                                  {"secrets": ("HF_TOKEN=hf",), "cloud": "COMMUNITY"}])
+                                  {"secrets": ("HF_TOKEN=hf",), "registry_auth": "r1"}])
 def test_every_body_up_sends_follows_runpods_published_schema(over):
     from tests.fakes.runpod_cloud import SCHEMAS
 
@@ -210,6 +333,45 @@ def test_every_body_up_sends_follows_runpods_published_schema(over):
     if spec.cluster:
         assert SCHEMAS.errors("CreateClusterRequest", specs.cluster_body(spec)) == []
         return
+    placement = specs.Placement(H100, ("US-KS-2",), spec.registry_auth)
     for rank in range(spec.pods):
-        body = specs.pod_body(spec, rank, head_id="abc" if rank else None)
+        body = specs.pod_body(spec, rank, "abc" if rank else None, placement)
         assert SCHEMAS.errors("CreatePodRequest", body) == [], body
+
+
+def test_the_log_follower_never_dies_of_what_it_meets(monkeypatch):
+    """A stream that fails in any way (a bug's exception included) is opened again with a
+    growing pause; a failure that lasts is reported once, its end once; a refused key ends
+    the follower with a 'lost' record."""
+    import queue
+    import time
+
+    from podagent.errors import RunPodApiError, RunPodAuthError
+    from podagent.launch import follow
+    from podagent.waiting import Backoff
+
+    monkeypatch.setattr(follow, "BROKEN_SAY", 0.2)
+    monkeypatch.setattr(follow, "BROKEN_BACKOFF", Backoff(0.01, 0.05))
+    monkeypatch.setattr(follow, "RECONNECT_PAUSE", 0.01)
+    script = [RuntimeError("a reading bug"), RunPodApiError("503")] * 6 + [
+        [{"line": '{"event": "role", "ts": 1}'}, {"line": "plain text"}],
+        ValueError("odd"), RunPodAuthError("401 invalid api key")]
+
+    class Flaky:
+        def stream_logs(self, pod_id, cursor, idle, opened):
+            step = script.pop(0)
+            if isinstance(step, Exception):
+                raise step
+            opened()
+            yield from step
+
+    records: queue.Queue = queue.Queue()
+    log = follow.HeadLog(Flaky(), "pod1", records).start()
+    deadline = time.monotonic() + 10
+    while log.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    kinds = []
+    while not records.empty():
+        kinds.append(records.get().kind)
+    assert not log.alive and kinds == ["broken", "restored", "event", "text", "lost"]
+    assert log.connections == 15

@@ -1,0 +1,149 @@
+"""`podagent up`'s CHECKING and CREATING: the run's spec against RunPod's catalogs (the GPU
+type's id, the data centers that suit it, the registry credential), what of the run exists
+already, and then whatever is missing created: the head first, then the workers with its id,
+CREATES_AT_ONCE at a time; or one cluster. Each create is recorded before its call goes out,
+so `podagent down` finds it whatever happens next."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from podagent.errors import NoCapacity, PodsNotReady
+from podagent.launch import down, state
+from podagent.launch import spec as specs
+from podagent.launch.spec import Placement, UpSpec
+from podagent.launch.view import Board, LiveView, PlainView
+from podagent.platform.runpod_api import Client
+
+CREATES_AT_ONCE = 8  # workers created in parallel once the head's id is known
+
+
+@dataclass
+class Checked:
+    """What CHECKING found: where and how to create, the run's record, and what exists."""
+    placement: Placement
+    record: state.RunRecord
+    pod_ids: dict[str, str] = field(default_factory=dict)  # name -> id, found at RunPod
+    cluster_id: str | None = None
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.pod_ids) or self.cluster_id is not None
+
+
+def check(spec: UpSpec, client: Client, follow_only: bool,
+          say: Callable[[str], None]) -> Checked:
+    gpu = specs.check_gpu(spec, client.gpu_types())
+    data_centers = specs.check_data_centers(spec, client.data_centers())
+    registry = specs.check_registry(spec, client.registries()) if spec.registry_auth else None
+    record = state.load(spec.state_dir, spec.run)
+    found = down.find(client, spec.run, record)
+    alive = [p for p in found.pods if p.get("status") != "TERMINATED"]
+    if record is None or (record.status == state.DOWN and not found):
+        if follow_only:
+            raise PodsNotReady(f"run {spec.run}: nothing of it at RunPod, and no record of "
+                               f"it here")
+        record = state.new(spec.state_dir, spec.run, spec.api_url, spec.shape(),
+                           spec.to_record())
+    checked = Checked(Placement(str(gpu["id"]), data_centers, registry), record,
+                      {str(p["name"]): str(p["id"]) for p in alive},
+                      str(found.clusters[0]["id"]) if found.clusters else None)
+    if checked.exists:
+        say(f"run {spec.run} exists at RunPod ({len(alive)} pod(s)): re-attaching to it"
+            + ("" if follow_only else ", creating only what is missing"))
+    elif follow_only:
+        told = record.outcome or {}
+        raise PodsNotReady(f"run {spec.run}: nothing of it at RunPod (its record here: "
+                           f"{record.status}"
+                           + (f", exit {told['code']}" if "code" in told else "") + ")")
+    price = specs.price_per_hour(spec, gpu)
+    priced = f" at about ${price:.2f}/h (RunPod's list price)" if price is not None else ""
+    where = f" in {', '.join(data_centers)}" if data_centers else ""
+    say(f"run {spec.run}: {spec.shape()}{priced}{where}; state in "
+        f"{state.path_of(spec.state_dir, spec.run)}")
+    return checked
+
+
+class Creator:
+    """Creates what the run lacks. `created` is set before the first call goes out: from then
+    on something may exist at RunPod, and the run's end must terminate it."""
+
+    def __init__(self, spec: UpSpec, client: Client, checked: Checked, board: Board,
+                 view: PlainView | LiveView):
+        self.spec, self.client, self.checked = spec, client, checked
+        self.board, self.view = board, view
+        self.created = False
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def create(self) -> None:
+        spec, placement = self.spec, self.checked.placement
+        try:
+            if spec.cluster:
+                self._cluster()
+            else:
+                self._pods()
+        except NoCapacity as exc:
+            where = ", ".join(spec.data_centers) or "any data center"
+            raise NoCapacity(f"RunPod could not place {spec.gpus_per_pod} x "
+                             f"{placement.gpu_id} ({spec.cloud} cloud) in {where}: {exc}"
+                             ) from None
+        self.checked.record.mark(state.RUNNING)
+
+    def wait(self) -> None:
+        """Creates still on their way finish first: a pod created after the clean-up looked
+        would outlive it (each call has its own deadline)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _pods(self) -> None:
+        spec, checked, record = self.spec, self.checked, self.checked.record
+        pod_ids, placement = checked.pod_ids, checked.placement
+        head_name = specs.pod_name(spec.run, 0)
+        if head_name not in pod_ids and pod_ids:
+            raise PodsNotReady(f"run {spec.run} has workers at RunPod but no head (it was "
+                               f"terminated): they are terminated too; up again starts the "
+                               f"run afresh")
+        if head_name not in pod_ids:
+            asked = record.asking("pod", head_name, 0)
+            self.created = True  # from the moment the call may go out
+            self._got(asked, head_name, self.client.create_pod(
+                specs.pod_body(spec, 0, None, placement)))
+        head_id = pod_ids[head_name]
+        missing = [(rank, name) for rank, name in enumerate(spec.names())
+                   if rank and name not in pod_ids]
+        if not missing:
+            return
+        # Every intent on disk before any of the calls goes out; then the calls at once.
+        asking = {name: record.asking("pod", name, rank) for rank, name in missing}
+        self.created = True
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            min(CREATES_AT_ONCE, len(missing)), thread_name_prefix="create")
+        futures = {self._pool.submit(self.client.create_pod,
+                                     specs.pod_body(spec, rank, head_id, placement)): name
+                   for rank, name in missing}
+        for done in concurrent.futures.as_completed(futures):
+            name = futures[done]
+            self._got(asking[name], name, done.result())  # the first failure ends it
+        self._pool.shutdown()
+
+    def _got(self, asked: state.Resource, name: str, pod: Mapping[str, Any]) -> None:
+        self.checked.record.got(asked, str(pod["id"]))
+        self.checked.pod_ids[name] = str(pod["id"])
+        row = self.board.row(name)
+        row.show(pod)
+        row.id = str(pod["id"])
+        self.view.update(self.board)
+
+    def _cluster(self) -> None:
+        if self.checked.cluster_id is None:
+            record = self.checked.record
+            name = specs.cluster_name(self.spec.run)
+            asked = record.asking("cluster", name, None)
+            self.created = True
+            cluster = self.client.create_cluster(
+                specs.cluster_body(self.spec, self.checked.placement))
+            record.got(asked, str(cluster["id"]))
+            self.checked.cluster_id = str(cluster["id"])

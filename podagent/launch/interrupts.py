@@ -1,0 +1,67 @@
+"""The signals of the commands that run on the user's machine (up, down, ls).
+
+The first SIGINT, SIGTERM or SIGHUP (Ctrl-C, a closed terminal, a cancelled CI job) ends what
+the command is doing (KeyboardInterrupt where it is), unless it is terminating pods already:
+then it is only noted, and the termination goes on. A second one, anywhere, is `Leave`: the
+pods are left as they are, and the command says how to clean up. Python raises a handler's
+exception in the main thread between two bytecodes, so a blocking call there ends at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Leave(BaseException):
+    """A second interrupt: leave everything as it is, now. A BaseException, so that no
+    `except Exception` on the way out takes it for a failure to handle."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class Interrupts:
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self._shielded = 0
+
+    def install(self) -> Interrupts:
+        # SIGINT too: a process started in the background inherits it ignored, and Python
+        # then leaves it so; Ctrl-C must always reach the clean-up.
+        for signum in SIGNALS:
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.first is not None:
+            raise Leave(signum)
+        self.first = signum
+        if not self._shielded:
+            raise KeyboardInterrupt(signum)
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        """While pods are being terminated: a first signal does not stop it."""
+        self._shielded += 1
+        try:
+            yield
+        finally:
+            self._shielded -= 1
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.first or signal.SIGINT).name
+
+
+def signum_of(exc: BaseException) -> int:
+    """The signal a KeyboardInterrupt came from (SIGINT when Python raised it itself)."""
+    if isinstance(exc, Leave):
+        return exc.signum
+    if exc.args and isinstance(exc.args[0], int):
+        return exc.args[0]
+    return int(signal.SIGINT)
