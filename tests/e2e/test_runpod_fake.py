@@ -4,12 +4,15 @@ behind, and it refuses what RunPod refuses. Quick: tiny command images, no Ray."
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime as dt
 import json
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,12 @@ import dns.resolver
 import pytest
 import requests
 
-from tests.fakes.runpod_cloud import FakeRunPodCloud, RequestRecord
+from tests.fakes.runpod_cloud import (
+    DEFAULT_DATA_CENTERS,
+    DEFAULT_GPUS,
+    FakeRunPodCloud,
+    RequestRecord,
+)
 from tests.harness.pods import DnsServer, PodNetwork, list_netns, wait_for
 
 KEY = "rpa_" + "AccountKey" * 4
@@ -28,8 +36,16 @@ ONCE = "import sys; print('ran', flush=True); sys.exit(3)"
 POLITE = ("import signal, sys, time\n"
           "def bye(*_): print('bye', flush=True); sys.exit(0)\n"
           "signal.signal(signal.SIGTERM, bye); print('up', flush=True); time.sleep(600)")
+# Takes the whole grace to stop: SIGTERM does nothing.
+STUBBORN = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('up', flush=True); time.sleep(600)")
 IMAGES = {"busy:1": [sys.executable, "-c", BUSY], "once:1": [sys.executable, "-c", ONCE],
-          "polite:1": [sys.executable, "-c", POLITE]}
+          "polite:1": [sys.executable, "-c", POLITE],
+          "stubborn:1": [sys.executable, "-c", STUBBORN]}
+# The quick tests poll every 50 ms: far more than RunPod's 60 a minute, which only the tests of
+# rate limits and pod keys keep.
+LAVISH = {"minute": 1_000_000}
+DOC_POLICY = '"minute";q=60;w=60, "hour";q=3000;w=3600, "day";q=50000;w=86400'
 
 
 class Api:
@@ -99,13 +115,33 @@ def environ(pid: int) -> dict[str, str]:
     return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
 
 
+MakeCloud = Callable[..., FakeRunPodCloud]
+
+
 @pytest.fixture
-def cloud(pod_network: PodNetwork, dns_server: DnsServer,
-          tmp_path: Path) -> Iterator[FakeRunPodCloud]:
-    with FakeRunPodCloud(pod_network, dns_server, tmp_path / "cloud", api_key=KEY,
-                         images=IMAGES, max_restarts=2, stop_grace=2.0) as fake:
-        yield fake
-        assert fake.fake_errors == []
+def make_cloud(pod_network: PodNetwork, dns_server: DnsServer,
+               tmp_path: Path) -> Iterator[MakeCloud]:
+    """make_cloud(**arguments of FakeRunPodCloud) -> a started cloud; one per test (its pods'
+    namespaces are named after a count of its own)."""
+    with contextlib.ExitStack() as stack:
+        made: list[FakeRunPodCloud] = []
+
+        def make(**kw: Any) -> FakeRunPodCloud:
+            kw = {"images": IMAGES, "max_restarts": 2, "stop_grace": 2.0,
+                  "rate_limits": LAVISH, **kw}
+            fake = FakeRunPodCloud(pod_network, dns_server, tmp_path / f"cloud{len(made)}",
+                                   api_key=KEY, **kw)
+            made.append(stack.enter_context(fake))
+            return fake
+
+        yield make
+        for fake in made:
+            assert fake.fake_errors == []
+
+
+@pytest.fixture
+def cloud(make_cloud: MakeCloud) -> FakeRunPodCloud:
+    return make_cloud()
 
 
 @pytest.fixture
@@ -141,7 +177,7 @@ def test_a_pod_runs_for_real_and_leaves_nothing_once_terminated(
     env = environ(pids[0])
     assert env["RUNPOD_POD_ID"] == pod_id and env["RUNPOD_GPU_COUNT"] == "2"
     assert env["RUNPOD_API_KEY"] and env["RUNPOD_API_KEY"] != KEY
-    assert env["RUNPOD_DC_ID"] == running["dataCenterId"]
+    assert env["RUNPOD_DC_ID"] == running["dataCenterId"] == cloud.data_center == "US-KS-2"
     assert env["MY_SETTING"] == "x" and env["PYTHONUNBUFFERED"] == "1"
     assert env["PODAGENT_LOG_DIR"] == str(view.volume / "podagent" / "logs")
     assert not {"PODAGENT_AFTER_RUN", "PODAGENT_RUN_NAME", "NODE_RANK"} & set(env)
@@ -156,8 +192,9 @@ def test_a_pod_runs_for_real_and_leaves_nothing_once_terminated(
     got = events(api, pod_id, lambda got: "hello" in lines(got))
     hello = next(e for e in got if e["data"]["line"] == "hello")
     assert hello["data"]["source"] == "container"
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:.]+Z/\d{12}", hello["id"])
-    assert hello["id"].startswith(hello["data"]["ts"] + "/")
+    # The document: "Log-event `id` values are the event `ts` timestamp".
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", hello["id"])
+    assert hello["id"] == hello["data"]["ts"]
     assert "container started" in lines(got, "system")
 
     assert api.call("DELETE", f"/pods/{pod_id}").status_code == 204
@@ -297,6 +334,8 @@ def test_stop_and_start_and_an_exiting_container(cloud: FakeRunPodCloud, api: Ap
     missing = api.call("POST", "/pods", json={"name": "m", "image": "nowhere:1",
                                               "gpu": {"id": H100}}).json()["id"]
     api.wait_pod(busy, "RUNNING")
+    # Its whole hello first: unbuffered, print writes "hello" and "\n" apart.
+    wait_for(lambda: "hello" in [x.line for x in cloud.logs(busy)], timeout=10, what="hello")
     stopped = api.call("POST", f"/pods/{busy}/action", json={"action": "stop"}).json()
     assert stopped["status"] == "EXITED" and stopped["cost"] == 0.0
     wait_for(lambda: cloud.pods[busy].exits, timeout=10, what="the stopped container's exit")
@@ -368,3 +407,337 @@ def test_restart_and_resuming_the_stream_from_a_time(cloud: FakeRunPodCloud, api
     assert api.call("GET", "/pods", params={"limit": 10}).status_code == 200
     assert [x.schema_errors for x in cloud.invalid_requests()] == [
         ["unknown query parameter 'limit' for GET /v2/pods"]]
+
+
+# --------------------------------------------------------------------------------------------
+# rules the document states beyond its schema
+
+
+def _dc(dc_id: str) -> dict[str, Any]:
+    return next(dict(dc) for dc in DEFAULT_DATA_CENTERS if dc["id"] == dc_id)
+
+
+AMD = {"id": "AMD Instinct MI300X OAM", "name": "MI300X", "pool": None, "manufacturer": "AMD",
+       "memory": 192, "secure": True, "community": False,
+       "price": {"secure": 2.49, "community": 0.0}, "maxCount": {"secure": 8, "community": 0}}
+
+
+def test_data_centers_and_where_global_networking_goes(make_cloud: MakeCloud) -> None:
+    # The default (the catalog's first) has no Global Networking here.
+    cloud = make_cloud(gpus=[*DEFAULT_GPUS, AMD],
+                       data_centers=[_dc("EUR-IS-1"), _dc("US-KS-2"), _dc("EU-RO-1")])
+    api = Api(cloud)
+    assert cloud.data_center == "EUR-IS-1"
+
+    def ids(**params: str) -> list[str]:
+        r = api.call("GET", "/catalog/datacenters", params=params)
+        assert r.status_code == 200, r.text
+        return [dc["id"] for dc in r.json()["dataCenters"]]
+
+    assert ids() == ["EUR-IS-1", "US-KS-2", "EU-RO-1"]
+    assert ids(globalNetwork="true") == ["US-KS-2", "EU-RO-1"]
+    assert ids(globalNetwork="false") == ["EUR-IS-1"]
+    assert ids(regions="EUROPE,ASIA", globalNetwork="true") == ["EU-RO-1"]
+    assert ids(networkVolumeTypes="STANDARD,HIGH_PERFORMANCE") == ["EU-RO-1"]
+    assert ids(compliance="GDPR") == ["EUR-IS-1", "EU-RO-1"]
+    one = api.call("GET", "/catalog/datacenters/EU-RO-1",
+                   params={"include": "GPU_AVAILABILITY"}).json()
+    assert one["globalNetwork"] is True and one["name"] == "EU Romania 1"
+    assert {g["id"]: g["availability"] for g in one["gpuAvailability"]}[H100] == "HIGH"
+    assert api.call("GET", "/catalog/datacenters/NOPE-1").status_code == 404
+    r = api.call("GET", "/catalog/datacenters", params={"globalNetwork": "yes",
+                                                        "regions": "MARS"})
+    assert r.status_code == 422
+    errors = r.json()["errors"]
+    assert errors[0] == "$.globalNetwork: 'yes' is not of type 'boolean'"
+    assert errors[1].startswith("$.regions[0]: 'MARS' is not one of ['NORTH_AMERICA', ")
+
+    body = {"name": "gn", "image": "busy:1", "gpu": {"id": H100}, "globalNetworking": True}
+
+    def refused(**changes: Any) -> str:
+        r = api.call("POST", "/pods", json={**body, **changes})
+        assert r.status_code == 400, r.text
+        return r.json()["detail"]
+
+    assert refused(cloud="COMMUNITY") == "global networking requires Secure Cloud"
+    assert refused(gpu={"id": AMD["id"]}) == (
+        "global networking requires an NVIDIA GPU (AMD Instinct MI300X OAM is AMD)")
+    cpu = {k: v for k, v in body.items() if k != "gpu"}
+    r = api.call("POST", "/pods", json={**cpu, "cpu": {"id": "cpu3c", "vcpuCount": 2}})
+    assert r.json()["detail"] == "global networking requires an NVIDIA GPU"
+    assert refused(dataCenterIds=["EUR-IS-1"]) == (
+        "data center EUR-IS-1 does not support global networking (see GET "
+        "/v2/catalog/datacenters?globalNetwork=true)")
+    assert refused(dataCenterIds=["NOPE-1", "EU-RO-1"]).startswith(
+        "unknown data center 'NOPE-1': dataCenterIds must be ids from GET "
+        "/v2/catalog/datacenters, one of 'EUR-IS-1', 'US-KS-2', 'EU-RO-1'")
+    assert "unknown data center 'NOPE-1'" in refused(globalNetworking=False,
+                                                      dataCenterIds=["NOPE-1"])
+
+    cloud.hold_provisioning("^held-")  # placement is what is looked at: they need not run
+    placed = {name: api.call("POST", "/pods", json={**body, "name": name, **changes}).json()
+              ["dataCenterId"] for name, changes in {
+                  "held-gn": {"dataCenterIds": ["EUR-IS-1", "EU-RO-1", "US-KS-2"]},
+                  "held-plain": {"globalNetworking": False,
+                                 "dataCenterIds": ["EUR-IS-1", "EU-RO-1"]},
+                  "held-default": {"globalNetworking": False}}.items()}
+    assert placed == {"held-gn": "EU-RO-1", "held-plain": "EUR-IS-1",
+                      "held-default": "EUR-IS-1"}
+    # Without dataCenterIds: the first data center that has Global Networking.
+    pod = api.call("POST", "/pods", json=body).json()
+    assert pod["dataCenterId"] == "US-KS-2"
+    view = cloud.wait_status(pod["id"], "RUNNING")
+    assert view.process_env["RUNPOD_DC_ID"] == "US-KS-2" == view.data_center
+
+    cluster = {"name": "held-c", "type": "TRAINING", "image": "busy:1",
+               "compute": {"gpuTypeId": H100, "gpuCountPerPod": 1, "podCount": 2}}
+    r = api.call("POST", "/clusters", json={**cluster, "dataCenterIds": ["NOPE-1"]})
+    assert r.status_code == 400 and "unknown data center 'NOPE-1'" in r.json()["detail"]
+    r = api.call("POST", "/clusters", json={**cluster, "dataCenterIds": ["EU-RO-1", "US-KS-2"]})
+    assert r.status_code == 201 and r.json()["dataCenterId"] == "EU-RO-1"
+    members = api.call("GET", f"/clusters/{r.json()['id']}/pods").json()["pods"]
+    assert [p["dataCenterId"] for p in members] == ["EU-RO-1"] * 2
+    assert api.call("DELETE", f"/clusters/{r.json()['id']}").status_code == 204
+    assert [x.schema_errors for x in cloud.invalid_requests()] == [errors]
+
+
+def test_gpu_ids_only_from_the_catalog(cloud: FakeRunPodCloud, api: Api) -> None:
+    r = api.call("POST", "/pods", json={"name": "x", "image": "busy:1",
+                                        "gpu": {"id": "H100 SXM"}})
+    assert r.status_code == 400
+    assert r.json()["detail"] == (
+        "unknown GPU type 'H100 SXM': gpu.id must be a GPU type id from GET /v2/catalog/gpus, "
+        "one of 'NVIDIA H100 80GB HBM3', 'NVIDIA A100 80GB PCIe', 'NVIDIA GeForce RTX 4090'")
+    r = api.call("POST", "/clusters", json={
+        "name": "c", "type": "TRAINING", "image": "busy:1",
+        "compute": {"gpuTypeId": "H100 SXM", "gpuCountPerPod": 1, "podCount": 2}})
+    assert r.status_code == 400
+    assert r.json()["detail"].startswith("unknown GPU type 'H100 SXM': compute.gpuTypeId must "
+                                         "be a GPU type id from GET /v2/catalog/gpus, one of")
+    assert cloud.pods == {} and cloud.invalid_requests() == []
+
+
+SECRET = "ghcr.io/me/secret:1"
+
+
+def test_private_images_pull_only_with_their_registry_credential(make_cloud: MakeCloud) -> None:
+    registries = [{"id": "reg_1", "name": "ghcr-me"}, {"id": "reg_2", "name": "dockerhub"}]
+    cloud = make_cloud(images={**IMAGES, SECRET: IMAGES["busy:1"]}, registries=registries,
+                       private_images={SECRET: "reg_1"})
+    api = Api(cloud)
+    assert api.call("GET", "/registries").json() == {"registries": registries}
+    assert api.call("GET", "/registries/reg_2").json() == registries[1]
+    assert api.call("GET", "/registries/reg_9").status_code == 404
+
+    body = {"name": "s", "image": SECRET, "gpu": {"id": H100}}
+    r = api.call("POST", "/pods", json={**body, "registry": "reg_9"})
+    assert r.status_code == 400
+    assert r.json()["detail"] == "registry credential 'reg_9' not found (see GET /v2/registries)"
+    made = {}
+    for name, registry in (("with", "reg_1"), ("without", None), ("wrong", "reg_2")):
+        r = api.call("POST", "/pods", json={**body, "name": name, "registry": registry})
+        assert r.status_code == 201 and r.json()["registry"] == registry
+        made[name] = r.json()["id"]
+    cluster = api.call("POST", "/clusters", json={
+        "name": "c", "type": "TRAINING", "image": SECRET,
+        "compute": {"gpuTypeId": H100, "gpuCountPerPod": 1, "podCount": 2}}).json()
+    members = [p["id"] for p in api.call("GET", f"/clusters/{cluster['id']}/pods").json()["pods"]]
+
+    api.wait_pod(made["with"], "RUNNING")
+    for pod_id in (made["without"], made["wrong"], *members):
+        assert cloud.wait_status(pod_id, "ERROR").starts == 0
+        assert f"failed to pull image {SECRET}: unauthorized: authentication required" in [
+            x.line for x in cloud.logs(pod_id)]
+        assert api.pod(pod_id)["cost"] == 0.0
+    # Clusters take no registry (CreateClusterRequest has none).
+    r = api.call("POST", "/clusters", json={
+        "name": "c2", "type": "TRAINING", "image": SECRET, "registry": "reg_1",
+        "compute": {"gpuTypeId": H100, "gpuCountPerPod": 1, "podCount": 2}})
+    assert r.status_code == 422
+    assert r.json()["errors"] == ["$: additional properties 'registry' not allowed"]
+
+
+@pytest.mark.parametrize("resume", ["after", "again"])
+def test_log_event_ids_are_timestamps_and_resuming_plays_either_way(
+        make_cloud: MakeCloud, resume: str) -> None:
+    cloud = make_cloud(log_resolution=1.0, log_resume=resume)
+    api = Api(cloud)
+    pod_id = api.call("POST", "/pods", json={"name": "p", "image": "busy:1",
+                                             "gpu": {"id": H100}}).json()["id"]
+    wait_for(lambda: "hello" in [x.line for x in cloud.logs(pod_id)], timeout=20,
+             what="hello")
+    logs = cloud.logs(pod_id)
+    assert all(x.us % 1_000_000 == 0 for x in logs)
+    # A second of several lines ("pod placed", "pulling image", ... come together).
+    shared = next(i for i, n in collections.Counter(x.event_id for x in logs).items() if n > 1)
+    first = next(x for x in logs if x.event_id == shared)
+    # A client got the first line of that second, and then its connection broke.
+    got = events(api, pod_id, lambda got: got[-1]["id"] == shared, tail=5000)
+    assert got[-1]["data"] == {"ts": shared, "source": first.source, "line": first.line}
+    # Something after that second, for the resumed stream to end on.
+    time.sleep(max(0.0, first.ts + 1.05 - time.time()))
+    assert api.call("POST", f"/pods/{pod_id}/action", json={"action": "stop"}).ok
+    wait_for(lambda: cloud.logs(pod_id)[-1].line.endswith("(stop)"), timeout=10,
+             what="the container stopped")
+    logs = cloud.logs(pod_id)
+    resumed = events(api, pod_id, lambda got: got[-1]["data"]["line"].endswith("(stop)"),
+                     headers={"Last-Event-ID": shared})
+    sent = [(e["id"], e["data"]["line"]) for e in resumed]
+    if resume == "after":  # what that second had not sent yet is lost
+        assert sent == [(x.event_id, x.line) for x in logs if x.us > first.us]
+        assert shared not in [i for i, _ in sent]
+    else:  # what that second had sent comes again
+        assert sent == [(x.event_id, x.line) for x in logs if x.us >= first.us]
+        assert sent[0] == (shared, first.line)
+
+    # Last-Event-ID is a date-time: any one, but the old "<ts>/<seq>" is none.
+    r = api.call("GET", f"/pods/{pod_id}/logs", headers={"Last-Event-ID": f"{shared}/000001"})
+    assert r.status_code == 422
+    assert r.json()["errors"] == [f"$.Last-Event-ID: '{shared}/000001' is not a 'date-time'"]
+    got = events(api, pod_id, lambda got: True,
+                 headers={"Last-Event-ID": "2000-01-01T01:00:00.123456+01:00"})
+    assert got[0]["id"] == logs[0].event_id
+    # A proxy drops the stream: the server ends it, the client must connect again.
+    got = events(api, pod_id, lambda got: True, tail=1, then=cloud.drop_log_streams)
+    assert [e["data"]["line"] for e in got] == [logs[-1].line]
+    assert cloud.log_connections(pod_id) == 4
+
+
+def _limits(r: requests.Response) -> dict[str, tuple[int, int]]:
+    """RateLimit: window -> (requests left, seconds until it resets)."""
+    return {m[0]: (int(m[1]), int(m[2]))
+            for m in re.findall(r'"(\w+)";r=(\d+);t=(\d+)', r.headers["RateLimit"])}
+
+
+def test_rate_limits_per_window(make_cloud: MakeCloud) -> None:
+    cloud = make_cloud(rate_limits={"minute": 5, "hour": 9},
+                       rate_windows={"minute": 2, "hour": 30})
+    cloud.hold_provisioning(".")
+    api = Api(cloud)
+    r = api.call("POST", "/pods", json={"name": "p", "image": "busy:1", "gpu": {"id": H100}})
+    assert r.status_code == 201 and r.headers["RateLimit-Policy"] == \
+        '"minute";q=5;w=2, "hour";q=9;w=30'
+    left = [_limits(r)]
+    with api.call("GET", f"/pods/{r.json()['id']}/logs", stream=True) as stream:  # one request
+        assert stream.status_code == 200
+        left.append(_limits(stream))
+    left += [_limits(api.call("GET", "/pods")) for _ in range(3)]
+    assert [x["minute"][0] for x in left] == [4, 3, 2, 1, 0]
+    assert [x["hour"][0] for x in left] == [8, 7, 6, 5, 4]
+    assert all(1 <= x["minute"][1] <= 2 and x["hour"][1] <= 30 for x in left)
+
+    # Over the minute's quota: 429, and nothing is done.
+    r = api.call("POST", "/pods", json={"name": "q", "image": "busy:1", "gpu": {"id": H100}})
+    assert r.status_code == 429
+    assert r.json()["detail"] == "rate limit exceeded for the minute window"
+    assert 1 <= int(r.headers["Retry-After"]) <= 2 and _limits(r)["minute"][0] == 0
+    assert len(cloud.pods) == 1
+    # Neither a 401 nor a fault counts, and neither carries the headers.
+    r401 = Api(cloud, "rpa_wrong").call("GET", "/pods")
+    assert r401.status_code == 401 and "RateLimit" not in r401.headers
+    cloud.fail_next(1, 503)
+    r503 = api.call("GET", "/pods")
+    assert r503.status_code == 503 and "RateLimit" not in r503.headers
+    assert cloud.calls_per_window() == {"minute": 5, "hour": 5}
+
+    time.sleep(int(r.headers["Retry-After"]))  # a new minute, the same hour
+    left = [_limits(api.call("GET", "/pods")) for _ in range(4)]
+    assert [x["hour"][0] for x in left] == [3, 2, 1, 0]
+    r = api.call("GET", "/pods")
+    assert r.status_code == 429 and r.json()["detail"] == "rate limit exceeded for the hour window"
+    assert 2 < int(r.headers["Retry-After"]) <= 30
+    assert cloud.requests[-1].headers["Retry-After"] == r.headers["Retry-After"]
+
+
+@pytest.mark.parametrize("mode", ["refuse", "own", "account"])
+def test_what_a_pod_scoped_key_may_do(make_cloud: MakeCloud, mode: str) -> None:
+    cloud = make_cloud(pod_key=mode, rate_limits=None)  # the document's quotas: a few calls
+    cloud.hold_provisioning(".")
+    api = Api(cloud)
+    mine, other = [api.call("POST", "/pods", json={"name": n, "image": "busy:1",
+                                                   "gpu": {"id": H100}}).json()["id"]
+                   for n in ("mine", "other")]
+    pod = Api(cloud, cloud.pods[mine].api_key)
+    answers = [pod.call("GET", f"/pods/{mine}"), pod.call("GET", f"/pods/{other}"),
+               pod.call("GET", "/pods"),
+               pod.call("POST", f"/pods/{mine}/action", json={"action": "stop"})]
+    assert [r.status_code for r in answers] == {
+        "refuse": [403] * 4, "own": [200, 403, 403, 200], "account": [200] * 4}[mode]
+    # A 403 answers an authenticated request too: it carries the rate limit headers.
+    assert all(r.headers["RateLimit-Policy"] == DOC_POLICY for r in answers)
+    if mode != "refuse":
+        assert answers[3].json()["status"] == "EXITED"
+        again = pod.call("POST", f"/pods/{mine}/action", json={"action": "stop"})
+        assert again.status_code == 409
+        assert "not valid for a pod that is EXITED" in again.json()["detail"]
+    # Whose key made each request; each key is counted apart.
+    keys = [r.key for r in cloud.requests]
+    assert keys[:2] == ["account", "account"] and set(keys[2:]) == {f"pod:{mine}"}
+    assert cloud.calls_per_window(f"pod:{mine}")["minute"] == len(keys) - 2
+    assert cloud.calls_per_window() == {"minute": 2, "hour": 2, "day": 2}
+    assert Api(cloud, "rpa_unknown").call("GET", "/pods").status_code == 401
+    assert cloud.requests[-1].key is None
+
+
+# --------------------------------------------------------------------------------------------
+# fault injection and measurement
+
+
+def test_garbled_answers_are_carried_out(cloud: FakeRunPodCloud, api: Api) -> None:
+    body = {"name": "g", "image": "busy:1", "gpu": {"id": H100}}
+    cloud.hold_provisioning(".")
+    cloud.garble_next(1, match=r"^POST /v2/pods$")  # 200, no body
+    r = api.call("POST", "/pods", json=body)
+    assert (r.status_code, r.content) == (200, b"") and "Content-Type" not in r.headers
+    [pod_id] = cloud.pods  # created all the same
+    cloud.garble_next(1, 201, b"not json", match=r"^GET /v2/pods/")
+    r = api.call("GET", f"/pods/{pod_id}")
+    assert (r.status_code, r.content) == (201, b"not json")
+    assert r.headers["Content-Type"] == "application/json"
+    cloud.garble_next(2, body=b'{"id": 5}')  # whatever comes
+    got = [api.call("GET", p) for p in ("/pods", "/catalog/gpus", "/pods")]
+    assert [r.content for r in got[:2]] == [b'{"id": 5}'] * 2
+    assert [p["id"] for p in got[2].json()["pods"]] == [pod_id]  # answered as ever
+    cloud.garble_next(1, body=b"{}")
+    r = api.call("DELETE", f"/pods/{pod_id}")
+    assert (r.status_code, r.content) == (200, b"{}")
+    assert cloud.pods[pod_id].status == "TERMINATED"
+    assert [x.fault for x in cloud.requests] == [True, True, True, True, False, True]
+    assert cloud.invalid_requests() == []
+
+
+def test_creates_take_their_time_in_parallel_and_pods_bill_by_the_second(
+        make_cloud: MakeCloud) -> None:
+    cloud = make_cloud(create_delay=1.0)
+    cloud.hold_provisioning("^held-")
+
+    def create(name: str, image: str = "busy:1") -> requests.Response:
+        return Api(cloud).call("POST", "/pods", json={"name": name, "image": image,
+                                                       "gpu": {"id": H100}})
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        made = list(pool.map(create, [f"held-{i}" for i in range(4)]))
+    took = time.monotonic() - t0
+    assert [r.status_code for r in made] == [201] * 4
+    assert 1.0 <= took < 2.5, took  # in turn: 4 seconds
+
+    pod_id = create("s", "stubborn:1").json()["id"]
+    wait_for(lambda: "up" in [x.line for x in cloud.logs(pod_id)], timeout=20,
+             what="SIGTERM ignored")
+    time.sleep(0.3)
+    api = Api(cloud)
+    stopped = api.call("POST", f"/pods/{pod_id}/action", json={"action": "stop"})
+    assert stopped.json()["status"] == "EXITED" and stopped.json()["cost"] == 0.0
+    # EXITED at once, though the container has its grace (2 s): stopping again is 409.
+    again = api.call("POST", f"/pods/{pod_id}/action", json={"action": "stop"})
+    assert again.status_code == 409 and cloud.pods[pod_id].exits == ()
+    view = cloud.pods[pod_id]
+    assert view.price == 2.99 and 0.3 <= view.billed_seconds < 30
+    assert view.billed_dollars == pytest.approx(view.billed_seconds * 2.99 / 3600)
+    exit_ = wait_for(lambda: cloud.pods[pod_id].exits, timeout=10, what="the exit")[0]
+    assert (exit_.code, exit_.stopped_by) == (128 + 9, "stop")
+    assert cloud.pods[pod_id].billed_seconds == view.billed_seconds  # no more since the stop
+    held = cloud.pods[made[0].json()["id"]]
+    assert held.status == "PROVISIONING"
+    assert cloud.pods[held.id].billed_seconds > held.billed_seconds  # still billing

@@ -13,10 +13,10 @@ a client creating pods and clusters through the API can be tested end to end.
 https://api.runpod.io: the client appends /v2/....
 
 Faithful to RunPod's published v2 document (runpod_v2_schema.json holds its schemas):
-- the endpoints for the GPU catalog, pods (create, list, get, terminate, actions, the SSE log
-  stream) and clusters (create, list, get, their pods, delete), with Bearer auth, the status
-  codes the document gives (201, 204, 400, 401, 404, 409, 422, 429 with Retry-After) and
-  application/problem+json ErrorResponse bodies;
+- the endpoints for the GPU and data center catalogs, registry credentials (list, get), pods
+  (create, list, get, terminate, actions, the SSE log stream) and clusters (create, list, get,
+  their pods, delete), with Bearer auth, the status codes the document gives (201, 204, 400, 401,
+  403, 404, 409, 422, 429 with Retry-After) and application/problem+json ErrorResponse bodies;
 - every request body and query parameter is checked against the schemas (unknown fields are
   refused with 422, each violation listed in `errors` as RunPod words it:
   "$: additional properties 'bogus' not allowed"), and so is every answer of the fake's own; a
@@ -33,14 +33,78 @@ Faithful to RunPod's published v2 document (runpod_v2_schema.json holds its sche
   NUM_TRAINERS, HOST_NODE_ADDR, WORLD_SIZE); Global Networking pods answer in DNS as
   <id>.runpod.internal on interface podnet1, cluster members talk over ens1.
 
+Rules the document states beyond its schema (paths in RunPod's docs repository):
+- Global Networking (api-reference-v2/openapi.json, CreatePodRequest.globalNetworking: "Requires
+  an NVIDIA GPU and a global-networking-enabled data center", DataCenter.globalNetwork;
+  pods/networking.mdx: NVIDIA GPU pods only, in the data centers it lists;
+  runpodctl/reference/runpodctl-pod.mdx, --global-networking: "Secure Cloud only"): 400 for a CPU
+  pod, a GPU whose catalog manufacturer is not NVIDIA, or COMMUNITY cloud. A pod is placed in
+  the first of its dataCenterIds whose globalNetwork is true (400 when none is), without
+  dataCenterIds in the default data center if it supports it, else the catalog's first that does.
+- Data centers (openapi.json, GET /v2/catalog/datacenters and /{id}, CreatePodRequest and
+  CreateClusterRequest.dataCenterIds: "Preferred data centers"; "A cluster is always placed within
+  a single data center"): the catalog (`data_centers`) is served with the document's filters
+  (regions: any of; networkVolumeTypes, compliance: all of; globalNetwork) and
+  include=GPU_AVAILABILITY; a dataCenterIds entry that is not in it is 400 ("unknown data
+  center"); a pod or cluster goes to the first listed (the default `data_center` when none is),
+  which its dataCenterId and RUNPOD_DC_ID (pods/templates/environment-variables.mdx) show.
+- GPU type ids (openapi.json, GpuType.id: "use for pod creation"; ClusterCompute.gpuTypeId: "as
+  returned by GET /v2/catalog/gpus"): gpu.id and compute.gpuTypeId must be a catalog `id` (a
+  display name such as "H100 SXM" is 400, naming the valid ids).
+- Registry credentials (openapi.json, ContainerConfig.registry: "Container registry credential ID
+  (for private images)", GET /v2/registries and /{id}; CreateClusterRequest: "Private registries
+  are not yet supported for clusters"): a pod's `registry` must name a credential (`registries`)
+  or it is 400 ("registry credential ... not found"), and the Pod echoes it; an image of
+  `private_images` pulls only with its credential: without it (always, for cluster members) the
+  pull fails ("unauthorized: authentication required") and the pod is ERROR.
+- Log events (openapi.json, GET /v2/pods/{id}/logs: "Log-event `id` values are the event `ts`
+  timestamp"; parameters LogLastEventID, LogSince, LogTail): an event's id is its ts (RFC 3339),
+  stamped at `log_resolution` (lines close together share one); Last-Event-ID must be a
+  date-time (else 422) and takes precedence over `since` (inclusive), both over `tail`. (The
+  path's example event still has an id "<ts>/<seq>": the text and the header's `format:
+  date-time` win.) Where the
+  stream "resumes from this point" is left open, so `log_resume` plays it either way: "after"
+  (lines later than the cursor: unsent lines sharing its ts are lost) or "again" (lines at or
+  after it: those sharing its ts are sent again).
+- Rate limits (openapi.json, components.responses.TooManyRequestsError,
+  components.schemas.RateLimitHeader and RateLimitPolicyHeader, the IETF ratelimit-headers
+  draft): every answer to an authenticated request carries RateLimit ("minute";r=59;t=60, ...)
+  and RateLimit-Policy ("minute";q=60;w=60, ...); over a quota it is 429 with Retry-After and
+  "rate limit exceeded for the <window> window", and nothing is done. Counted per key (the
+  account's, each pod's apart) in fixed windows from a key's first request (`rate_limits`,
+  `rate_windows`); a refused request is not counted; 401s are not counted and carry no such
+  headers, and neither does any answer with `rate_limits={}` ("omitted for rate-limit-exempt
+  callers").
+- Pod-scoped keys (pods/templates/environment-variables.mdx: "RUNPOD_API_KEY | Pod-scoped API
+  key"; openapi.json, securitySchemes.bearerAuth: "requests may return 403 when a valid key lacks
+  access"): what such a key may do is not documented, so `pod_key` chooses: "refuse" (403 for
+  everything), "own" (GET and actions of its own pod only) or "account" (what the account may).
+- Secrets (pods/templates/secrets.mdx, environment-variables.mdx: an env value
+  `{{ RUNPOD_SECRET_<name> }}` is the secret's value in the container): the account's secrets
+  (`secrets`, name -> value) are put in at each container start; the API echoes the reference,
+  never the value. An unknown name stays as written.
+- Actions (openapi.json, POST /v2/pods/{id}/action: "Requesting an action that is not valid for
+  the pod's current status returns 409"): a stop makes the pod EXITED at once, while its container
+  still gets the grace, so a second stop is 409.
+
+Fault injection and measurement (the fake's own, no rule of the document):
+- `fail_next` answers with an error (after carrying the request out, if asked) and is not
+  counted against the rate limits; `garble_next` carries a request out (counted, as the API saw
+  it) and answers it with a 2xx and a body of nonsense, unchecked and without RateLimit
+  headers; `drop_log_streams` closes every open log stream (as a proxy does) and
+  `log_connections` counts a pod's streams;
+- `create_delay`: creates wait this long before they are carried out (in parallel, not in turn);
+- each pod's time in a billing status and its price (`PodView.billed_seconds`, `.price`: pods
+  are billed by the second, pods/pricing.mdx).
+
 Simplified (the fake's own choices):
-- one data center (`data_center`, or the first of the request's dataCenterIds), capacity is
-  unlimited unless `no_capacity()` says otherwise; no templates (templateId is 400), no PATCH
-  (501), RAY and SLURM clusters are 400; a pod-scoped key is refused everywhere (403);
+- capacity is unlimited unless `no_capacity()` says otherwise, in every data center; no templates
+  (templateId is 400), no PATCH, no registry changes, no CPU catalog (501 for what the fake does
+  not serve); RAY and SLURM clusters are 400;
 - a terminated pod leaves the API at once: it is no longer listed and GET answers 404, while its
   processes are stopped and its namespace deleted in the background (`pods[id].torn_down` says
   when that is over, `wait_torn_down()` waits for it); log streams already open end only then,
-  so they carry the container's last lines;
+  so they carry the container's last lines; its pod-scoped key stays valid (never 401);
 - ERROR costs 0.0 and does not bill; after `max_restarts` automatic restarts in a row the pod is
   ERROR; an image missing from `images` fails to pull (ERROR);
 - volumes: a persistent mount is a directory of its own per pod under `root`, a network volume
@@ -65,6 +129,7 @@ import dataclasses
 import datetime as dt
 import http
 import json
+import math
 import os
 import re
 import secrets
@@ -104,13 +169,17 @@ from tests.harness.pods import (
 
 __all__ = [
     "BILLING",
+    "DEFAULT_DATA_CENTERS",
     "DEFAULT_GPUS",
+    "DEFAULT_RATE_LIMITS",
+    "DEFAULT_RATE_WINDOWS",
     "SCHEMAS",
     "Exit",
     "FakeRunPodCloud",
     "Leftover",
     "LogLine",
     "PodView",
+    "RateLimiter",
     "RequestRecord",
     "Schemas",
 ]
@@ -118,6 +187,7 @@ __all__ = [
 SCHEMA_FILE = Path(__file__).with_name("runpod_v2_schema.json")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _DOC_URI = "urn:runpod:api-v2"
+_SECRET_REF = re.compile(r"\{\{\s*RUNPOD_SECRET_([A-Za-z0-9_.-]+)\s*\}\}")
 _REF_PREFIX = "#/components/schemas/"
 
 BILLING = ("PROVISIONING", "STARTING", "RUNNING")
@@ -148,6 +218,22 @@ DEFAULT_GPUS: tuple[dict[str, Any], ...] = (
      "manufacturer": "NVIDIA", "memory": 24, "secure": True, "community": True,
      "price": {"secure": 0.44, "community": 0.31}, "maxCount": {"secure": 8, "community": 4}},
 )
+# The first is the default placement. EUR-IS-1 is not among the data centers that
+# pods/networking.mdx lists for Global Networking.
+DEFAULT_DATA_CENTERS: tuple[dict[str, Any], ...] = (
+    {"id": "US-KS-2", "name": "US Kansas 2", "region": "NORTH_AMERICA", "globalNetwork": True,
+     "networkVolumeTypes": ["STANDARD"], "compliance": []},
+    {"id": "EU-RO-1", "name": "EU Romania 1", "region": "EUROPE", "globalNetwork": True,
+     "networkVolumeTypes": ["STANDARD", "HIGH_PERFORMANCE"], "compliance": ["GDPR"]},
+    {"id": "EUR-IS-1", "name": "EUR Iceland 1", "region": "EUROPE", "globalNetwork": False,
+     "networkVolumeTypes": ["STANDARD"], "compliance": ["GDPR"]},
+)
+# The document's example (components.schemas.RateLimitPolicyHeader): quota per window, and
+# each window's length in seconds.
+DEFAULT_RATE_LIMITS = {"minute": 60, "hour": 3000, "day": 50000}
+DEFAULT_RATE_WINDOWS = {"minute": 60.0, "hour": 3600.0, "day": 86400.0}
+LOG_RESUME = ("after", "again")
+POD_KEY = ("refuse", "own", "account")
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,8 +270,13 @@ class Schemas:
 
     def parameter_errors(self, name: str, value: Any) -> list[str]:
         """A query or header parameter of the document (e.g. "tail") against its schema."""
-        schema = self.parameters[name]["schema"]
-        found = self._validator("parameter:" + name, schema).iter_errors(value)
+        return self.value_errors(name, self.parameters[name]["schema"], value)
+
+    def value_errors(self, name: str, schema: Any, value: Any) -> list[str]:
+        """A value named `name` (in messages: "$.<name>...") against a schema of its own, whose
+        refs point into the document's schemas (a parameter defined inline in a path)."""
+        key = "value:" + json.dumps(schema, sort_keys=True)
+        found = self._validator(key, schema).iter_errors(value)
         out = []
         for e in found:
             m = self._message(schema, e)
@@ -258,6 +349,22 @@ def _absolute_refs(schema: Any) -> Any:
 SCHEMAS = Schemas()
 
 
+def _catalog(schema: str, entries: Sequence[Mapping[str, Any]],
+             empty: bool = True) -> list[dict[str, Any]]:
+    """Copies of `entries`, each checked against the document's `schema`, their ids unique."""
+    out = [json.loads(json.dumps(e)) for e in entries]
+    if not out and not empty:
+        raise ValueError(f"a catalog of {schema} needs at least one entry")
+    for entry in out:
+        errors = SCHEMAS.errors(schema, entry)
+        if errors:
+            raise ValueError(f"{entry.get('id')!r} is no {schema}: {errors}")
+    ids = [e["id"] for e in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"ids of {schema} entries repeat: {ids}")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # what tests see
 
@@ -271,7 +378,9 @@ class RequestRecord:
     status: int  # what the fake answered
     schema_errors: list[str]  # the request against the document; [] when valid
     time: float  # time.time() when it arrived
-    fault: bool = False  # answered by fail_next
+    fault: bool = False  # answered by fail_next or garble_next
+    key: str | None = None  # whose key: "account", "pod:<pod id>", None (none or unknown)
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)  # RateLimit, Retry-After..
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,13 +395,19 @@ class Exit:
 @dataclasses.dataclass(frozen=True)
 class LogLine:
     seq: int
-    ts: float
+    ts: float  # its arrival, rounded down to the fake's log_resolution
     source: str  # "container" or "system"
     line: str
 
     @property
+    def us(self) -> int:
+        """ts in whole microseconds: what resuming compares (floats of two origins may not)."""
+        return round(self.ts * 1_000_000)
+
+    @property
     def event_id(self) -> str:
-        return f"{_rfc3339(self.ts)}/{self.seq:012d}"
+        # The document: "Log-event `id` values are the event `ts` timestamp".
+        return _rfc3339(self.ts)
 
     def sse(self) -> bytes:
         data = json.dumps({"ts": _rfc3339(self.ts), "source": self.source, "line": self.line},
@@ -315,6 +430,15 @@ class PodView:
     starts: int
     torn_down: bool  # terminated and its namespace deleted
     ip: str | None
+    registry: str | None  # the registry credential id it was created with
+    data_center: str  # where it was placed
+    price: float  # $/h while billing
+    billed_seconds: float  # time in PROVISIONING, STARTING, RUNNING (until now, if still so)
+
+    @property
+    def billed_dollars(self) -> float:
+        """What it cost so far (RunPod bills pods by the second: pods/pricing.mdx)."""
+        return self.billed_seconds * self.price / 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,17 +452,104 @@ def _rfc3339(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def parse_rfc3339(text: str) -> float | None:
-    """Seconds since the epoch, or None when `text` is no RFC 3339 date-time."""
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def parse_rfc3339_us(text: str) -> int | None:
+    """Whole microseconds since the epoch (finer digits dropped), or None when `text` is no
+    RFC 3339 date-time."""
     m = re.fullmatch(r"(\d{4}-\d\d-\d\d)[Tt ](\d\d:\d\d:\d\d)(\.\d+)?([Zz]|[+-]\d\d:\d\d)", text)
     if not m:
         return None
     frac = (m.group(3) or ".0")[1:7].ljust(6, "0")
     zone = "+00:00" if m.group(4) in ("Z", "z") else m.group(4)
     try:
-        return dt.datetime.fromisoformat(f"{m.group(1)}T{m.group(2)}.{frac}{zone}").timestamp()
+        when = dt.datetime.fromisoformat(f"{m.group(1)}T{m.group(2)}.{frac}{zone}")
     except ValueError:
         return None
+    return (when - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+def parse_rfc3339(text: str) -> float | None:
+    """Seconds since the epoch, or None when `text` is no RFC 3339 date-time."""
+    us = parse_rfc3339_us(text)
+    return None if us is None else us / 1_000_000
+
+
+# --------------------------------------------------------------------------------------------
+# rate limits
+
+
+@dataclasses.dataclass
+class _Window:
+    start: float  # the clock at its first request
+    used: int = 0
+
+
+class RateLimiter:
+    """RunPod's per-window quotas (components.responses.TooManyRequestsError): fixed windows per
+    key, each from the key's first request in it until its length is over; the state goes out
+    as the IETF ratelimit-headers draft's RateLimit and RateLimit-Policy, in the document's
+    format (components.schemas.RateLimitHeader, RateLimitPolicyHeader)."""
+
+    def __init__(self, limits: Mapping[str, int], windows: Mapping[str, float],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        missing = sorted(set(limits) - set(windows))
+        if missing:
+            raise ValueError(f"no window length for {missing}")
+        if any(q < 0 for q in limits.values()) or any(float(windows[n]) <= 0 for n in limits):
+            raise ValueError(f"bad rate limits {dict(limits)} / windows {dict(windows)}")
+        self.limits = {n: int(q) for n, q in limits.items()}
+        self.lengths = {n: float(windows[n]) for n in limits}
+        self.clock = clock
+        self.policy = ", ".join(f'"{n}";q={q};w={math.ceil(self.lengths[n])}'
+                                for n, q in self.limits.items())
+        self._keys: dict[str, dict[str, _Window]] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, key: str) -> tuple[str | None, dict[str, str]]:
+        """Count a request of `key`: (None, headers) when every quota allows it; else (the
+        exceeded window, headers with Retry-After) and it is not counted (nothing was done).
+        Without limits: (None, {}), an exempt caller's."""
+        if not self.limits:
+            return None, {}
+        with self._lock:
+            now = self.clock()
+            windows = self._current(key, now)
+            over = [n for n, w in windows.items() if w.used >= self.limits[n]]
+            if not over:
+                for w in windows.values():
+                    w.used += 1
+            headers = {"RateLimit": self._state(windows, now), "RateLimit-Policy": self.policy}
+        if not over:
+            return None, headers
+        # The one to wait for longest: retrying before it resets is refused again.
+        worst = max(over, key=lambda n: self._left(windows[n], n, now))
+        headers["Retry-After"] = str(max(1, math.ceil(self._left(windows[worst], worst, now))))
+        return worst, headers
+
+    def used(self, key: str) -> dict[str, int]:
+        """Requests of `key` counted in each window now (0 in one that is over: looking starts
+        no window)."""
+        with self._lock:
+            now, windows = self.clock(), self._keys.get(key, {})
+            return {n: (windows[n].used if n in windows and now < windows[n].start + length
+                        else 0) for n, length in self.lengths.items()}
+
+    def _current(self, key: str, now: float) -> dict[str, _Window]:
+        windows = self._keys.setdefault(key, {})
+        for name, length in self.lengths.items():
+            if name not in windows or now >= windows[name].start + length:
+                windows[name] = _Window(now)
+        return windows
+
+    def _left(self, window: _Window, name: str, now: float) -> float:
+        return window.start + self.lengths[name] - now
+
+    def _state(self, windows: dict[str, _Window], now: float) -> str:
+        return ", ".join(
+            f'"{n}";r={self.limits[n] - w.used};t={max(0, math.ceil(self._left(w, n, now)))}'
+            for n, w in windows.items())
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +575,8 @@ class _PodState:
     global_networking: bool = False
     cluster: dict[str, Any] | None = None
     start_jupyter: bool = False
-    status: str = "PROVISIONING"
+    registry: str | None = None
+    status: str = "PROVISIONING"  # change it with set_status: billing follows it
     want: str = "run"  # run | stop | terminate: what the API last asked for
     generation: int = 0  # bumped by start and restart: the container to run is a new one
     gone: bool = False  # terminated: no longer in the API
@@ -389,6 +601,26 @@ class _PodState:
     mount_path: str | None = None
     process_env: dict[str, str] = dataclasses.field(default_factory=dict)
     thread: threading.Thread | None = None
+    log_connections: int = 0
+    billed: float = 0.0  # seconds in a billing status, up to billing_since
+    billing_since: float | None = None  # when it last went into a billing status, if it is in one
+
+    def __post_init__(self) -> None:
+        if self.status in BILLING:
+            self.billing_since = self.created
+
+    def set_status(self, status: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if self.billing_since is not None and status not in BILLING:
+            self.billed += now - self.billing_since
+            self.billing_since = None
+        elif self.billing_since is None and status in BILLING:
+            self.billing_since = now
+        self.status = status
+
+    def billed_seconds(self, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        return self.billed + (now - self.billing_since if self.billing_since is not None else 0.0)
 
     @property
     def gpu_count(self) -> int:
@@ -402,7 +634,7 @@ class _PodState:
         return PodView(self.id, self.name, self.status, dict(self.env), dict(self.process_env),
                        dict(self.cluster) if self.cluster else None, tuple(self.exits),
                        self.harness, self.api_key, self.volume, self.starts, self.torn_down,
-                       self.ip)
+                       self.ip, self.registry, self.dc, self.price, self.billed_seconds())
 
 
 @dataclasses.dataclass(eq=False)
@@ -428,7 +660,7 @@ def pod_json(pod: _PodState, now: float | None = None) -> dict[str, Any]:
         "disk": pod.disk,
         "ports": list(pod.ports),
         "env": dict(pod.env),
-        "registry": None,
+        "registry": pod.registry,
         "status": pod.status,
         "actions": list(ACTIONS[pod.status]),
         "mounts": json.loads(json.dumps(pod.mounts)),
@@ -488,6 +720,7 @@ class _Reply:
     schema: str | None = None  # what body must match (errors: ErrorResponse)
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
     stream: Callable[[BaseHTTPRequestHandler], None] | None = None
+    raw: bytes | None = None  # sent as it is (garble_next), unchecked
 
 
 def _problem(status: int, detail: str, errors: Sequence[str] | None = None,
@@ -516,15 +749,41 @@ class _Fault:
     after_acting: bool = False  # the request is carried out, and then answered with status
 
 
+@dataclasses.dataclass
+class _Garble:
+    remaining: int
+    status: int
+    body: bytes
+    match: re.Pattern[str] | None
+
+
 # The v2 document's endpoints the fake knows: path pattern, then per method the handler, the
 # schema of the request body and the query parameters it takes. A handler of None: in the
 # document but not served by the fake (501).
 _CATALOG_PARAMS = {"include", "product", "count", "cloud", "countryCodes", "cudaVersions",
                    "minCudaVersion"}
+# GET /v2/catalog/datacenters: its comma-separated (style form, explode false) parameters and
+# the schema of their items, as the path defines them inline; globalNetwork is a boolean.
+_DC_LISTS = {"include": "DataCenterInclude", "regions": "DataCenterRegion",
+             "networkVolumeTypes": "VolumeType", "compliance": "Compliance"}
+_DC_FILTERS = {"regions", "networkVolumeTypes", "compliance", "globalNetwork"}
 _ROUTES: list[tuple[re.Pattern[str], dict[str, tuple[str | None, str | None, set[str]]]]] = [
     (re.compile(r"/v2/catalog/gpus"), {"GET": ("_list_gpus", None, _CATALOG_PARAMS)}),
     (re.compile(r"/v2/catalog/gpus/(?P<id>[^/]+)"),
      {"GET": ("_get_gpu", None, _CATALOG_PARAMS)}),
+    (re.compile(r"/v2/catalog/cpus"), {"GET": (None, None, set())}),
+    (re.compile(r"/v2/catalog/cpus/(?P<id>[^/]+)"), {"GET": (None, None, set())}),
+    (re.compile(r"/v2/catalog/datacenters"),
+     {"GET": ("_list_data_centers", None, {"include", *_DC_FILTERS})}),
+    (re.compile(r"/v2/catalog/datacenters/(?P<id>[^/]+)"),
+     {"GET": ("_get_data_center", None, {"include"})}),
+    (re.compile(r"/v2/registries"), {"GET": ("_list_registries", None, set()),
+                                     "POST": (None, None, set())}),
+    (re.compile(r"/v2/registries/delegations"), {"GET": (None, None, set()),
+                                                 "POST": (None, None, set())}),
+    (re.compile(r"/v2/registries/delegations/(?P<id>[^/]+)"), {"DELETE": (None, None, set())}),
+    (re.compile(r"/v2/registries/(?P<id>[^/]+)"), {"GET": ("_get_registry", None, set()),
+                                                    "DELETE": (None, None, set())}),
     (re.compile(r"/v2/pods"), {"GET": ("_list_pods", None, {"includeClusterPods"}),
                                "POST": ("_create_pod", "CreatePodRequest", set())}),
     (re.compile(r"/v2/pods/(?P<id>[^/]+)"), {"GET": ("_get_pod", None, set()),
@@ -545,17 +804,29 @@ _SCHEMA_OF_ANSWER = {"_list_gpus": "ListGpuTypesResponse", "_get_gpu": "GpuType"
                      "_list_pods": "ListPodsResponse", "_create_pod": "Pod", "_get_pod": "Pod",
                      "_pod_action": "Pod", "_list_clusters": "ListClustersResponse",
                      "_create_cluster": "Cluster", "_get_cluster": "Cluster",
-                     "_cluster_pods": "ListPodsResponse"}
+                     "_cluster_pods": "ListPodsResponse",
+                     "_list_data_centers": "ListDataCentersResponse",
+                     "_get_data_center": "DataCenter", "_list_registries": "ListRegistriesResponse",
+                     "_get_registry": "Registry"}
+_CREATES = ("_create_pod", "_create_cluster")
 
 
 @dataclasses.dataclass
 class _Call:
+    """A request as read and routed; answered in turn by auth, rate limits, the route's own
+    refusal, the schema checks and at last the handler `op`."""
+
     method: str
     path: str
     query: dict[str, str]
     headers: Any
     body: Any
-    params: dict[str, str]
+    op: str | None = None  # the handler; None: no route, or one the fake does not serve
+    params: dict[str, str] = dataclasses.field(default_factory=dict)  # from the path
+    refusal: _Reply | None = None  # the route's own answer: 404, 405, 501
+    malformed: str | None = None  # the body is no JSON (400)
+    errors: list[str] = dataclasses.field(default_factory=list)  # against the document (422)
+    slips: list[str] = dataclasses.field(default_factory=list)  # recorded, not refused
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,21 +841,59 @@ class FakeRunPodCloud(ServedFake):
     def __init__(self, net: PodNetwork, dns: DnsServer, root: Path, *, api_key: str,
                  images: Mapping[str, Sequence[str]],
                  gpus: Sequence[Mapping[str, Any]] | None = None,
-                 provision_delay: float = 0.0, max_restarts: int = 3, stop_grace: float = 5.0,
-                 data_center: str = "US-KS-2", host: str = "127.0.0.1", port: int = 0) -> None:
+                 data_centers: Sequence[Mapping[str, Any]] | None = None,
+                 data_center: str | None = None,
+                 registries: Sequence[Mapping[str, str]] = (),
+                 private_images: Mapping[str, str] | None = None,
+                 provision_delay: float = 0.0, create_delay: float = 0.0,
+                 max_restarts: int = 3, stop_grace: float = 5.0,
+                 log_resolution: float = 0.001, log_resume: str = "after",
+                 rate_limits: Mapping[str, int] | None = None,
+                 rate_windows: Mapping[str, float] | None = None,
+                 pod_key: str = "refuse", secrets: Mapping[str, str] | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        """`gpus`, `data_centers` (None: DEFAULT_GPUS, DEFAULT_DATA_CENTERS) and `registries`
+        are the catalogs, each entry checked against the document's GpuType, DataCenter and
+        Registry; `data_center` is the default placement (None: the catalog's first);
+        `private_images` maps an image of `images` to the registry credential id that pulls
+        it. `create_delay`: seconds a create waits before it is carried out.
+        `log_resolution`: seconds to which log timestamps (and so event ids) are rounded down;
+        `log_resume`: "after" or "again" (see the module's docstring). `rate_limits`: quota
+        per window name (None: DEFAULT_RATE_LIMITS; {}: exempt, no limits and no headers),
+        `rate_windows`: their lengths in seconds (those not given: DEFAULT_RATE_WINDOWS).
+        `pod_key`: what a pod-scoped key may do, "refuse", "own" or "account"."""
         super().__init__(host, port)
         self.net, self.dns, self.root = net, dns, Path(root)
         self.api_key = api_key
         self.images = {k: list(v) for k, v in images.items()}
-        self.gpus = [json.loads(json.dumps(g)) for g in (DEFAULT_GPUS if gpus is None else gpus)]
-        for g in self.gpus:
-            errors = SCHEMAS.errors("GpuType", g)
-            if errors:
-                raise ValueError(f"GPU type {g.get('id')!r} is no GpuType: {errors}")
+        self.gpus = _catalog("GpuType", DEFAULT_GPUS if gpus is None else gpus)
+        self.data_centers = _catalog("DataCenter", DEFAULT_DATA_CENTERS if data_centers is None
+                                     else data_centers, empty=False)
+        self._dcs = {dc["id"]: dc for dc in self.data_centers}
+        self.data_center = self.data_centers[0]["id"] if data_center is None else data_center
+        if self.data_center not in self._dcs:
+            raise ValueError(f"data center {self.data_center!r} is not in the catalog")
+        self.registries = _catalog("Registry", registries)
+        self._registries = {r["id"]: r for r in self.registries}
+        self.private_images = dict(private_images or {})
+        for image, registry in self.private_images.items():
+            if image not in self.images or registry not in self._registries:
+                raise ValueError(f"private image {image!r}: not in images, or its registry "
+                                 f"credential {registry!r} is not in registries")
+        if log_resume not in LOG_RESUME or pod_key not in POD_KEY or log_resolution <= 0:
+            raise ValueError(f"log_resume must be one of {LOG_RESUME}, pod_key one of "
+                             f"{POD_KEY}, log_resolution positive")
         self.provision_delay = provision_delay
+        self.create_delay = create_delay
         self.max_restarts = max_restarts
         self.stop_grace = stop_grace
-        self.data_center = data_center
+        self._log_res_us = max(1, round(log_resolution * 1_000_000))
+        self.log_resume = log_resume
+        self.pod_key = pod_key
+        self.secrets = dict(secrets or {})
+        self.rate_limiter = RateLimiter(
+            DEFAULT_RATE_LIMITS if rate_limits is None else rate_limits,
+            {**DEFAULT_RATE_WINDOWS, **(rate_windows or {})})
         state = threading.RLock()  # guards pods, clusters and their logs
         self._cond = threading.Condition(state)
         # The same lock, for log streams only: output lines come often and need not wake the
@@ -596,6 +905,9 @@ class FakeRunPodCloud(ServedFake):
         self._records: list[RequestRecord] = []
         self._errors: list[str] = []
         self._faults: list[_Fault] = []
+        self._garbles: list[_Garble] = []
+        self._pod_keys: dict[str, str] = {}  # a pod-scoped key -> its pod's id
+        self._stream_epoch = 0  # drop_log_streams ends the streams opened before it bumped this
         self._no_capacity: set[str] = set()
         self._holds: list[re.Pattern[str]] = []
         self._callbacks: list[Callable[[RequestRecord], None]] = []
@@ -649,6 +961,16 @@ class FakeRunPodCloud(ServedFake):
         with self._cond:
             return list(self._pods[pod_id].logs)
 
+    def log_connections(self, pod_id: str) -> int:
+        """How many log streams of the pod were opened (answered 200) so far."""
+        with self._cond:
+            return self._pods[pod_id].log_connections
+
+    def calls_per_window(self, key: str | None = None) -> dict[str, int]:
+        """Requests counted against the rate limits in each window now, of the account's key
+        (None) or of a pod's ("pod:<id>", as RequestRecord.key says)."""
+        return self.rate_limiter.used(key or "account")
+
     def wait_status(self, pod_id: str, *statuses: str, timeout: float = 30.0) -> PodView:
         def reached() -> PodView | None:
             view = self.pods[pod_id]
@@ -679,9 +1001,27 @@ class FakeRunPodCloud(ServedFake):
                                        re.compile(match) if match else None, after_acting))
 
     def clear_faults(self) -> None:
-        """Forget every fail_next still pending."""
+        """Forget every fail_next and garble_next still pending."""
         with self._lock:
             self._faults.clear()
+            self._garbles.clear()
+
+    def garble_next(self, n: int, status: int = 200, body: bytes = b"",
+                    match: str | None = None) -> None:
+        """Carry out the next `n` requests (only those whose "METHOD /path" matches the regex
+        `match`, if given) and answer each with `status` and exactly `body` (b"": none;
+        Content-Type application/json otherwise): an answer that makes no sense. Recorded as
+        a fault; the answer is not checked against the document."""
+        with self._lock:
+            self._garbles.append(_Garble(n, status, bytes(body),
+                                         re.compile(match) if match else None))
+
+    def drop_log_streams(self) -> None:
+        """Close every log stream open now, from the server's side (as a proxy that drops
+        long connections): a client must connect again to read on."""
+        with self._cond:
+            self._stream_epoch += 1
+            self._logs_changed.notify_all()
 
     def no_capacity(self, gpu_type_id: str, on: bool = True) -> None:
         """Creates of pods and clusters with this GPU type are refused (400), until off."""
@@ -761,75 +1101,26 @@ class FakeRunPodCloud(ServedFake):
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         arrived = time.time()
-        url = urlsplit(h.path)
-        path, method = url.path, h.command
-        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-        length = int(h.headers.get("Content-Length") or 0)
-        raw = h.rfile.read(length) if length else b""
-        body: Any = None
-        errors: list[str] = []
-        slips: list[str] = []  # recorded, not refused
-        malformed = None
-        if raw:
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                malformed = f"$: the body is not JSON ({exc})"
-                errors.append(malformed)
-
-        op: str | None = None
-        params: dict[str, str] = {}
-        route_reply: _Reply | None = None
-        methods = None
-        for pattern, table in _ROUTES:
-            m = pattern.fullmatch(path)
-            if m:
-                methods, params = table, m.groupdict()
-                break
-        if methods is None:
-            errors.append(f"no endpoint {path} in the v2 document")
-            route_reply = _problem(404, f"no route for {method} {path}")
-        elif method not in methods:
-            errors.append(f"{method} is not a method of {path} in the v2 document")
-            route_reply = _problem(405, f"method {method} not allowed for {path}",
-                                   headers={"Allow": ", ".join(methods)})
+        call = self._read(h)
+        fault, acting = self._take_fault(call.method, call.path)
+        # A fault answered in the API's stead: the request never reached it to be garbled.
+        garbled = None if fault and not acting else self._take_garble(call.method, call.path)
+        who = self._whose(call.headers.get("Authorization"))
+        if fault is not None and not acting:
+            reply = fault
         else:
-            op, body_schema, known = methods[method]
-            if op is None:
-                route_reply = _problem(501, f"{method} {path} is not supported by the fake")
-            # Recorded as the client's slip but answered: servers commonly ignore them.
-            for name in sorted(set(query) - known):
-                slips.append(f"unknown query parameter {name!r} for {method} {path}")
-            if body_schema and malformed is None:
-                errors += (SCHEMAS.errors(body_schema, body) if body is not None
-                           else ["$: a JSON body is required"])
-            errors += self._query_errors(op, query, h.headers)
+            reply = self._answer(call, who, counted=fault is None)
+            if fault is not None:
+                reply = fault  # done, but the client never hears so
+        if garbled is not None:
+            reply = garbled
+        else:
+            self._check_answer(call.method, call.path, reply)
 
-        fault, acting = self._take_fault(method, path)
-        reply = (None if acting else fault) or self._auth(h.headers.get("Authorization")) or (
-            route_reply)
-        if reply is None and malformed:
-            reply = _problem(400, malformed)
-        if reply is None and errors:
-            reply = _problem(422, "Request validation failed.", errors)
-        if reply is None:
-            assert op is not None
-            call = _Call(method, path, query, h.headers, body, params)
-            try:
-                reply = getattr(self, op)(call)
-            except _Refused as refused:
-                reply = refused.reply
-            except Exception as exc:  # a bug of the fake: say so, loudly
-                self._fake_error(f"{method} {path}: {exc!r}")
-                reply = _problem(500, f"the fake failed: {exc!r}")
-            if reply.stream is None and reply.body is not None and reply.status < 400:
-                reply.schema = _SCHEMA_OF_ANSWER.get(op)
-        if acting and fault is not None:
-            reply = fault  # done, but the client never hears so
-        self._check_answer(method, path, reply)
-
-        record = RequestRecord(method, path, query, body, reply.status, errors + slips,
-                               arrived, fault is not None)
+        record = RequestRecord(call.method, call.path, call.query, call.body, reply.status,
+                               call.errors + call.slips, arrived,
+                               fault is not None or garbled is not None, who,
+                               dict(reply.headers))
         with self._lock:
             self._records.append(record)  # before answering: a client's next look sees it
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left
@@ -842,10 +1133,92 @@ class FakeRunPodCloud(ServedFake):
             except Exception as exc:
                 self._fake_error(f"after_response callback {callback!r}: {exc!r}")
 
+    def _read(self, h: BaseHTTPRequestHandler) -> _Call:
+        """The request, its route, and what it does against the document."""
+        url = urlsplit(h.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        call = _Call(h.command, url.path, query, h.headers, None)
+        length = int(h.headers.get("Content-Length") or 0)
+        raw = h.rfile.read(length) if length else b""
+        if raw:
+            try:
+                call.body = json.loads(raw)
+            except ValueError as exc:
+                call.malformed = f"$: the body is not JSON ({exc})"
+                call.errors.append(call.malformed)
+        methods = None
+        for pattern, table in _ROUTES:
+            m = pattern.fullmatch(call.path)
+            if m:
+                methods, call.params = table, m.groupdict()
+                break
+        if methods is None:
+            call.errors.append(f"no endpoint {call.path} in the v2 document")
+            call.refusal = _problem(404, f"no route for {call.method} {call.path}")
+            return call
+        if call.method not in methods:
+            call.errors.append(f"{call.method} is not a method of {call.path} in the v2 document")
+            call.refusal = _problem(405, f"method {call.method} not allowed for {call.path}",
+                                    headers={"Allow": ", ".join(methods)})
+            return call
+        call.op, body_schema, known = methods[call.method]
+        if call.op is None:
+            call.refusal = _problem(501, f"{call.method} {call.path} is not supported by the fake")
+        # Recorded as the client's slip but answered: servers commonly ignore them.
+        for name in sorted(set(query) - known):
+            call.slips.append(f"unknown query parameter {name!r} for {call.method} {call.path}")
+        if body_schema and call.malformed is None:
+            call.errors += (SCHEMAS.errors(body_schema, call.body) if call.body is not None
+                            else ["$: a JSON body is required"])
+        call.errors += self._query_errors(call.op, {k: v for k, v in query.items() if k in known},
+                                          h.headers)
+        return call
+
+    def _answer(self, call: _Call, who: str | None, counted: bool) -> _Reply:
+        """What the API answers (and does): auth, rate limits, the key's permissions, the
+        route, the checks, then the handler."""
+        if who is None:  # 401s carry no rate limit headers: no caller to count against
+            auth = call.headers.get("Authorization") or ""
+            return _problem(401, "invalid api key" if auth.startswith("Bearer ")
+                            else "missing bearer token")
+        limits: dict[str, str] = {}
+        if counted:
+            window, limits = self.rate_limiter.admit(who)
+            if window is not None:
+                return _problem(429, f"rate limit exceeded for the {window} window",
+                                headers=limits)
+        reply = self._forbidden(call, who) or self._dispatch(call)
+        reply.headers.update(limits)
+        return reply
+
+    def _dispatch(self, call: _Call) -> _Reply:
+        if call.refusal is not None:
+            return call.refusal
+        if call.malformed:
+            return _problem(400, call.malformed)
+        if call.errors:
+            return _problem(422, "Request validation failed.", call.errors)
+        assert call.op is not None
+        if call.op in _CREATES and self.create_delay > 0:
+            time.sleep(self.create_delay)  # on this request's own thread: others go on
+        try:
+            reply: _Reply = getattr(self, call.op)(call)
+        except _Refused as refused:
+            reply = refused.reply
+        except Exception as exc:  # a bug of the fake: say so, loudly
+            self._fake_error(f"{call.method} {call.path}: {exc!r}")
+            reply = _problem(500, f"the fake failed: {exc!r}")
+        if reply.stream is None and reply.body is not None and reply.status < 400:
+            reply.schema = _SCHEMA_OF_ANSWER.get(call.op)
+        return reply
+
     def _send(self, h: BaseHTTPRequestHandler, reply: _Reply) -> None:
         h.send_response(reply.status)
         for k, v in reply.headers.items():
             h.send_header(k, v)
+        if reply.raw is not None:
+            self._send_raw(h, reply.raw)
+            return
         if reply.stream is not None:
             h.send_header("Content-Type", "text/event-stream")
             h.send_header("Cache-Control", "no-cache")
@@ -864,6 +1237,15 @@ class FakeRunPodCloud(ServedFake):
         if data:
             kind = "application/problem+json" if reply.status >= 400 else "application/json"
             h.send_header("Content-Type", kind)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+        h.wfile.flush()
+
+    @staticmethod
+    def _send_raw(h: BaseHTTPRequestHandler, data: bytes) -> None:
+        if data:
+            h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         h.wfile.write(data)
@@ -900,24 +1282,49 @@ class FakeRunPodCloud(ServedFake):
                   else "injected fault")
         return _problem(fault.status, detail, headers=headers), fault.after_acting
 
-    def _auth(self, authorization: str | None) -> _Reply | None:
+    def _take_garble(self, method: str, path: str) -> _Reply | None:
+        with self._lock:
+            for garble in self._garbles:
+                if garble.remaining > 0 and (garble.match is None or
+                                             garble.match.search(f"{method} {path}")):
+                    garble.remaining -= 1
+                    return _Reply(garble.status, raw=garble.body)
+        return None
+
+    def _whose(self, authorization: str | None) -> str | None:
+        """"account", "pod:<id>" for a pod-scoped key, None for none or an unknown one."""
         if not authorization or not authorization.startswith("Bearer "):
-            return _problem(401, "missing bearer token")
+            return None
         key = authorization[len("Bearer "):]
         if secrets.compare_digest(key.encode(), self.api_key.encode()):
-            return None
+            return "account"
         with self._cond:
-            pod_keys = {p.api_key for p in self._pods.values()}
-        if key in pod_keys:
-            return _problem(403, "access denied: a pod-scoped key")
-        return _problem(401, "invalid api key")
+            pod_id = self._pod_keys.get(key)
+        return None if pod_id is None else f"pod:{pod_id}"
+
+    def _forbidden(self, call: _Call, who: str) -> _Reply | None:
+        """403 where a pod-scoped key may not go (pod_key); None where it may."""
+        if who == "account" or self.pod_key == "account":
+            return None
+        if self.pod_key == "own":
+            own = who.partition(":")[2]
+            if call.op in ("_get_pod", "_pod_action") and call.params.get("id") == own:
+                return None
+            return _problem(403, "access denied: a pod-scoped key may only get its own pod "
+                                 "and act on it")
+        return _problem(403, "access denied: a pod-scoped key")
 
     def _query_errors(self, op: str | None, query: dict[str, str], headers: Any) -> list[str]:
+        """The parameters the route takes (`query`) and Last-Event-ID, against the document."""
         errors = []
-        if op == "_list_pods" and "includeClusterPods" in query and \
-                query["includeClusterPods"] not in ("true", "false"):
-            errors.append(f"$.includeClusterPods: {query['includeClusterPods']!r} is not of "
-                          "type 'boolean'")
+        for name in ("includeClusterPods", "globalNetwork"):  # the booleans
+            if name in query and query[name] not in ("true", "false"):
+                errors.append(f"$.{name}: {query[name]!r} is not of type 'boolean'")
+        if op in ("_list_data_centers", "_get_data_center"):
+            for name, item in _DC_LISTS.items():
+                if name in query:
+                    schema = {"type": "array", "items": {"$ref": _REF_PREFIX + item}}
+                    errors += SCHEMAS.value_errors(name, schema, query[name].split(","))
         if op == "_pod_logs":
             if "source" in query:
                 errors += SCHEMAS.parameter_errors("source", query["source"])
@@ -928,28 +1335,34 @@ class FakeRunPodCloud(ServedFake):
             if "since" in query and parse_rfc3339(query["since"]) is None:
                 errors.append(f"$.since: {query['since']!r} is not a 'date-time'")
             last = headers.get("Last-Event-ID")
-            if last is not None and _parse_event_id(last) is None:
-                errors.append(f"$.Last-Event-ID: {last!r} is neither an event id nor a "
-                              "'date-time'")
+            if last is not None and parse_rfc3339(last) is None:  # format: date-time
+                errors.append(f"$.Last-Event-ID: {last!r} is not a 'date-time'")
         return errors
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    def _gpu_type(self, gpu_id: str) -> dict[str, Any]:
+    def _gpu_type(self, gpu_id: str, field: str = "gpu.id") -> dict[str, Any]:
+        """The catalog entry of a GPU type id (GpuType.id: "use for pod creation"): never its
+        display name or anything else."""
         for g in self.gpus:
             if g["id"] == gpu_id:
                 return g
-        raise _Refused(400, f"unknown GPU type {gpu_id!r} (see GET /v2/catalog/gpus)")
+        valid = ", ".join(repr(g["id"]) for g in self.gpus)
+        raise _Refused(400, f"unknown GPU type {gpu_id!r}: {field} must be a GPU type id from "
+                            f"GET /v2/catalog/gpus, one of {valid}")
+
+    def _availability(self, gpu_id: str) -> str:
+        with self._lock:
+            return "NONE" if gpu_id in self._no_capacity else "HIGH"
 
     def _gpu_json(self, g: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
         out = json.loads(json.dumps(g))
         if query.get("include") == "AVAILABILITY":
-            with self._lock:
-                level = "NONE" if g["id"] in self._no_capacity else "HIGH"
+            level = self._availability(g["id"])
             out["availability"] = level
-            if level != "NONE":
-                out["dataCenters"] = [{"id": self.data_center, "name": self.data_center,
-                                       "availability": level}]
+            if level != "NONE":  # every data center has every GPU type
+                out["dataCenters"] = [{"id": dc["id"], "name": dc["name"], "availability": level}
+                                      for dc in self.data_centers]
         return out
 
     def _check_catalog_query(self, query: dict[str, str]) -> None:
@@ -967,6 +1380,52 @@ class FakeRunPodCloud(ServedFake):
             if g["id"] == call.params["id"]:
                 return _Reply(200, self._gpu_json(g, call.query))
         raise _Refused(404, "GPU type not found")
+
+    def _dc_json(self, dc: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+        out = json.loads(json.dumps(dc))
+        # "Present only when requested"; CPU_AVAILABILITY adds nothing: "omitted entirely when
+        # the data center offers no CPU flavors", and the fake has no CPU catalog.
+        out.pop("gpuAvailability", None)
+        out.pop("cpuAvailability", None)
+        if "GPU_AVAILABILITY" in query.get("include", "").split(",") and self.gpus:
+            out["gpuAvailability"] = [{"id": g["id"], "name": g["name"],
+                                       "availability": self._availability(g["id"])}
+                                      for g in self.gpus]
+        return out
+
+    @staticmethod
+    def _dc_matches(dc: dict[str, Any], query: dict[str, str]) -> bool:
+        """The document's filters: regions any of, networkVolumeTypes and compliance all of,
+        globalNetwork equal; different ones all."""
+        def listed(name: str) -> set[str]:
+            return set(query[name].split(",")) if name in query else set()
+
+        regions = listed("regions")
+        return ((not regions or dc["region"] in regions)
+                and listed("networkVolumeTypes") <= set(dc["networkVolumeTypes"])
+                and listed("compliance") <= set(dc["compliance"])
+                and ("globalNetwork" not in query
+                     or dc["globalNetwork"] == (query["globalNetwork"] == "true")))
+
+    def _list_data_centers(self, call: _Call) -> _Reply:
+        return _Reply(200, {"dataCenters": [self._dc_json(dc, call.query)
+                                            for dc in self.data_centers
+                                            if self._dc_matches(dc, call.query)]})
+
+    def _get_data_center(self, call: _Call) -> _Reply:
+        dc = self._dcs.get(call.params["id"])
+        if dc is None:
+            raise _Refused(404, "data center not found")
+        return _Reply(200, self._dc_json(dc, call.query))
+
+    def _list_registries(self, call: _Call) -> _Reply:
+        return _Reply(200, {"registries": [dict(r) for r in self.registries]})
+
+    def _get_registry(self, call: _Call) -> _Reply:
+        registry = self._registries.get(call.params["id"])
+        if registry is None:
+            raise _Refused(404, "registry credential not found")
+        return _Reply(200, dict(registry))
 
     def _list_pods(self, call: _Call) -> _Reply:
         members = call.query.get("includeClusterPods") == "true"
@@ -992,24 +1451,72 @@ class FakeRunPodCloud(ServedFake):
         if ("gpu" in b) == ("cpu" in b):
             raise _Refused(400, "supply exactly one of gpu or cpu")
         mounts = self._check_mounts(b.get("mounts") or {})
+        self._check_registry(b.get("registry"))
         cloud = b.get("cloud", "SECURE")
-        where = self._where(b.get("dataCenterIds"))
+        networked = bool(b.get("globalNetworking"))
         if "gpu" in b:
             gpu = {"id": b["gpu"]["id"], "count": b["gpu"].get("count", 1)}
-            price = self._gpu_price(gpu["id"], gpu["count"], cloud, where)
+            if networked:
+                self._check_global_networking(self._gpu_type(gpu["id"]), cloud)
         else:
             gpu = None
             if mounts.get("persistent"):
                 raise _Refused(400, "persistent mounts are not allowed on CPU pods")
-            if b.get("globalNetworking"):
+            if networked:
                 raise _Refused(400, "global networking requires an NVIDIA GPU")
+        dc = self._place(b.get("dataCenterIds"), networked)
+        if gpu is not None:
+            price = self._gpu_price(gpu["id"], gpu["count"], cloud,
+                                    self._where(b.get("dataCenterIds")))
+        else:
             price = CPU_PRICE_PER_VCPU * b["cpu"]["vcpuCount"]
         with self._cond:
-            pod = self._new_pod(b["name"], b, gpu=gpu, cpu=b.get("cpu"), cloud=cloud,
-                                dc=(b.get("dataCenterIds") or [self.data_center])[0],
-                                price=price, global_networking=bool(b.get("globalNetworking")))
+            pod = self._new_pod(b["name"], b, gpu=gpu, cpu=b.get("cpu"), cloud=cloud, dc=dc,
+                                price=price, global_networking=networked)
             self._launch(pod)
             return _Reply(201, pod_json(pod))
+
+    def _check_registry(self, registry: str | None) -> None:
+        if registry is not None and registry not in self._registries:
+            raise _Refused(400, f"registry credential {registry!r} not found (see GET "
+                                "/v2/registries)")
+
+    @staticmethod
+    def _check_global_networking(gpu: dict[str, Any], cloud: str) -> None:
+        # CreatePodRequest.globalNetworking: "Requires an NVIDIA GPU"; runpodctl's
+        # --global-networking: "Secure Cloud only".
+        if gpu["manufacturer"] != "NVIDIA":
+            raise _Refused(400, f"global networking requires an NVIDIA GPU ({gpu['id']} is "
+                                f"{gpu['manufacturer']})")
+        if cloud != "SECURE":
+            raise _Refused(400, "global networking requires Secure Cloud")
+
+    def _known_data_centers(self, ids: list[str]) -> list[dict[str, Any]]:
+        unknown = [i for i in ids if i not in self._dcs]
+        if unknown:
+            valid = ", ".join(repr(dc["id"]) for dc in self.data_centers)
+            raise _Refused(400, f"unknown data center {', '.join(map(repr, unknown))}: "
+                                "dataCenterIds must be ids from GET /v2/catalog/datacenters, "
+                                f"one of {valid}")
+        return [self._dcs[i] for i in ids]
+
+    def _place(self, ids: list[str] | None, networked: bool = False) -> str:
+        """Where a pod or cluster goes: the first of its dataCenterIds, or the default; with
+        Global Networking the first of those (or of the catalog, the default first) whose
+        globalNetwork is true."""
+        listed = self._known_data_centers(ids or [])
+        if not networked:
+            return listed[0]["id"] if listed else self.data_center
+        candidates = listed or [self._dcs[self.data_center], *self.data_centers]
+        for dc in candidates:
+            if dc["globalNetwork"]:
+                return dc["id"]
+        if not listed:
+            raise _Refused(400, "no data center supports global networking")
+        several = len(listed) > 1
+        raise _Refused(400, f"data center{'s' if several else ''} {', '.join(ids or [])} "
+                            f"do{'' if several else 'es'} not support global networking (see "
+                            "GET /v2/catalog/datacenters?globalNetwork=true)")
 
     def _check_mounts(self, mounts: dict[str, Any]) -> dict[str, Any]:
         if mounts.get("persistent") and mounts.get("network"):
@@ -1020,8 +1527,8 @@ class FakeRunPodCloud(ServedFake):
         return f"data center {', '.join(dcs)}" if dcs else "any data center"
 
     def _gpu_price(self, gpu_id: str, count: int, cloud: str, where: str,
-                   pods: int | None = None) -> float:
-        g = self._gpu_type(gpu_id)
+                   pods: int | None = None, field: str = "gpu.id") -> float:
+        g = self._gpu_type(gpu_id, field)
         tier = cloud.lower()
         if not g[tier]:
             raise _Refused(400, f"{gpu_id} is not offered on {cloud} cloud")
@@ -1060,11 +1567,14 @@ class FakeRunPodCloud(ServedFake):
                 self._terminate_locked(pod)
                 return _Reply(204)
             if action == "stop":
-                pod.want, pod.status = "stop", "EXITED"
+                # EXITED (and no longer billing) at once, while the container still has its
+                # grace: a second stop is 409 as for any EXITED pod.
+                pod.want = "stop"
+                pod.set_status("EXITED")
             else:  # start, restart: a new container
                 pod.want = "run"
                 pod.generation += 1
-                pod.status = "STARTING" if pod.harness else "PROVISIONING"
+                pod.set_status("STARTING" if pod.harness else "PROVISIONING")
             self._cond.notify_all()
             return _Reply(200, pod_json(pod))
 
@@ -1072,34 +1582,42 @@ class FakeRunPodCloud(ServedFake):
         source = call.query.get("source")
         with self._cond:
             pod = self._pod(call.params["id"])
-            logs = pod.logs
-            last = call.headers.get("Last-Event-ID")
-            if last is not None:
-                ts, seq = _parse_event_id(last)  # type: ignore[misc]  # checked before
-                if seq is not None:
-                    start = bisect.bisect_right([x.seq for x in logs], seq)
-                else:
-                    start = bisect.bisect_right([x.ts for x in logs], ts)
-            elif "since" in call.query:
-                since = parse_rfc3339(call.query["since"])
-                start = bisect.bisect_left([x.ts for x in logs], since)
-            else:
-                tail = int(call.query.get("tail", "100"))
-                start, seen = len(logs), 0
-                while start > 0 and seen < tail:
-                    start -= 1
-                    seen += source is None or logs[start].source == source
+            start = self._log_start(pod.logs, call, source)
         return _Reply(200, stream=lambda h: self._stream(h, pod, start, source))
+
+    def _log_start(self, logs: list[LogLine], call: _Call, source: str | None) -> int:
+        """The index of the first line to send: Last-Event-ID before since before tail."""
+        stamps = [x.us for x in logs]
+        last = call.headers.get("Last-Event-ID")
+        if last is not None:
+            cursor = parse_rfc3339_us(last)  # checked before: a date-time
+            # "resumes from this point": strictly after it, or at it again (log_resume).
+            find = bisect.bisect_right if self.log_resume == "after" else bisect.bisect_left
+            return find(stamps, cursor)
+        if "since" in call.query:
+            return bisect.bisect_left(stamps, parse_rfc3339_us(call.query["since"]))
+        tail = int(call.query.get("tail", "100"))
+        start, seen = len(logs), 0
+        while start > 0 and seen < tail:
+            start -= 1
+            seen += source is None or logs[start].source == source
+        return start
 
     def _stream(self, h: BaseHTTPRequestHandler, pod: _PodState, index: int,
                 source: str | None) -> None:
+        with self._cond:
+            pod.log_connections += 1
+            epoch = self._stream_epoch
         last_write = time.monotonic()
         while True:
             if _hung_up(h.connection):
                 return
             with self._cond:
-                if len(pod.logs) == index and not (pod.torn_down or self._closing):
+                if len(pod.logs) == index and not (pod.torn_down or self._closing) and \
+                        self._stream_epoch == epoch:
                     self._logs_changed.wait(0.25)
+                if self._stream_epoch != epoch:
+                    return  # dropped (drop_log_streams): what is pending is not sent
                 batch = pod.logs[index:]
                 index += len(batch)
                 ended = pod.torn_down or self._closing
@@ -1148,9 +1666,10 @@ class FakeRunPodCloud(ServedFake):
         self._check_mounts(b.get("mounts") or {})
         compute = b["compute"]
         count, pods = compute["gpuCountPerPod"], compute["podCount"]
+        dc = self._place(b.get("dataCenterIds"))  # "always placed within a single data center"
         price = self._gpu_price(compute["gpuTypeId"], count, "SECURE",
-                                self._where(b.get("dataCenterIds")), pods=pods)
-        dc = (b.get("dataCenterIds") or [self.data_center])[0]
+                                self._where(b.get("dataCenterIds")), pods=pods,
+                                field="compute.gpuTypeId")
         with self._cond:
             cluster = _ClusterState(random_pod_id(), b["name"], b["type"], dict(compute), dc,
                                     time.time(), [])
@@ -1189,6 +1708,7 @@ class FakeRunPodCloud(ServedFake):
                                                                                or {})),
             gpu=gpu, cpu=dict(cpu) if cpu else None, cloud=cloud, dc=dc, price=price,
             global_networking=global_networking, start_jupyter=bool(b.get("startJupyter")),
+            registry=b.get("registry"),  # clusters have none (CreateClusterRequest)
             api_key="rpa_pod_" + secrets.token_hex(16),
             hostname=f"{pod_id}-{secrets.token_hex(4)}",
             ray_tmp=f"/tmp/prc-{uuid.uuid4().hex[:8]}")
@@ -1204,6 +1724,7 @@ class FakeRunPodCloud(ServedFake):
         if pod.volume is not None:
             pod.volume.mkdir(parents=True, exist_ok=True)
         self._pods[pod_id] = pod
+        self._pod_keys[pod.api_key] = pod_id
         return pod
 
     def _launch(self, pod: _PodState) -> None:
@@ -1214,12 +1735,17 @@ class FakeRunPodCloud(ServedFake):
     def _terminate_locked(self, pod: _PodState) -> None:
         if pod.want == "terminate":
             return
-        pod.want, pod.status, pod.gone = "terminate", "TERMINATED", True
+        pod.want, pod.gone = "terminate", True
+        pod.set_status("TERMINATED")
         self._cond.notify_all()
 
     def _log(self, pod: _PodState, source: str, line: str) -> None:
         with self._cond:
-            pod.logs.append(LogLine(len(pod.logs) + 1, time.time(), source, line))
+            us = time.time_ns() // 1000
+            us -= us % self._log_res_us  # lines this close together share a ts, so an id
+            if pod.logs:  # the stream is ordered by ts: never before the last line's
+                us = max(us, pod.logs[-1].us)
+            pod.logs.append(LogLine(len(pod.logs) + 1, us / 1_000_000, source, line))
             self._logs_changed.notify_all()
 
     def _fake_error(self, text: str) -> None:
@@ -1263,7 +1789,7 @@ class FakeRunPodCloud(ServedFake):
                     if again:
                         pod.auto_restarts += 1
                     elif current:
-                        pod.status = "ERROR"
+                        pod.set_status("ERROR")
                 if again:
                     self._start_container(pod, gen)
                 elif current:
@@ -1273,7 +1799,7 @@ class FakeRunPodCloud(ServedFake):
             self._fake_error(f"pod {pod.id}: {exc!r}")
             with self._cond:
                 if pod.status != "TERMINATED":
-                    pod.status = "ERROR"
+                    pod.set_status("ERROR")
             with contextlib.suppress(Exception):
                 self._stop_container(pod, "terminate")
         finally:
@@ -1307,7 +1833,7 @@ class FakeRunPodCloud(ServedFake):
             if pod.cluster is not None:
                 pod.cluster["ip"] = harness.ip
             if pod.status == "PROVISIONING":
-                pod.status = "STARTING"
+                pod.set_status("STARTING")
             self._cond.notify_all()
         self._log(pod, "system", f"pod placed in {pod.dc}")
         return True
@@ -1316,15 +1842,25 @@ class FakeRunPodCloud(ServedFake):
         if pod.pulled:
             return True
         self._log(pod, "system", f"pulling image {pod.image}")
-        if pod.image not in self.images:
-            self._log(pod, "system", f"failed to pull image {pod.image}: manifest unknown")
+        why = self._pull_error(pod)
+        if why is not None:
+            self._log(pod, "system", f"failed to pull image {pod.image}: {why}")
             with self._cond:
                 if pod.want == "run" and pod.generation == gen:
-                    pod.status = "ERROR"
+                    pod.set_status("ERROR")
             return False
         pod.pulled = True
         self._log(pod, "system", f"image {pod.image} pulled")
         return True
+
+    def _pull_error(self, pod: _PodState) -> str | None:
+        """Why the pod's image cannot be pulled (as a registry says it), None if it can."""
+        if pod.image not in self.images:
+            return "manifest unknown"
+        needed = self.private_images.get(pod.image)
+        if needed is not None and pod.registry != needed:
+            return "unauthorized: authentication required"
+        return None
 
     def _primary_ip(self, pod: _PodState, gen: int) -> str | None:
         """Rank 0's address (members start only once it has one); None if no longer wanted."""
@@ -1377,8 +1913,15 @@ class FakeRunPodCloud(ServedFake):
             # podagent's defaults when /workspace exists, which here it cannot.
             env["PODAGENT_LOG_DIR"] = str(pod.volume / "podagent" / "logs")
             env["PODAGENT_CHECKPOINT_DIR"] = str(pod.volume / "checkpoints")
-        env.update({k: self._on_volume(pod, v) for k, v in pod.env.items()})
+        env.update({k: self._on_volume(pod, self._secret(v)) for k, v in pod.env.items()})
         return env
+
+    def _secret(self, value: str) -> str:
+        """A RunPod secret reference, as the container sees it: the secret's value."""
+        found = _SECRET_REF.fullmatch(value.strip())
+        if found and found.group(1) in self.secrets:
+            return self.secrets[found.group(1)]
+        return value
 
     @staticmethod
     def _on_volume(pod: _PodState, value: str) -> str:
@@ -1401,7 +1944,7 @@ class FakeRunPodCloud(ServedFake):
             if pod.want != "run" or pod.generation != gen:
                 return
             pod.starts += 1
-            pod.status = "STARTING"
+            pod.set_status("STARTING")
             pod.process_env = env
             n = pod.starts
         assert pod.home is not None
@@ -1415,7 +1958,7 @@ class FakeRunPodCloud(ServedFake):
             with self._cond:
                 pod.exits.append(Exit(n, 127, time.time(), out_path, None))
                 if pod.want == "run" and pod.generation == gen:
-                    pod.status = "ERROR"
+                    pod.set_status("ERROR")
             return
         pump = threading.Thread(target=self._pump, args=(pod, proc, out_path),
                                 name=f"pod-{pod.id}-out{n}", daemon=True)
@@ -1423,7 +1966,7 @@ class FakeRunPodCloud(ServedFake):
         with self._cond:
             pod.proc, pod.pump, pod.out_path = proc, pump, out_path
             if pod.want == "run" and pod.generation == gen:
-                pod.status = "RUNNING"
+                pod.set_status("RUNNING")
                 pod.started_at = time.time()
             self._cond.notify_all()
         self._log(pod, "system", "container started")
@@ -1495,12 +2038,3 @@ def _hung_up(sock: socket.socket) -> bool:
         return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
     except OSError:
         return True
-
-
-def _parse_event_id(text: str) -> tuple[float, int | None] | None:
-    """A log event id ("<RFC 3339>/<sequence>") or a bare date-time, as Last-Event-ID."""
-    stamp, _, seq = text.partition("/")
-    ts = parse_rfc3339(stamp)
-    if ts is None or (seq and not seq.isdigit()):
-        return None
-    return ts, int(seq) if seq else None

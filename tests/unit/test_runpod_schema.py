@@ -10,13 +10,17 @@ import pytest
 
 from tests.fakes.runpod_cloud import (
     ACTIONS,
+    DEFAULT_DATA_CENTERS,
+    DEFAULT_RATE_LIMITS,
+    DEFAULT_RATE_WINDOWS,
     SCHEMAS,
     LogLine,
+    RateLimiter,
     _ClusterState,
-    _parse_event_id,
     _PodState,
     cluster_json,
     parse_rfc3339,
+    parse_rfc3339_us,
     pod_json,
 )
 
@@ -87,13 +91,11 @@ def test_query_parameters_of_the_log_stream():
 
 
 def _pod(**changes) -> _PodState:
-    pod = _PodState(id="abc123def456gh", name="head", created=time.time() - 60,
-                    image="podagent:test", args="", env={"A": "1"}, ports=[], disk=20,
-                    mounts={}, gpu={"id": H100, "count": 2}, cpu=None, cloud="SECURE",
-                    dc="US-KS-2", price=5.98, hostname="abc123def456gh-0a1b2c3d")
-    for k, v in changes.items():
-        setattr(pod, k, v)
-    return pod
+    fields = dict(id="abc123def456gh", name="head", created=time.time() - 60,
+                  image="podagent:test", args="", env={"A": "1"}, ports=[], disk=20,
+                  mounts={}, gpu={"id": H100, "count": 2}, cpu=None, cloud="SECURE",
+                  dc="US-KS-2", price=5.98, hostname="abc123def456gh-0a1b2c3d")
+    return _PodState(**{**fields, **changes})
 
 
 @pytest.mark.parametrize("status", list(ACTIONS))
@@ -137,13 +139,82 @@ def test_every_cluster_the_fake_renders_is_a_cluster():
 
 
 def test_log_events_and_their_ids():
+    # The document: "Log-event `id` values are the event `ts` timestamp".
     line = LogLine(7, parse_rfc3339("2026-06-01T12:02:03.5Z"), "container", "hello")
-    assert line.event_id == "2026-06-01T12:02:03.500000Z/000000000007"
+    assert line.event_id == "2026-06-01T12:02:03.500000Z"
     event = line.sse().decode()
-    assert event.startswith("id: 2026-06-01T12:02:03.500000Z/000000000007\ndata: ")
+    assert event.startswith("id: 2026-06-01T12:02:03.500000Z\ndata: ")
     assert event.endswith("\n\n")
     assert json.loads(event.split("data: ", 1)[1]) == {
         "ts": "2026-06-01T12:02:03.500000Z", "source": "container", "line": "hello"}
-    assert _parse_event_id(line.event_id) == (line.ts, 7)
-    assert _parse_event_id("2026-06-01T12:02:03+02:00") == (line.ts - 7200.5, None)
-    assert _parse_event_id("yesterday") is None and _parse_event_id("2026-06-01/x") is None
+    # Last-Event-ID and since: any RFC 3339 date-time, compared in whole microseconds.
+    assert parse_rfc3339_us(line.event_id) == line.us
+    assert parse_rfc3339_us("2026-06-01T14:02:03.5000009+02:00") == line.us
+    assert parse_rfc3339_us("2026-06-01T12:02:03.000001Z") == line.us - 499_999
+    for bad in ("yesterday", "2026-06-01", "2026-06-01T12:02:03.500000Z/000000000007"):
+        assert parse_rfc3339_us(bad) is None
+    whole = LogLine(1, parse_rfc3339("2026-06-01T12:02:03Z"), "system", "x")
+    assert whole.event_id == "2026-06-01T12:02:03.000000Z"
+
+
+def test_rate_limit_headers_as_the_document_writes_them():
+    now = [1000.0]
+    limiter = RateLimiter(DEFAULT_RATE_LIMITS, DEFAULT_RATE_WINDOWS, clock=lambda: now[0])
+    assert limiter.admit("account") == (None, {
+        "RateLimit": '"minute";r=59;t=60, "hour";r=2999;t=3600, "day";r=49999;t=86400',
+        "RateLimit-Policy": '"minute";q=60;w=60, "hour";q=3000;w=3600, "day";q=50000;w=86400'})
+    for key in ("account", "pod:abc"):  # SCHEMAS: both headers are the document's strings
+        for value in limiter.admit(key)[1].values():
+            assert SCHEMAS.errors("RateLimitHeader", value) == []
+
+
+def test_rate_limits_count_per_key_in_fixed_windows():
+    now = [0.0]
+    limiter = RateLimiter({"minute": 2, "hour": 3}, {"minute": 10, "hour": 100},
+                          clock=lambda: now[0])
+    assert limiter.admit("account")[0] is None
+    now[0] = 4.2
+    window, headers = limiter.admit("account")
+    assert window is None and headers["RateLimit"] == '"minute";r=0;t=6, "hour";r=1;t=96'
+    assert limiter.admit("pod:p1")[0] is None  # a key of its own
+    window, headers = limiter.admit("account")
+    assert window == "minute" and headers["Retry-After"] == "6"
+    assert limiter.used("account") == {"minute": 2, "hour": 2}  # the refused one not counted
+    now[0] = 10.0  # the minute is over: a new one starts with the next request
+    assert limiter.admit("account")[0] is None
+    window, headers = limiter.admit("account")
+    assert window == "hour" and headers["Retry-After"] == "90"
+    assert headers["RateLimit"] == '"minute";r=1;t=10, "hour";r=0;t=90'
+    now[0] = 99.5
+    window, headers = limiter.admit("account")
+    assert window == "hour" and headers["Retry-After"] == "1"  # at least 1
+    with pytest.raises(ValueError, match="no window length"):
+        RateLimiter({"week": 1}, DEFAULT_RATE_WINDOWS)
+    # "Optional — omitted for rate-limit-exempt callers".
+    assert RateLimiter({}, DEFAULT_RATE_WINDOWS).admit("account") == (None, {})
+
+
+def test_the_catalogs_and_what_pods_echo():
+    assert SCHEMAS.errors("ListDataCentersResponse",
+                          {"dataCenters": list(DEFAULT_DATA_CENTERS)}) == []
+    assert SCHEMAS.errors("DataCenter", {**DEFAULT_DATA_CENTERS[0], "region": "MARS"}) == [
+        "$.region: 'MARS' is not one of ['NORTH_AMERICA', 'SOUTH_AMERICA', 'EUROPE', 'ASIA', "
+        "'MIDDLE_EAST', 'AFRICA', 'OCEANIA', 'ANTARCTICA', 'UNKNOWN']"]
+    assert SCHEMAS.errors("ListRegistriesResponse",
+                          {"registries": [{"id": "reg_1", "name": "ghcr"}]}) == []
+    assert SCHEMAS.errors("Registry", {"id": "reg_1"}) == ["$: missing property 'name'"]
+    body = pod_json(_pod(registry="reg_1"))
+    assert body["registry"] == "reg_1" and SCHEMAS.errors("Pod", body) == []
+
+
+def test_billed_time_follows_the_status():
+    pod = _pod(created=100.0)  # PROVISIONING, billing since it was created
+    assert pod.billed_seconds(now=110.0) == 10.0
+    pod.set_status("RUNNING", now=130.0)
+    pod.set_status("EXITED", now=160.0)
+    assert pod.billed_seconds(now=500.0) == 60.0
+    pod.set_status("STARTING", now=600.0)
+    pod.set_status("ERROR", now=605.0)
+    pod.set_status("TERMINATED", now=700.0)
+    assert pod.billed_seconds(now=900.0) == 65.0
+    assert pod_json(pod)["cost"] == 0.0
