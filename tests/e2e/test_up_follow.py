@@ -1,0 +1,160 @@
+"""`podagent up` following a run through RunPod's API as the document leaves it open: log
+events whose ids are bare timestamps shared by several lines, resumed either way after the
+stream drops; a stream broken for a while; a head stopped from outside; a tight rate limit;
+private images. The pods run a stand-in for podagent (tests/fakes/pod_head.py) that prints the
+head's records, so each case takes seconds; judged by what `up` printed (each line once, in
+order), its exit code, and what is left at RunPod."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.fakes.runpod_cloud import FakeRunPodCloud
+from tests.harness.laptop import (
+    HEAD_IMAGE,
+    IMAGES,
+    KEY,
+    creates,
+    listed,
+    of_run,
+    run_up,
+    start_up,
+    up_argv,
+)
+from tests.harness.pods import DnsServer, PodNetwork, wait_for
+
+LAVISH = {"minute": 100_000, "hour": 1_000_000, "day": 10_000_000}
+LINES = 5  # job lines the stand-in prints at once (sharing a second), before and after `go`
+
+
+@pytest.fixture
+def make_cloud(pod_network: PodNetwork, dns_server: DnsServer, tmp_path: Path
+               ) -> Iterator[Any]:
+    made: list[FakeRunPodCloud] = []
+
+    def make(**kw: Any) -> FakeRunPodCloud:
+        kw = {"rate_limits": LAVISH, "stop_grace": 2.0, "pod_key": "own", **kw}
+        fake = FakeRunPodCloud(pod_network, dns_server, tmp_path / "cloud", api_key=KEY,
+                               images=IMAGES, **kw)
+        made.append(fake.__enter__())
+        return fake
+
+    yield make
+    for fake in made:
+        fake.__exit__(None, None, None)
+        assert fake.invalid_requests() == []
+
+
+class Reader:
+    """`up`'s output as it comes, for a test that acts on what it says."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait(self, text: str, timeout: float = 60) -> None:
+        wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
+                 what=f"up to say {text!r}; it said: {self.lines[-20:]}")
+
+    def end(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=10)
+        return code
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _stand_in(name: str, tmp_path: Path, *extra: str) -> list[str]:
+    return up_argv(name, 2, "-e", f"POD_HEAD_LINES={LINES}",
+                   "-e", f"POD_HEAD_GO={tmp_path / 'go'}", *extra, image=HEAD_IMAGE)
+
+
+@pytest.mark.parametrize("resume", ["after", "again"])
+def test_the_heads_log_loses_and_repeats_nothing_through_drops_and_breaks(
+        make_cloud, tmp_path, resume):
+    """Either way RunPod resumes a stream, `up` shows every line once and in order. Played
+    "after", the run ends as the head says; "again", the head pod is then stopped from
+    outside and `up` ends the run within its grace (exit 24), terminating every pod."""
+    cloud = make_cloud(log_resolution=1.0, log_resume=resume)
+    hold = ("-e", "POD_HEAD_HOLD=1") if resume == "again" else ()
+    up = Reader(start_up(cloud, tmp_path, _stand_in("follow", tmp_path, *hold)))
+    up.wait(f"job line {LINES}")
+    head = next(p for p in of_run(cloud, "follow") if p.name.endswith("-head"))
+    for _ in range(3):  # a proxy drops the stream: it is opened again, resuming
+        before = cloud.log_connections(head.id)
+        cloud.drop_log_streams()
+        wait_for(lambda b=before: cloud.log_connections(head.id) > b, timeout=30,
+                 what="the stream opened again")
+    cloud.fail_next(100_000, 503, match=r"^GET /v2/pods/[^/]+/logs$")  # broken for a while
+    cloud.drop_log_streams()
+    up.wait("the head's log stream is broken", timeout=60)
+    cloud.clear_faults()
+    up.wait("the head's log stream is back", timeout=60)
+    (tmp_path / "go").touch()
+    if resume == "again":
+        up.wait(f"job line {2 * LINES}")
+        stopped = time.monotonic()
+        answer = requests.post(f"{cloud.url}/v2/pods/{head.id}/action",
+                               json={"action": "stop"},
+                               headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+    assert up.end() == (24 if resume == "again" else 0), up.text[-3000:]
+    said = [line for line in up.lines if line.startswith("job line ")]
+    assert said == [f"job line {i}" for i in range(1, 2 * LINES + 1)], up.text[-3000:]
+    assert up.text.count("log stream is broken") == 1
+    if resume == "again":
+        assert "pod podagent-follow-head was stopped at RunPod (EXITED) while the run went " \
+               "on" in up.text
+        took = time.monotonic() - stopped
+        assert took < 10 + 2 * 2 + 10, took  # the grace, two looks, the termination
+    else:
+        assert "run follow succeeded" in up.text
+    assert not listed(cloud, "follow")
+
+
+def test_up_paces_itself_under_a_tight_rate_limit(make_cloud, tmp_path):
+    """RunPod's minute window scaled down (6 calls in 6 s): the RateLimit headers tell `up`
+    how many are left, and it spreads them so that it never meets a 429."""
+    cloud = make_cloud(rate_limits={"minute": 6}, rate_windows={"minute": 6.0})
+    cloud.hold_provisioning(".")
+    result = run_up(cloud, tmp_path, up_argv("paced", 3, "--timeout", "12"), timeout=120)
+    assert result.returncode == 21, result.stdout + result.stderr
+    assert [r for r in cloud.requests if r.status == 429] == []
+    looks = [r for r in cloud.requests if r.method == "GET" and r.path == "/v2/pods"]
+    assert len(looks) >= 3  # it kept looking, more slowly
+    assert not listed(cloud, "paced")
+
+
+def test_a_private_image_needs_its_registry_credential(make_cloud, tmp_path):
+    cloud = make_cloud(private_images={HEAD_IMAGE: "r1"},
+                       registries=[{"id": "r1", "name": "ghcr-creds"}])
+    (tmp_path / "go").touch()  # the stand-in runs straight to its end
+    without = run_up(cloud, tmp_path, _stand_in("nocreds", tmp_path), timeout=120)
+    assert without.returncode == 21, without.stdout + without.stderr
+    assert "is in ERROR at RunPod before it ran: likely an image that cannot be pulled (a " \
+           "private one needs --registry-auth)" in without.stderr
+    cluster = run_up(cloud, tmp_path, _stand_in("cluster", tmp_path, "--cluster"), timeout=120)
+    assert cluster.returncode == 21, cluster.stdout + cluster.stderr
+    assert "an Instant Cluster takes no registry credential" in cluster.stderr
+    given = run_up(cloud, tmp_path, _stand_in("creds", tmp_path, "--registry-auth",
+                                              "ghcr-creds"), timeout=120)
+    assert given.returncode == 0, given.stdout[-3000:] + given.stderr
+    assert {r.body.get("registry") for r in creates(cloud)
+            if r.body["name"].startswith("podagent-creds-")} == {"r1"}
+    assert cloud.billing() == []
