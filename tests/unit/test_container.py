@@ -214,12 +214,6 @@ def test_podagent_never_asks_for_torch_or_numpy():
 
 # --- the RunPod template ------------------------------------------------------------------------
 
-# RunPod's template API (REST, POST /templates).
-TEMPLATE_FIELDS = {"name", "imageName", "env", "ports", "containerDiskInGb", "volumeInGb",
-                   "volumeMountPath", "dockerEntrypoint", "dockerStartCmd", "category",
-                   "isPublic", "isServerless", "readme", "containerRegistryAuthId"}
-REQUIRED_FIELDS = {"name", "imageName", "env", "ports", "containerDiskInGb", "volumeInGb",
-                   "volumeMountPath"}
 SECRET_REFERENCE = re.compile(r"\{\{ RUNPOD_SECRET_[A-Za-z0-9_]+ \}\}")
 
 
@@ -228,14 +222,14 @@ def template() -> dict:
     return json.loads(TEMPLATE.read_text())
 
 
-def test_template_has_only_fields_runpod_accepts(template):
-    assert set(template) <= TEMPLATE_FIELDS, set(template) - TEMPLATE_FIELDS
-    assert set(template) >= REQUIRED_FIELDS, REQUIRED_FIELDS - set(template)
-    assert isinstance(template["env"], dict)
+def test_template_is_a_create_request_of_runpods_api_v2(template):
+    """POST /v2/templates takes it as it is (api-reference-v2/openapi.json,
+    CreateTemplateRequest; v1's template API was retired with v1)."""
+    from tests.fakes.runpod_cloud import SCHEMAS
+
+    assert SCHEMAS.errors("CreateTemplateRequest", template) == []
     assert all(isinstance(v, str) for v in template["env"].values())
-    assert isinstance(template["ports"], list)
-    for key in ("containerDiskInGb", "volumeInGb"):
-        assert isinstance(template[key], int) and template[key] > 0
+    assert template["disk"] > 0 and template["mounts"]["persistent"]["size"] > 0
 
 
 def test_template_publishes_no_port_of_a_service_without_authentication(template):
@@ -247,13 +241,12 @@ def test_template_publishes_no_port_of_a_service_without_authentication(template
 
 
 def test_template_image_is_this_version(template):
-    assert template["imageName"].rpartition(":")[2] == podagent.__version__
+    assert template["image"].rpartition(":")[2] == podagent.__version__
 
 
 def test_template_runs_the_images_own_entrypoint(template):
-    # Empty means "as the image says": the template cannot drift from the Dockerfile.
-    assert template.get("dockerEntrypoint", []) == []
-    assert template.get("dockerStartCmd", []) == []
+    # No args: "as the image says", so the template cannot drift from the Dockerfile.
+    assert template.get("args", "") == ""
 
 
 def test_template_env_names_are_podagent_or_runpod_variables(template):
@@ -282,8 +275,9 @@ def test_template_defaults_parse_with_podagents_settings(template):
 
 
 def test_template_volume_matches_the_images_defaults(template):
-    assert template["volumeMountPath"] == "/workspace"
+    mount = template["mounts"]["persistent"]["path"]
+    assert mount == "/workspace"
     image_env = dockerfile_env()
     for key in ("PODAGENT_LOG_DIR", "PODAGENT_CHECKPOINT_DIR"):
-        assert image_env[key].startswith(template["volumeMountPath"] + "/")
+        assert image_env[key].startswith(mount + "/")
         assert template["env"].get(key, image_env[key]) == image_env[key]
