@@ -245,8 +245,8 @@ def settle(settings: config.Settings, reporter: Reporter, signals: Signals, end:
         reporter.say(f"exit {end.code}: RunPod starts this pod's container again, and podagent "
                      f"with it ({after_run.CRASH_LOOP} such quick ends in a row stop the pod)")
         return
-    # `podagent up` reads this to know that the run is over for good (its code is the run's).
-    reporter.event("run_over", code=end.code, over=end.over, why=why, policy=policy.value)
+    if over_word is not None:  # `podagent up` reads the head's: the run's code, for good
+        reporter.event("run_over", code=end.code, over=end.over, why=why, policy=policy.value)
     if over_word is not None and end.over and policy is not AfterRun.EXIT:
         _say_over(settings, reporter, signals, end, policy, *over_word)
     if over_word is not None and end.over:  # an `up` run's head may terminate the whole run

@@ -25,6 +25,7 @@ JOIN_ATTEMPT_TIMEOUT = 120.0
 JOIN_HEAD_GRACE = 3.0  # a head silent this long while `ray start` runs has gone away
 JOIN_PROGRESS_EVERY = 10.0
 OVER_ASK_EVERY = 2.0  # while the head's Ray is silent: how often to ask whether its run is over
+OVER_ASK_TIMEOUT = 0.5
 
 
 class RunOver(EndRequested):
@@ -92,7 +93,9 @@ class Worker(Lifecycle[WorkerState]):
             return
         self._next_over_ask = now + OVER_ASK_EVERY
         settings = self.settings
-        over = beacon.ask(ip, settings.supervisor_port, settings.run_name, settings.auth_token)
+        # Briefly: a head cut off answers nothing, and this runs between the GCS's probes.
+        over = beacon.ask(ip, settings.supervisor_port, settings.run_name, settings.auth_token,
+                          timeout=OVER_ASK_TIMEOUT)
         if over is not None:
             try:
                 self._after_run = AfterRun(over.after_run)

@@ -6,9 +6,12 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.fakes.runpod_cloud import FakeRunPodCloud
+from tests.harness import laptop
 from tests.harness.agents import Agent
 from tests.harness.pods import DnsServer, Pod, PodNetwork, cleanup_stale
 
@@ -77,3 +80,24 @@ def agents() -> Iterator[list[Agent]]:
     yield started
     for agent in started:
         agent.close()
+
+
+@pytest.fixture
+def runpod_cloud(pod_network: PodNetwork, dns_server: DnsServer,
+                 tmp_path: Path) -> Iterator[Callable[..., FakeRunPodCloud]]:
+    """runpod_cloud(**arguments of FakeRunPodCloud) -> a started fake RunPod for `podagent
+    up`'s tests: the laptop's key, podagent's images (tests/harness/laptop.py). One per test;
+    at its end every request it saw must have followed RunPod's document."""
+    made: list[FakeRunPodCloud] = []
+
+    def make(**kw: Any) -> FakeRunPodCloud:
+        assert not made, "one fake RunPod per test (its pods' names would collide)"
+        kw = {"api_key": laptop.KEY, "images": laptop.IMAGES, "stop_grace": 2.0, **kw}
+        made.append(FakeRunPodCloud(pod_network, dns_server, tmp_path / "cloud", **kw)
+                    .__enter__())
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.__exit__(None, None, None)
+        assert fake.invalid_requests() == []

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from tests.fakes.runpod_cloud import FakeRunPodCloud
 from tests.harness.laptop import (
     H100,
     IMAGE,
-    IMAGES,
     KEY,
     RUN_BOUND,
     laptop_env,
@@ -40,7 +38,7 @@ from tests.harness.laptop import (
     start_up,
     up_argv,
 )
-from tests.harness.pods import DnsServer, PodNetwork, wait_for
+from tests.harness.pods import PodNetwork, wait_for
 
 TOKEN = "t0ken-" + "a" * 26  # the run's cluster token, a RunPod secret
 OTHER_TOKEN = "t0ken-" + "b" * 26
@@ -48,21 +46,9 @@ STOPPED = 60.0  # a pod told to stop itself is EXITED within this
 
 
 @pytest.fixture
-def make_cloud(pod_network: PodNetwork, dns_server: DnsServer,
-               tmp_path: Path) -> Iterator[Any]:
-    """A fake cloud on the pods' network (a pod asks the API to stop itself), one per test."""
-    made: list[FakeRunPodCloud] = []
-
-    def make(**kw: Any) -> FakeRunPodCloud:
-        fake = FakeRunPodCloud(pod_network, dns_server, tmp_path / "cloud", api_key=KEY,
-                               images=IMAGES, stop_grace=5.0, host=pod_network.host_ip, **kw)
-        made.append(fake.__enter__())
-        return fake
-
-    yield make
-    for fake in made:
-        fake.__exit__(None, None, None)
-        assert fake.invalid_requests() == []
+def make_cloud(runpod_cloud: Any, pod_network: PodNetwork) -> Any:
+    """A fake cloud on the pods' network: a pod asks the API to stop itself."""
+    return lambda **kw: runpod_cloud(stop_grace=5.0, host=pod_network.host_ip, **kw)
 
 
 def create_pod(cloud: FakeRunPodCloud, name: str, env: dict[str, str]) -> str:

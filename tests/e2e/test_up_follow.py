@@ -10,17 +10,14 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from tests.fakes.runpod_cloud import FakeRunPodCloud
 from tests.harness.laptop import (
     HEAD_IMAGE,
-    IMAGES,
     KEY,
     creates,
     listed,
@@ -29,28 +26,15 @@ from tests.harness.laptop import (
     start_up,
     up_argv,
 )
-from tests.harness.pods import DnsServer, PodNetwork, wait_for
+from tests.harness.pods import wait_for
 
 LAVISH = {"minute": 100_000, "hour": 1_000_000, "day": 10_000_000}
 LINES = 5  # job lines the stand-in prints at once (sharing a second), before and after `go`
 
 
 @pytest.fixture
-def make_cloud(pod_network: PodNetwork, dns_server: DnsServer, tmp_path: Path
-               ) -> Iterator[Any]:
-    made: list[FakeRunPodCloud] = []
-
-    def make(**kw: Any) -> FakeRunPodCloud:
-        kw = {"rate_limits": LAVISH, "stop_grace": 2.0, "pod_key": "own", **kw}
-        fake = FakeRunPodCloud(pod_network, dns_server, tmp_path / "cloud", api_key=KEY,
-                               images=IMAGES, **kw)
-        made.append(fake.__enter__())
-        return fake
-
-    yield make
-    for fake in made:
-        fake.__exit__(None, None, None)
-        assert fake.invalid_requests() == []
+def make_cloud(runpod_cloud: Any) -> Any:
+    return lambda **kw: runpod_cloud(**{"rate_limits": LAVISH, "pod_key": "own", **kw})
 
 
 class Reader:
@@ -133,7 +117,7 @@ def test_up_paces_itself_under_a_tight_rate_limit(make_cloud, tmp_path):
     how many are left, and it spreads them so that it never meets a 429."""
     cloud = make_cloud(rate_limits={"minute": 6}, rate_windows={"minute": 6.0})
     cloud.hold_provisioning(".")
-    result = run_up(cloud, tmp_path, up_argv("paced", 3, "--timeout", "12"), timeout=120)
+    result = run_up(cloud, tmp_path, up_argv("paced", 3, "--timeout", "9"), timeout=120)
     assert result.returncode == 21, result.stdout + result.stderr
     assert [r for r in cloud.requests if r.status == 429] == []
     looks = [r for r in cloud.requests if r.method == "GET" and r.path == "/v2/pods"]
