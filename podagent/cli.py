@@ -50,7 +50,7 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                     "often than PODAGENT_REWARD_RESTARTS allows"),
     (errors.RewardServerTimeout, 12, "head: the reward server never answered a real request "
                                      "within PODAGENT_REWARD_TIMEOUT"),
-    (errors.AuthRefused, 13, "worker: the head's Ray refused this pod's cluster token"),
+    (errors.AuthRefused, 13, "worker: the head refused this pod's cluster token"),
     (errors.JobSubmitFailed, 14, "head: Ray's Jobs API refused the job or did not accept it "
                                  "in time"),
     (errors.StopTimeout, 15, "`podagent stop`: the cluster was still up when --timeout ran out"),

@@ -29,6 +29,9 @@ DEFAULT_BATCHES_PER_RANK = 4  # the default loader: four batches of four for eve
 DEFAULT_BATCH_SIZE = 4  # sampler pads (padding repeats samples on purpose)
 DIGEST_BYTES = 8
 REPORT_GLOB = "rank-*.json"
+# Digests one pod sends the head, at most (about 300 KB): past it every rank keeps the same
+# consistent sample of them, so one line carries any batch (the supervisor port's limit).
+SENT_DIGESTS = 16384
 
 
 # --- podagent's side -------------------------------------------------------------------------
@@ -158,9 +161,12 @@ def _accelerate_apart(reports: Sequence[Mapping]) -> Verdict | None:
                                  "accelerate_mode": mode})
 
 
-def _overlap(reports: Sequence[Mapping]) -> Verdict:
+def _overlap(reports: Sequence[Mapping], cut: float = 1.0) -> Verdict:
+    """Whether two ranks saw one sample. Below a cut (reports sent compact) the digests are a
+    consistent sample of the samples: the counts are estimates of the whole, and say so."""
     ranks = {(str(r["pod"]), r["rank"]): set(r.get("samples", ())) for r in reports}
-    total = sum(len(r.get("samples", ())) for r in reports)
+    sampled = sum(len(r.get("samples", ())) for r in reports)
+    total = sum(int(r.get("count", len(r.get("samples", ())))) for r in reports)
     holders: dict[str, int] = {}
     for digests in ranks.values():
         for digest in digests:
@@ -168,22 +174,30 @@ def _overlap(reports: Sequence[Mapping]) -> Verdict:
     padding = _padding(reports, holders)
     shared = sum(1 for r in reports for d in r.get("samples", ())
                  if holders[d] > 1 and d not in padding)
+
+    def whole(n: int) -> int:
+        return n if cut >= 1.0 else round(n / cut)
+
+    about, sample_note = ("", "") if cut >= 1.0 else (
+        "about ", f" (judged on a consistent sample of {sampled} of their digests)")
     pods = len({key[0] for key in ranks})
     figures: dict[str, object] = {"ranks": len(ranks), "pods": pods, "samples": total,
-                                  "shared": shared, "padding": len(padding)}
+                                  "shared": whole(shared), "padding": whole(len(padding))}
+    if cut < 1.0:
+        figures.update(sampled=sampled, cut=cut)
     if total == 0:
         return Verdict(False, f"data check: {len(ranks)} ranks saw no sample", figures)
     if shared == 0:
-        padded = (f" (besides {len(padding)} repeated in the last batch: a sampler's padding)"
-                  if padding else "")
+        padded = (f" (besides {about}{whole(len(padding))} repeated in the last batch: a "
+                  f"sampler's padding)" if padding else "")
         return Verdict(True, f"data check: {len(ranks)} ranks over {pods} pod"
                        f"{'' if pods == 1 else 's'}, {total} samples, none seen by two "
-                       f"ranks{padded}", figures)
+                       f"ranks{padded}{sample_note}", figures)
     (a, b), common, of = _worst_pair(ranks)
-    figures.update(worst_pair=[list(a), list(b)], pair_shared=common, pair_of=of)
-    line = (f"data check: {len(ranks)} ranks saw {total} samples, {shared} of them on more than "
-            f"one rank; ranks {a[1]} (pod {a[0]}) and {b[1]} (pod {b[0]}) share {common} of "
-            f"{of} samples")
+    figures.update(worst_pair=[list(a), list(b)], pair_shared=whole(common), pair_of=whole(of))
+    line = (f"data check: {len(ranks)} ranks saw {total} samples, {about}{whole(shared)} of "
+            f"them on more than one rank; ranks {a[1]} (pod {a[0]}) and {b[1]} (pod {b[0]}) "
+            f"share {about}{whole(common)} of {whole(of)} samples{sample_note}")
     return Verdict(False, line, figures)
 
 
@@ -216,7 +230,34 @@ def judge(reports: Sequence[Mapping], expected_world: int) -> Verdict:
         verdict = check(reports)
         if verdict is not None:
             return verdict
-    return _overlap(reports)
+    cut = min((float(r.get("cut", 1.0)) for r in reports), default=1.0)
+    return _overlap([_below(r, cut) for r in reports] if cut < 1.0 else reports, cut)
+
+
+def _place(digest_text: str) -> float:
+    """Where a digest falls in [0, 1): the same on every rank, spread evenly."""
+    return int.from_bytes(hashlib.blake2b(digest_text.encode(), digest_size=4).digest(),
+                          "big") / 2**32
+
+
+def compact(reports: Sequence[Mapping], limit: int = SENT_DIGESTS) -> list[dict]:
+    """A pod's reports made small enough to send whatever the batches: past `limit` digests in
+    all, every rank keeps only those placed below one cut (a consistent sample: what two ranks
+    share stays shared in it), with its true count and the cut."""
+    total = sum(len(r.get("samples", ())) for r in reports)
+    if total <= limit:
+        return [dict(r) for r in reports]
+    return [_below(r, limit / total) for r in reports]
+
+
+def _below(report: Mapping, cut: float) -> dict:
+    samples = list(report.get("samples", ()))
+    tail = int(report.get("tail") or 0)
+    start = len(samples) - tail if tail else len(samples)
+    kept = [(i, d) for i, d in enumerate(samples) if _place(d) < cut]
+    return {**report, "samples": [d for _, d in kept], "cut": cut,
+            "count": int(report.get("count", len(samples))),
+            "tail": sum(1 for i, _ in kept if i >= start)}
 
 
 # --- the pods' side: standard library and torch only -----------------------------------------

@@ -19,9 +19,9 @@ carries it; the port is bound to the head's cluster-private address only.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
-import hmac
 import json
 import queue
 import selectors
@@ -33,12 +33,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podagent import process
-from podagent.errors import HeadUnreachable, InputError, PortInUse, WorkersTimeout
+from podagent.errors import AuthRefused, HeadUnreachable, InputError, PortInUse, WorkersTimeout
+from podagent.gang import messages
 from podagent.report import Progress, Reporter
 from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
 
 HEARTBEAT = 1.0  # seconds between heartbeats, both ways
-LINE_LIMIT = 1 << 20  # bytes: a step's data-check reports are the longest line
+LINE_LIMIT = 1 << 20  # bytes: a joined worker's line (its data-check reports are the longest)
+# Until its token is checked a connection is a stranger's: its first line is short, comes soon,
+# and few such connections are held at once (per address too: one host cannot crowd out all).
+FIRST_LINE_LIMIT = 16 << 10
+FIRST_LINE_TIMEOUT = 5.0
+MAX_STRANGERS = 64
+MAX_STRANGERS_PER_ADDR = 8
+MAX_FAULTS_TOLD = 32  # kinds of fault and addresses said in the log, at most
 CONNECT_TIMEOUT = 5.0  # one connection attempt to the head
 GREETING_TIMEOUT = 10.0  # the head greets at once; this is for a head starved of CPU
 TICK = 0.25  # the hub's loop wakes this often to beat and to look for silent workers
@@ -46,7 +54,7 @@ SEND_TIMEOUT = 5.0  # a send that blocks this long counts as a lost peer
 
 # The errors a head's answer may carry to its workers, by class name (one line each).
 _ANSWER_ERRORS: dict[str, type[Exception]] = {"WorkersTimeout": WorkersTimeout,
-                                              "InputError": InputError}
+                                              "InputError": InputError, "auth": AuthRefused}
 
 
 @dataclass(frozen=True)
@@ -114,10 +122,13 @@ def line(payload: Mapping[str, Any]) -> bytes:
 
 
 class Wire:
-    """One connection: whole JSON lines out (under a lock: two threads send), lines in."""
+    """One connection: whole JSON lines out (under a lock: two threads send), lines in, none
+    longer than `limit` bytes. Lines read but not yet taken wait in `unread`, in order."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, limit: int = LINE_LIMIT):
         self.sock = sock
+        self.limit = limit
+        self.unread: collections.deque[Any] = collections.deque()
         self._buf = b""
         self._lock = threading.Lock()
 
@@ -132,11 +143,11 @@ class Wire:
             except OSError:
                 return False
 
-    def feed(self) -> list[Any] | None:
-        """Read what is there (the socket is readable): the complete lines, parsed (a line that
-        is not JSON is None); None when the connection ended."""
+    def feed(self) -> list[bytes] | None:
+        """Read what is there (the socket is readable): the lines it completed; None when the
+        connection ended. Raises messages.TooLong past the limit."""
         try:
-            data = self.sock.recv(65536)
+            data = self.sock.recv(min(65536, self.limit + 1 - len(self._buf)) or 1)
         except (BlockingIOError, TimeoutError):
             return []
         except OSError:
@@ -144,27 +155,30 @@ class Wire:
         if not data:
             return None
         self._buf += data
-        if b"\n" not in self._buf:
-            return None if len(self._buf) > LINE_LIMIT else []
         *lines, self._buf = self._buf.split(b"\n")
-        out = []
-        for raw in lines:
-            try:
-                out.append(json.loads(raw))
-            except ValueError:
-                out.append(None)
-        return out
+        if len(self._buf) > self.limit or any(len(raw) > self.limit for raw in lines):
+            raise messages.TooLong(self.limit)
+        return lines
+
+    def messages(self) -> list[Any] | None:
+        """feed, parsed for a reader that trusts the other end (a worker reading its head): a
+        line that is no JSON object is None; a line too long ends the connection (None)."""
+        try:
+            lines = self.feed()
+        except messages.TooLong:
+            return None
+        return None if lines is None else [_lenient(raw) for raw in lines]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
 
 
-def _authorized(token: str | None, message: Mapping[str, Any]) -> bool:
-    if not token:
-        return True
-    given = message.get("token")
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+def _lenient(raw: bytes) -> dict[str, Any] | None:
+    try:
+        return messages.decode(raw)
+    except messages.Malformed:
+        return None
 
 
 def listen(addr: str, port: int) -> socket.socket:
@@ -216,6 +230,14 @@ class Member:
     step: str = ""
 
 
+@dataclass
+class Stranger:
+    """A connection whose first line (its token, then a hello or a question) has not come."""
+    wire: Wire
+    addr: str
+    deadline: float  # monotonic: dropped when its first line has not come by then
+
+
 class Hub:
     """The head's side: the rendezvous, then the heartbeats, the workers' news and the
     questions of `status`/`stop`/`logs`, in one thread of its own once the run started."""
@@ -230,7 +252,8 @@ class Hub:
         self._listener = listen(rv.head_ip, rv.port)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ)
-        self._pending: dict[socket.socket, Wire] = {}  # connected, first line not yet read
+        self._pending: dict[socket.socket, Stranger] = {}  # connected, first line not yet read
+        self._faults_told: set[tuple[str, str]] = set()
         self._stoppers: list[Wire] = []
         self._running = False
         self._ending = False
@@ -339,112 +362,168 @@ class Hub:
                 self._accept()
             else:
                 self._readable(key.data)
+        now = time.monotonic()
+        for stranger in [s for s in self._pending.values() if now > s.deadline]:
+            self._fault(stranger.wire, stranger.addr,
+                        f"no first line within {FIRST_LINE_TIMEOUT:g} s")
 
     def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            conn, _ = self._listener.accept()
-            wire = Wire(conn)
-            conn.setblocking(False)
-            self._pending[conn] = wire
-            self._sel.register(conn, selectors.EVENT_READ, wire)
-            wire.send({"rendezvous": self.rv.rdzv_id})
-            conn.setblocking(False)
+        try:
+            conn, where = self._listener.accept()
+        except OSError:
+            return
+        addr = str(where[0])
+        from_addr = sum(1 for s in self._pending.values() if s.addr == addr)
+        if len(self._pending) >= MAX_STRANGERS or from_addr >= MAX_STRANGERS_PER_ADDR:
+            with contextlib.suppress(OSError):
+                conn.close()
+            self._tell_fault(addr, f"too many connections not past their first line (at most "
+                                   f"{MAX_STRANGERS_PER_ADDR} from one address, "
+                                   f"{MAX_STRANGERS} in all)")
+            return
+        wire = Wire(conn, FIRST_LINE_LIMIT)
+        self._pending[conn] = Stranger(wire, addr, time.monotonic() + FIRST_LINE_TIMEOUT)
+        self._sel.register(conn, selectors.EVENT_READ, wire)
+        wire.send({"rendezvous": self.rv.rdzv_id})
+        conn.setblocking(False)
 
     def _drop(self, wire: Wire) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(wire.sock)
         self._pending.pop(wire.sock, None)
+        if wire in self._stoppers:
+            self._stoppers.remove(wire)
         wire.close()
+
+    def _fault(self, wire: Wire, who: str, why: str) -> None:
+        """What came on a connection is its own fault: drop it (a worker's: it is lost), say so
+        for the first few, and go on with the run."""
+        member = self._member_of(wire)
+        if member is not None and self._running:
+            self._lose(member, f"its connection sent {why}")
+            return
+        if member is not None:
+            del self.members[member.peer.addr]
+        self._drop(wire)
+        self._tell_fault(who, why)
+
+    def _tell_fault(self, who: str, why: str) -> None:
+        """Said once for each address and kind of fault (its words before any detail), for
+        the first MAX_FAULTS_TOLD of them: a flood of strangers does not flood the log."""
+        told = (who, why.split(" (")[0])
+        if told in self._faults_told or len(self._faults_told) > MAX_FAULTS_TOLD:
+            return
+        self._faults_told.add(told)
+        more = (" (further faults of strangers are dropped without a word)"
+                if len(self._faults_told) > MAX_FAULTS_TOLD else "")
+        self.reporter.warn(f"supervisor port: dropped a connection from {who}: {why}{more}")
 
     def _member_of(self, wire: Wire) -> Member | None:
         return next((m for m in self.members.values() if m.wire is wire), None)
 
     def _readable(self, wire: Wire) -> None:
-        messages = wire.feed()
-        member = self._member_of(wire)
-        if messages is None:  # closed
-            self._drop(wire)
-            if wire in self._stoppers:
-                self._stoppers.remove(wire)
-            if member is None:
-                return
-            if self._ending or member.state == "out":
-                member.state = "out"
-            elif not self._running:
-                del self.members[member.peer.addr]
-                self.reporter.say(f"worker {member.peer} left the {self.rv} before it started")
-            else:
-                self._lose(member, "its podagent's connection closed (the pod or its "
-                                   "podagent died)")
+        who = self._who(wire)
+        try:
+            lines = wire.feed()
+        except messages.TooLong as exc:
+            self._fault(wire, who, str(exc))
             return
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            if member is not None:
-                member.last_seen = time.monotonic()
-                self._from_member(member, message)
-            elif wire.sock in self._pending:
-                self._first_line(wire, message)
-                member = self._member_of(wire)
-            if wire.sock not in self._pending and member is None and wire not in self._stoppers:
-                return  # answered and closed (a question)
+        if lines is None:
+            self._closed_by_peer(wire)
+            return
+        for raw in lines:
+            try:
+                self._line(wire, raw)
+            except messages.Malformed as exc:
+                self._fault(wire, who, f"a malformed line ({exc})")
+            except Exception as exc:  # what one connection sent never ends the run
+                self._fault(wire, who, f"a line that broke its reading ({type(exc).__name__}: "
+                                       f"{exc})")
+            if wire.sock.fileno() < 0:  # dropped, answered and closed, or lost
+                return
+
+    def _who(self, wire: Wire) -> str:
+        member = self._member_of(wire)
+        if member is not None:
+            return f"worker {member.peer}"
+        stranger = self._pending.get(wire.sock)
+        return stranger.addr if stranger else "a pod that asked"
+
+    def _closed_by_peer(self, wire: Wire) -> None:
+        member = self._member_of(wire)
+        self._drop(wire)
+        if member is None:
+            return
+        if self._ending or member.state == "out":
+            member.state = "out"
+        elif not self._running:
+            del self.members[member.peer.addr]
+            self.reporter.say(f"worker {member.peer} left the {self.rv} before it started")
+        else:
+            self._lose(member, "its podagent's connection closed (the pod or its podagent died)")
+
+    def _line(self, wire: Wire, raw: bytes) -> None:
+        member = self._member_of(wire)
+        if member is not None:
+            self._from_member(member, messages.from_worker(messages.decode(raw)))
+            member.last_seen = time.monotonic()
+        elif wire.sock in self._pending:
+            self._first_line(wire, messages.decode(raw))
+        # a stopper's later lines: nothing to do with them
 
     def _first_line(self, wire: Wire, message: dict[str, Any]) -> None:
-        del self._pending[wire.sock]
-        if not _authorized(self.token, message):
+        stranger = self._pending[wire.sock]
+        if not messages.authorized(self.token, message):
             wire.send({"error": "refused: wrong or missing cluster token", "kind": "auth"})
-            self._drop(wire)
+            self._fault(wire, stranger.addr, "a wrong or missing cluster token")
             return
-        if "hello" in message and isinstance(message["hello"], dict) and not self._running:
-            self._hello(wire, message["hello"])
-        elif "ask" in message:
-            self._ask(wire, message)
-        else:  # not podagent, or a worker arriving after the start: not counted
-            if "hello" in message:
-                wire.send({"error": f"the {self.rv} has started without this pod",
-                           "kind": "WorkersTimeout"})
+        first = messages.first(message)
+        del self._pending[wire.sock]
+        wire.limit = LINE_LIMIT
+        if isinstance(first, messages.Ask):
+            self._ask(wire, first)
+        elif not self._running:
+            self._hello(wire, first)
+        else:  # a worker arriving after the start: not counted
+            wire.send({"error": f"the {self.rv} has started without this pod",
+                       "kind": "WorkersTimeout"})
             self._drop(wire)
 
-    def _hello(self, wire: Wire, hello: dict[str, Any]) -> None:
-        try:
-            peer = Peer(str(hello["addr"]), str(hello.get("pod", "")))
-            asked = hello.get("rank")
-            asked = int(asked) if asked is not None else None
-        except (KeyError, TypeError, ValueError):
+    def _hello(self, wire: Wire, hello: messages.Hello) -> None:
+        if hello.rank is not None and hello.rank > self.rv.workers:
+            why = (f"worker {hello.addr} asked for machine rank {hello.rank}; the {self.rv} has "
+                   f"ranks 1 to {self.rv.workers} for workers (EXPECTED_WORKERS)")
+            wire.send({"error": why, "kind": "InputError"})
             self._drop(wire)
+            self.reporter.warn(why)
             return
+        peer = Peer(hello.addr, hello.pod)
         old = self.members.pop(peer.addr, None)
         if old is not None:  # the same pod again (restarted): its old connection is stale
             self._drop(old.wire)
-        self.members[peer.addr] = Member(peer, wire, asked)
+        self.members[peer.addr] = Member(peer, wire, hello.rank)
         self.reporter.say(f"worker {peer} joined the {self.rv} ({len(self.members)} of "
                           f"{self.rv.workers})")
 
-    def _ask(self, wire: Wire, message: dict[str, Any]) -> None:
-        ask = message.get("ask")
-        if ask == "status":
+    def _ask(self, wire: Wire, ask: messages.Ask) -> None:
+        if ask.what == "status":
             wire.send(self.status())
-        elif ask == "logs":
-            offset = message.get("offset", 0)
-            wire.send(self.logs(offset if isinstance(offset, int) else 0))
-        elif ask == "stop":
-            by = str(message.get("by") or "an unnamed pod")[:100]
+        elif ask.what == "logs":
+            wire.send(self.logs(ask.offset))
+        elif ask.what == "stop":
             self._stoppers.append(wire)
             wire.send({"stopping": True})
-            self.events.put(StopAsked(by))
+            self.events.put(StopAsked(ask.by))
             return  # kept open: answered once every pod is out
         self._drop(wire)
 
-    def _from_member(self, m: Member, message: dict[str, Any]) -> None:
-        if "done" in message and isinstance(message["done"], dict):
-            done = message["done"]
-            m.state, m.step = "done", str(done.get("step", ""))
-            rc = done.get("rc")
-            reports = done.get("reports") or ()
-            self.events.put(Done(m.peer, m.step, rc if isinstance(rc, int) else 1,
-                                 tuple(r for r in reports if isinstance(r, dict))))
-        elif "leaving" in message:
-            self._lose(m, f"its podagent is stopping ({str(message['leaving'])[:100]})")
+    def _from_member(self, m: Member, message: messages.Beat | messages.StepDone
+                     | messages.Leaving) -> None:
+        if isinstance(message, messages.StepDone):
+            m.state, m.step = "done", message.step
+            self.events.put(Done(m.peer, message.step, message.rc, message.reports))
+        elif isinstance(message, messages.Leaving):
+            self._lose(m, f"its podagent is stopping ({message.why})")
 
     def _lose(self, m: Member, why: str) -> None:
         if m.state in ("lost", "out"):
@@ -523,6 +602,11 @@ class Link:
             error = _ANSWER_ERRORS.get(str(answer.get("kind")), HeadUnreachable)
             if error is WorkersTimeout:
                 raise WorkersTimeout(f"the head gave up: {answer['error']}")
+            if error is AuthRefused:
+                which = "a different cluster token" if self.token else "no cluster token"
+                raise AuthRefused(f"the head's podagent at {rv.head_ip}:{rv.port} refused this "
+                                  f"pod: it has {which} ({answer['error']}); set the same "
+                                  f"PODAGENT_TOKEN (or RAY_AUTH_TOKEN) on every pod")
             raise error(str(answer["error"]))
         if not isinstance(answer, dict) or not isinstance(answer.get("go"), dict):
             wire.close()
@@ -534,22 +618,18 @@ class Link:
 
     @staticmethod
     def _read(wire: Wire, timeout: float, check: Callable[[], None] = lambda: None) -> Any:
-        """The next line (parsed), None when the connection ended, TimeoutError (the class)
-        when nothing came in time. `check` runs every TICK (a signal raises there)."""
+        """The next line (parsed; the ones after it stay in wire.unread), None when the
+        connection ended, TimeoutError (the class) when nothing came in time. `check` runs
+        every TICK (a signal raises there)."""
         ends = time.monotonic() + timeout
-        wire.sock.settimeout(TICK)
-        while (left := ends - time.monotonic()) > 0:
+        while not wire.unread and (left := ends - time.monotonic()) > 0:
             check()
             wire.sock.settimeout(min(TICK, left))
-            try:
-                lines = wire.feed()
-            except TimeoutError:
-                continue
+            lines = wire.messages()
             if lines is None:
                 return None
-            if lines:
-                return lines[0]
-        return TimeoutError
+            wire.unread.extend(lines)
+        return wire.unread.popleft() if wire.unread else TimeoutError
 
     def send(self, payload: Mapping[str, Any]) -> bool:
         return self.wire is not None and self.wire.send(payload)
@@ -577,19 +657,21 @@ class Link:
                     self.events.put(Lost(self.head, "a send to it failed"))
                     return
             wire.sock.settimeout(TICK)
-            lines = wire.feed()
+            lines = wire.messages()
+            came = [*wire.unread, *(lines or ())]  # what came with the go, first
+            wire.unread.clear()
+            if came:
+                last_seen = time.monotonic()
+            for message in came:
+                if isinstance(message, dict):
+                    for kind in ("go", "end"):
+                        if isinstance(message.get(kind), dict):
+                            self.events.put(FromHead(kind, message[kind]))
             if lines is None:
                 if not self._closed.is_set():
                     self.events.put(Lost(self.head, "its podagent's connection closed (the "
                                                     "pod or its podagent died)"))
                 return
-            if lines:
-                last_seen = time.monotonic()
-            for message in lines:
-                if isinstance(message, dict):
-                    for kind in ("go", "end"):
-                        if isinstance(message.get(kind), dict):
-                            self.events.put(FromHead(kind, message[kind]))
             if time.monotonic() - last_seen > self.grace:
                 self.events.put(Lost(self.head, f"silent for {self.grace:g} s (no heartbeat: "
                                                 f"cut off, or its host is gone)"))

@@ -34,7 +34,7 @@ from podagent.errors import (
     PeerLost,
     PodagentError,
 )
-from podagent.gang import mesh
+from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.gang.training import Training
 from podagent.platform.roles import Role
@@ -185,8 +185,6 @@ class Supervisor:
             old.unlink(missing_ok=True)
 
     def _reports(self) -> tuple[dict[str, Any], ...]:
-        from podagent.gang import datacheck
-
         return tuple(datacheck.read_reports(self.run_dir / "data-check", str(self.me)))
 
     def _stop_training(self, hurried: bool) -> None:
@@ -291,8 +289,6 @@ class HeadSupervisor(Supervisor):
     def _judge(self, step: Step, reports: list[dict[str, Any]]) -> Cause | None:
         if step.name != "data check":
             return None
-        from podagent.gang import datacheck
-
         assert self.layout is not None
         verdict = datacheck.judge(reports, self.layout.nodes * self.layout.procs_per_node)
         self.reporter.event("data_check", ok=verdict.ok, line=verdict.line,
@@ -399,7 +395,8 @@ class WorkerSupervisor(Supervisor):
             if not reported and (rc := training.poll()) is not None:
                 training.finish_output()
                 reports = self._reports() if step.name == "data check" and rc == 0 else ()
-                link.send({"done": {"step": step.name, "rc": rc, "reports": list(reports)}})
+                link.send({"done": {"step": step.name, "rc": rc,
+                                    "reports": datacheck.compact(reports)}})
                 reported = True
                 self.training = None if rc == 0 else training
             try:

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from podagent.errors import ConfigError
+from podagent.gang import mesh
 from podagent.gang.datacheck import (
     SCRIPT,
+    SENT_DIGESTS,
     check_loader_spec,
+    compact,
     digest,
     judge,
     read_reports,
@@ -226,3 +229,41 @@ def test_real_run_default_loader_accelerate_passes(launches):
     verdict = judge(reports, 2)
     assert verdict.ok, verdict.line
     assert verdict.figures["samples"] == 32
+
+
+# --- sent compact: the supervisor port carries any batch ------------------------------------
+
+def _big_pod(pod: str, first_rank: int, ranks: int, per_rank: int, shared: int = 0) -> list:
+    """8 ranks x 16 batches x 512 samples: more digests than one line may carry."""
+    return [_report(first_rank + r, pod, [digest(f"{pod}-{r}-{i}") for i in range(per_rank)]
+                    + [digest(f"common-{i}") for i in range(shared)], world=2 * ranks)
+            for r in range(ranks)]
+
+
+def test_a_large_check_is_sent_compact_and_judged_the_same():
+    per_rank = 16 * 512
+    a, b = _big_pod("a", 0, 8, per_rank), _big_pod("b", 8, 8, per_rank)
+    sent = compact(b)
+    assert len(json.dumps({"done": {"reports": sent}})) < mesh.LINE_LIMIT // 2
+    assert sum(len(r["samples"]) for r in sent) <= 1.2 * SENT_DIGESTS
+    verdict = judge(a + sent, 16)  # the head's own reports in full, a worker's compact
+    assert verdict.ok, verdict.line
+    assert verdict.figures["samples"] == 16 * per_rank
+    assert verdict.line.startswith(f"data check: 16 ranks over 2 pods, {16 * per_rank} samples, "
+                                   "none seen by two ranks (judged on a consistent sample of ")
+
+
+def test_a_compact_check_still_finds_ranks_that_share_their_data():
+    per_rank = 16 * 512
+    a = _big_pod("a", 0, 8, per_rank // 2, shared=per_rank // 2)
+    b = _big_pod("b", 8, 8, per_rank // 2, shared=per_rank // 2)
+    verdict = judge(compact(a) + compact(b), 16)
+    assert not verdict.ok
+    # Half of every rank's samples are the same on all 16: the estimate is near that.
+    assert abs(verdict.figures["shared"] / (16 * per_rank // 2) - 1) < 0.15, verdict.figures
+    assert "share about" in verdict.line and "consistent sample" in verdict.line
+
+
+def test_a_small_check_is_sent_whole():
+    reports = [_report(0, "a", _digests("a", 64))]
+    assert compact(reports) == reports
