@@ -557,6 +557,12 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
     RewardField("item_timeout", number(0.1, 600),
                 "Seconds one item may take to verify; past it the worker is killed and the "
                 "item scores 0.", 5.0),
+    # A reward function that allocates without bound fails its item, not the pod (on the head
+    # the trainer shares the pod's memory, and the kernel's OOM killer picks the largest).
+    RewardField("item_memory", size,
+                "Memory one verifier process may allocate (bytes, or with KiB/MiB/GiB); an "
+                "item that needs more fails and scores the default (--func) or 0.", None,
+                default_doc="a quarter of the pod's memory"),
     RewardField("batch_wait", number(0, 50),
                 "Milliseconds a small request may wait for others to be verified with it "
                 "(trainers that send one sample per request); 0 sends each on its own.", 2.0),

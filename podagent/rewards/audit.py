@@ -96,16 +96,23 @@ async def _unparsed_by_seed(answers: list[str], pool: VerifierPool,
     chunks = [forms[i:i + CHUNK] for i in range(0, len(forms), CHUNK)]
     bad: list[str] = []
     checked = 0
+    left = iter(chunks)
 
-    async def one(chunk: list[tuple[str, str | None]]) -> None:
+    async def lane() -> None:  # one per worker: a chunk starts only while time is left
         nonlocal checked
-        if time.monotonic() > deadline:
-            return
-        ran = await pool.run(worker_unparsed, ([f for _, f in chunk],))
-        if ran.status == "ok":  # a chunk past the item limit is left unchecked
-            checked += len(chunk)
-            bad.extend(chunk[i][0] for i in ran.value)
+        for chunk in left:
+            if time.monotonic() > deadline:
+                return
+            ran = await pool.run(worker_unparsed, ([f for _, f in chunk],))
+            if ran.status == "ok":  # a chunk past the item limit is left unchecked
+                checked += len(chunk)
+                bad.extend(chunk[i][0] for i in ran.value)
 
-    await asyncio.gather(*(one(chunk) for chunk in chunks))
+    lanes = [asyncio.ensure_future(lane()) for _ in range(pool.workers)]
+    # A chunk still running at the deadline is given up (its worker stopped): not checked.
+    _, late = await asyncio.wait(lanes, timeout=max(0.0, deadline - time.monotonic()))
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
     order = {answer: index for index, answer in enumerate(answers)}
     return sorted(bad, key=order.__getitem__), checked + (len(answers) - len(forms))

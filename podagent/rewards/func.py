@@ -132,12 +132,15 @@ def _func_rule(func: Callable[..., Any]) -> Callable[[str, str | None, str | Non
     def score(query: str, prompt: str | None, label: str | None) -> Scored:
         try:
             answer = func([query], [prompt], [label])
-        except Exception as exc:
+        except BaseException as exc:  # sys.exit() and Ctrl-C's exception too: this item's
             return Scored(error=f"reward_func raised {_described(exc)}")
         try:
             return _scored(answer)
         except ValueError as exc:
             return Scored(error=f"reward_func returned {exc}")
+        except BaseException as exc:  # what it returned broke on reading (a hostile __len__)
+            return Scored(error=f"reward_func returned something unreadable "
+                                f"({_described(exc)})")
 
     return score
 
@@ -152,7 +155,11 @@ def _number(value: Any, what: str) -> float:
         value = value[0]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} that is {type(value).__name__}, not a number")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range (10**400)
+        raise ValueError(f"{what} that is too large for a number ({len(str(value))} "
+                         f"digits)") from None
     if not math.isfinite(number):
         raise ValueError(f"{what} that is {number}")
     return number

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import resource
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,9 +50,11 @@ class Ran:
     value: Any = None
 
 
-def _init_worker() -> None:
+def _init_worker(memory: int | None = None) -> None:
     # Ctrl-C in a terminal reaches the whole process group: only the server decides to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if memory:  # past it an allocation fails (MemoryError): that item's failure
+        resource.setrlimit(resource.RLIMIT_DATA, (memory, memory))
     from podagent.rewards import openrlhf_m_verify
 
     verify.worker_warm()  # no-ops in a worker forked from the warm forkserver (`warm`)
@@ -59,7 +62,8 @@ def _init_worker() -> None:
 
 
 class VerifierPool:
-    def __init__(self, workers: int, item_timeout: float, preload: str | None = None):
+    def __init__(self, workers: int, item_timeout: float, preload: str | None = None,
+                 item_memory: int | None = None):
         """`preload`: a reward rule's source (`func`) the forkserver loads once, so that every
         worker, replacements included, starts with it loaded."""
         self.workers, self.item_timeout = workers, item_timeout
@@ -72,7 +76,7 @@ class VerifierPool:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["podagent.rewards.warm"])
         self._pool = pebble.ProcessPool(max_workers=workers, initializer=_init_worker,
-                                        context=context)
+                                        initargs=(item_memory,), context=context)
         self._closing = False
         self.running = 0  # tasks scheduled and not yet done
 
@@ -103,7 +107,10 @@ class VerifierPool:
         self.running += 1
         try:
             return Ran("ok", await asyncio.wrap_future(future))
-        except Exception as exc:
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except BaseException as exc:  # a SystemExit from the worker is the item's failure
             return Ran(self._failed(exc, what))
         finally:
             self.running -= 1
@@ -122,7 +129,7 @@ class VerifierPool:
         correct, parses = ran.value
         return Outcome(bool(correct), "ok", parses)
 
-    def _failed(self, exc: Exception, what: str | None) -> str:
+    def _failed(self, exc: BaseException, what: str | None) -> str:
         if self._closing:  # the server is stopping: the item was abandoned, not failed
             return "crashed"
         status = "timeout" if isinstance(exc, TimeoutError) else "crashed"

@@ -174,7 +174,8 @@ async def running(settings: RewardSettings, golds: GoldIndex | None = None,
 
     Raises OSError if the address cannot be bound."""
     pool = VerifierPool(settings.workers, settings.item_timeout,
-                        preload=func.source_of(settings.scoring, settings.func))
+                        preload=func.source_of(settings.scoring, settings.func),
+                        item_memory=settings.item_memory)
     try:
         scorer = make_scorer(settings, pool, golds)
         # Listening only once the workers answer: a probe that gets 200 means ready.

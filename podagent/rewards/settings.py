@@ -30,6 +30,20 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def memory() -> int:
+    """Bytes of memory this container may use: its cgroup's limit, else the machine's."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            return min(int(limit), physical)
+    return physical
+
+
 @config.settings_class(FIELDS)
 class RewardSettings:
     """One attribute per field of FIELDS, then where each came from."""
@@ -48,6 +62,7 @@ def build(flags: Mapping[str, str | None] | None = None,
     env = os.environ if environ is None else environ
     values, sources = config.read_fields(FIELDS, flags or {}, env)
     values.setdefault("workers", cpu_count())
+    values.setdefault("item_memory", memory() // 4)
     values.setdefault("listeners", min(values["workers"], default_listeners(cpu_count())))
     if values["listeners"] > values["workers"]:
         attr = "listeners"

@@ -191,3 +191,70 @@ def test_what_a_reward_func_may_return():
         scored = func._func_rule(lambda q, p, lab, a=answer: a)("q", None, None)
         assert scored.error is not None and cases[name] in scored.error, (name, scored)
     assert json.dumps(func.Scored(1.0, 1.0).__dict__["extra"]) == "{}"
+
+
+# Every way a reward function can misbehave, one per query; "ok" items score their length.
+HOSTILE_FILE = '''
+import os, sys, time
+
+def reward_func(queries, prompts, labels):
+    q = queries[0]
+    kind = q.split(":")[0]
+    if kind == "raise":
+        raise RuntimeError("boom")
+    if kind == "exit":
+        sys.exit(3)
+    if kind == "interrupt":
+        raise KeyboardInterrupt
+    if kind == "die":
+        os._exit(1)
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+    if kind == "memory":
+        hoard = []
+        while True:
+            hoard.append(bytearray(64 << 20))
+    if kind == "fork":
+        if os.fork() == 0:
+            time.sleep(3)
+            os._exit(0)
+    if kind == "stdout":
+        print("x" * 100000, flush=True)
+    answers = {"nan": float("nan"), "inf": float("inf"), "huge": 10**400, "text": "high",
+               "none": None, "two": [1.0, 2.0]}
+    if kind in answers:
+        return {"rewards": [answers[kind]]}
+    if kind == "not-a-dict":
+        return [1.0]
+    return {"rewards": [float(len(q))]}
+'''
+
+HOSTILE = ("raise", "exit", "interrupt", "die", "hang", "memory", "nan", "inf", "huge", "text",
+           "none", "two", "not-a-dict")
+HARMLESS = ("fork", "stdout")  # odd, but their rewards are good ones
+
+
+def test_hostile_reward_functions_cost_only_their_items(tmp_path):
+    path = write(tmp_path, "hostile.py", HOSTILE_FILE)
+    kinds = [*HOSTILE, *HARMLESS]
+    items = [(f"{kind}:{i}", "", "") for i, kind in enumerate(kinds)]
+    items += [(f"ok:{'a' * i}", "", "") for i in range(20)]
+    with live_server(tmp_path, "--func", str(path), "--workers", "2", "--item-timeout", "2",
+                     "--item-memory", "768MiB", "--default-reward", "-1") as srv:
+        reply = post(srv.url, items)
+        # One at a time too: each misbehaving item alone, then a good one right after it.
+        alone = [post(srv.url, [item, ("ok:after", "", "")])["rewards"] for item in items[:4]]
+        health = srv.health()
+        assert srv.proc.poll() is None
+    expected = [-1.0 if kind in HOSTILE else float(len(q)) for (q, _, _), kind
+                in zip(items, kinds + ["ok"] * 20, strict=True)]
+    assert reply["rewards"] == expected
+    assert alone == [[-1.0, 8.0]] * 4
+    assert health["status"] == "ok"
+    log = srv.log.read_text()
+    for says in ("reward_func raised SystemExit: 3", "reward_func raised KeyboardInterrupt",
+                 "reward_func raised MemoryError", "killed its worker process",
+                 "ran past the item timeout", "'rewards' that is too large for a number",
+                 "'rewards' that is nan", "'rewards' that is inf"):
+        assert says in log, says
