@@ -37,7 +37,8 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                            "stops it)"),
     (errors.RayVersionMismatch, 2, "worker: this pod's Ray version differs from the head's "
                                    "(every pod must run the same image)"),
-    (errors.JobFailed, 3, "the job failed"),
+    (errors.JobFailed, 3, "the job failed (`podagent torchrun/accelerate`: the training "
+                          "failed on this pod or another, which the line names)"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
     (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time (in a run "
                                "without Ray, the workers that came exit so too)"),
@@ -70,8 +71,8 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                          "terminated at RunPod while the run went on (the line names it); every "
                          "pod has been terminated"),
     (errors.PeerLost, 22, "`podagent torchrun/accelerate`: another pod of the run was lost, "
-                          "cut off, stopped, or its training failed (the line names it); this "
-                          "pod's training was stopped"),
+                          "cut off or stopped (the line names it); this pod's training was "
+                          "stopped"),
     (errors.DataOverlap, 23, "`podagent torchrun/accelerate --data-check`: ranks see the same "
                              "samples (the line has the numbers)"),
 )

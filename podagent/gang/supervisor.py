@@ -90,9 +90,9 @@ class Cause:
         if self.kind == "failed" and self.pod == me:
             return JobFailed(f"the {self.step} ({launcher}) exited {self.rc} on this pod; "
                              f"stopped it on every pod")
-        if self.kind == "failed":
-            return PeerLost(f"the {self.step} failed on pod {self.pod} ({launcher} exited "
-                            f"{self.rc}); stopped this pod's training", self.pod)
+        if self.kind == "failed":  # the run failed, on every pod alike: none starts it again
+            return JobFailed(f"the {self.step} failed on pod {self.pod} ({launcher} exited "
+                             f"{self.rc}); stopped this pod's training")
         return PeerLost(f"pod {self.pod} was lost: {self.detail}; stopped this pod's training",
                         self.pod)
 

@@ -32,12 +32,14 @@ def test_every_other_pod_exits_22_naming_the_lost_pod():
                         f"training")
 
 
-def test_the_pod_whose_training_failed_exits_3_and_the_others_22_naming_it():
+def test_a_failed_training_fails_the_run_on_every_pod_naming_where():
+    """Exit 3 everywhere: the run is over for every pod alike (a head that took it for a lost
+    pod would start it again and wait for a worker that will not come)."""
     failed = Cause("failed", W2, step="training", rc=7)
     assert _exit(failed, W2) == (3, "the training (torchrun) exited 7 on this pod; stopped it "
                                     "on every pod")
     code, line = _exit(failed, HEAD)
-    assert code == 22 and f"the training failed on pod {W2} (torchrun exited 7)" in line
+    assert code == 3 and f"the training failed on pod {W2} (torchrun exited 7)" in line
 
 
 def test_a_stop_a_failed_data_check_and_a_success_exit_alike_on_every_pod():
