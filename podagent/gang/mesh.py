@@ -52,6 +52,15 @@ GREETING_TIMEOUT = 10.0  # the head greets at once; this is for a head starved o
 TICK = 0.25  # the hub's loop wakes this often to beat and to look for silent workers
 SEND_TIMEOUT = 5.0  # a send that blocks this long counts as a lost peer
 
+STARTED_RETRY = 2.0  # seconds between a late worker's tries while the head's run goes on
+STARTED = "started"  # the head's answer to a hello once its run has started
+
+
+class _StartedWithout(Exception):
+    """The head's run had started when this worker said hello, or its podagent closed the
+    connection without an answer (ending that start): its next rendezvous is awaited."""
+
+
 # The errors a head's answer may carry to its workers, by class name (one line each).
 _ANSWER_ERRORS: dict[str, type[Exception]] = {"WorkersTimeout": WorkersTimeout,
                                               "InputError": InputError, "auth": AuthRefused}
@@ -486,7 +495,7 @@ class Hub:
             self._hello(wire, first)
         else:  # a worker arriving after the start: not counted
             wire.send({"error": f"the {self.rv} has started without this pod",
-                       "kind": "WorkersTimeout"})
+                       "kind": STARTED})
             self._drop(wire)
 
     def _hello(self, wire: Wire, hello: messages.Hello) -> None:
@@ -555,8 +564,31 @@ class Link:
         before `deadline` (monotonic; `timeout` is what the user set). Raises HeadUnreachable
         when the head never answered, WorkersTimeout or InputError with the head's line when
         it gave up."""
-        rv = self.rv
         progress = Progress(self.reporter)
+        while True:
+            try:
+                go = self._attempt(deadline, timeout, asked_rank, sleep, check, progress)
+            except _StartedWithout as exc:
+                # The head has not yet seen the pod this one replaces: it ends that start in a
+                # moment and holds a new rendezvous (its container started again). Leaving
+                # now would make this pod a crash loop, and the run one worker short.
+                if time.monotonic() + STARTED_RETRY > deadline:
+                    raise HeadUnreachable(
+                        f"{self.rv}: the head's run had started without this pod and held no "
+                        f"new rendezvous within {timeout:g} s") from None
+                progress(f"the head's {self.rv}: {exc}; waiting for its next one (a head "
+                         f"ends a start that lost a pod, then holds a new rendezvous)")
+                sleep(STARTED_RETRY)
+                continue
+            self._thread = threading.Thread(target=self._serve, name="podagent-link",
+                                            daemon=True)
+            self._thread.start()
+            return go
+
+    def _attempt(self, deadline: float, timeout: float, asked_rank: int | None,
+                 sleep: Callable[[float], None], check: Callable[[], None],
+                 progress: Progress) -> dict[str, Any]:
+        rv = self.rv
 
         def connect() -> socket.socket:
             left = deadline - time.monotonic()
@@ -576,6 +608,9 @@ class Link:
                          f"(last try: {gave_up.seen})"))
         wire = Wire(sock)
         greeting = self._read(wire, GREETING_TIMEOUT)
+        if greeting is None:  # closed at once: a head on its way out (or in)
+            wire.close()
+            raise _StartedWithout("its podagent closed the connection")
         if isinstance(greeting, dict) and "over" in greeting:
             wire.close()
             raise HeadSaysOver(rv, json.dumps(greeting).encode())
@@ -599,6 +634,8 @@ class Link:
                                   f"{timeout:g} s")
         if isinstance(answer, dict) and "error" in answer:
             wire.close()
+            if answer.get("kind") == STARTED:
+                raise _StartedWithout("it started without this pod")
             error = _ANSWER_ERRORS.get(str(answer.get("kind")), HeadUnreachable)
             if error is WorkersTimeout:
                 raise WorkersTimeout(f"the head gave up: {answer['error']}")
@@ -608,12 +645,13 @@ class Link:
                                   f"pod: it has {which} ({answer['error']}); set the same "
                                   f"PODAGENT_TOKEN (or RAY_AUTH_TOKEN) on every pod")
             raise error(str(answer["error"]))
+        if answer is None:  # the head's podagent ended this start: its next one is awaited
+            wire.close()
+            raise _StartedWithout("its podagent closed the connection")
         if not isinstance(answer, dict) or not isinstance(answer.get("go"), dict):
             wire.close()
-            raise HeadUnreachable(f"{rv}: the head closed the connection without an answer")
+            raise HeadUnreachable(f"{rv}: the head answered something else than its go")
         self.wire = wire
-        self._thread = threading.Thread(target=self._serve, name="podagent-link", daemon=True)
-        self._thread.start()
         return answer["go"]
 
     @staticmethod

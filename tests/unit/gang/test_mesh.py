@@ -239,3 +239,32 @@ def test_torchruns_own_join_deadline_follows_the_wait_settings():
     assert "is_host=1,join_timeout=43" in argv(Role.HEAD, s.worker_timeout)
     assert "is_host=0,join_timeout=7" in argv(Role.WORKER, s.head_timeout)
     assert argv(Role.HEAD, 1)[-5:] == ("--local-addr", "10.0.0.1", "t.py", "--lr", "1")
+
+
+def test_a_worker_arriving_after_the_start_waits_for_the_heads_next_rendezvous():
+    """A replacement pod that comes before the head noticed the pod it replaces: it neither
+    leaves (a crash loop at RunPod, the run a worker short) nor counts; the head's next start
+    (its container started again) holds a new rendezvous, which it joins."""
+    hub, _, link, _ = _running_pair()
+    late = mesh.Link(hub.rv, mesh.Peer("10.0.0.9", "late"), GRACE, None, _reporter("worker"),
+                     queue.Queue())
+    outcome: list = []
+    joiner = threading.Thread(target=lambda: outcome.append(
+        late.join(time.monotonic() + 60, 60, None, time.sleep)), daemon=True)
+    joiner.start()
+    try:
+        wait_for(lambda: "started without this pod" in late.reporter.stream.getvalue(),
+                 timeout=30, what="the late worker to hear that the run has started")
+        assert not outcome and "10.0.0.9" not in hub.members
+    finally:
+        link.close()
+        hub.close()  # this start of the head ends
+    again, _, _ = _hub(mesh.Rendezvous("r", "127.0.0.1", hub.rv.port, workers=1))
+    try:
+        members = again.gather(30, lambda: None)
+        again.start(lambda m: {"rank": m.rank})
+        joiner.join(30)
+        assert [m.peer.addr for m in members] == ["10.0.0.9"] and outcome == [{"rank": 1}]
+    finally:
+        late.close()
+        again.close()
