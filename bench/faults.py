@@ -12,8 +12,9 @@ with the project's virtual environment:
 
     python bench/faults.py --cells all [--seed N] [--jobs K] [--podagent DIR] [--out DIR]
 
---cells: `all` (every fault at every state), `sample` (what CI runs: every fault and every state
-at least once), or cell names as the run prints them (fault[-variant]@state[:target]; what a
+--cells: `all` (every fault at every state, of a Ray run and of a run without Ray), `ray` or
+`gang` (one of the two), `sample` (what CI runs: every fault and every state at least once), or
+cell names as the run prints them (fault[-variant]@state[:target]; what a
 name leaves open, the seed picks). --jobs runs cells side by side (each on a network of its
 own); keep it at 1 on two cores. --podagent runs another checkout's podagent (its directory
 goes first on PYTHONPATH), for a before-and-after comparison with the same harness and seed.
@@ -42,6 +43,8 @@ DEFAULT_SEED = 2126
 def pick(spec: str, seed: int) -> list[campaign.Cell]:
     if spec == "all":
         return campaign.matrix(seed)
+    if spec in ("ray", "gang"):  # one lifecycle's matrix
+        return campaign.matrix(seed, campaign.STATES if spec == "ray" else campaign.GANG_STATES)
     if spec == "sample":
         return campaign.sample(seed)
     try:
@@ -53,30 +56,37 @@ def pick(spec: str, seed: int) -> list[campaign.Cell]:
 def render(results: list[campaign.CellResult], seed: int, when: str) -> str:
     """fault x state -> 'seconds verdict' (ok, or the invariants that broke)."""
     by = {(r.cell.fault, r.cell.state): r for r in results}
-    faults = [f for f in campaign.FAULTS if any(k[0] == f for k in by)]
-    states = [s for s in campaign.STATES if any(k[1] == s for k in by)]
-    rows = []
-    for fault in faults:
-        row = [fault]
-        for state in states:
-            r = by.get((fault, state))
-            if r is None:
-                row.append("" if campaign.targets(fault, state) else "n/a")
-                continue
-            end = f"{r.fault_to_end:.0f} s" if r.fault_to_end is not None else "-"
-            if r.error:
-                row.append(f"{end} ERROR")
-            elif r.held:
-                row.append(f"{end} ok")
-            else:
-                broken = "".join(k for k, ok in r.verdicts().items() if not ok)
-                row.append(f"{end} **{broken}**")
-        rows.append(row)
+    tables = []
+    for title, all_states in (("A Ray run", campaign.STATES),
+                              ("A run without Ray (`podagent torchrun`)", campaign.GANG_STATES)):
+        catalogue = campaign.catalogue(all_states[0])
+        faults = [f for f in catalogue if any(k[0] == f and k[1] in all_states for k in by)]
+        states = [s for s in all_states if any(k[1] == s for k in by)]
+        if not states:
+            continue
+        rows = []
+        for fault in faults:
+            row = [fault]
+            for state in states:
+                r = by.get((fault, state))
+                if r is None:
+                    row.append("" if campaign.targets(fault, state) else "n/a")
+                    continue
+                end = f"{r.fault_to_end:.0f} s" if r.fault_to_end is not None else "-"
+                if r.error:
+                    row.append(f"{end} ERROR")
+                elif r.held:
+                    row.append(f"{end} ok")
+                else:
+                    broken = "".join(k for k, ok in r.verdicts().items() if not ok)
+                    row.append(f"{end} **{broken}**")
+            rows.append(row)
+        tables += [f"{title}:", "", table(["fault \\ state", *states], rows), ""]
     held = sum(r.held for r in results)
     succeeded = sum(r.run_outcome == "succeeded" for r in results)
     worst = max((r for r in results if r.fault_to_end is not None),
                 key=lambda r: r.fault_to_end or 0, default=None)
-    lines = [table(["fault \\ state", *states], rows), "",
+    lines = [*tables,
              f"{held} of {len(results)} cells held every invariant (seed {seed}, {when}, "
              f"commit {git_commit()}); n/a: nothing of the fault's kind runs in that state.",
              f"In {succeeded} of them the run went on to its job's success (the others ended "

@@ -114,6 +114,10 @@ def runs(process: str, pod: str, state: str) -> bool:
     """Whether `process` runs in `pod` when the cluster is in `state`. Nothing of Ray runs on a
     pod that stays after its run; the reward server is the teardown's first stop; a worker's
     raylet starts with its join."""
+    if state in GANG_STATES:
+        if pod not in GANG_UP[state]:
+            return False
+        return not process or state in ("data_check", "training")
     if pod not in UP[state]:
         return False
     if not process:
@@ -149,6 +153,33 @@ FAULTS = {f.name: f for f in (
 )}
 
 
+# Runs without Ray (`podagent torchrun`, tests/harness/gang_campaign.py): the gang's lifecycle
+# and the faults that apply to it, under the same invariants. A training process stands for the
+# job: (d) is never two trainings in one pod, nor more than one per pod in all.
+GANG_STATES = ("rendezvous", "data_check", "training", "stopping", "after_run")
+GANG_UP = {state: HEAD_ONLY if state == "rendezvous" else BOTH for state in GANG_STATES}
+GANG_FAULTS = {f.name: f for f in (
+    FAULTS["kill-pod"], FAULTS["kill-podagent"],
+    Fault("kill-training", "SIGKILL of a pod's training (the launcher's rank process)", BOTH,
+          process="training"),
+    Fault("cut-network", "a pod's link down (no reset reaches anyone), then its processes "
+                         "killed: a host that vanished (a worker is replaced by a new pod)",
+          BOTH),
+    FAULTS["sigterm"], FAULTS["sigterm-twice"],
+    Fault("head-restart", "the head's pod restarted (SIGTERM, then started again) at the same "
+                          "address", HEAD_ONLY, ("same",)),
+    Fault("stranger", "a stranger on the head's supervisor port: hostile lines, a stop with a "
+                      "wrong token, 20 connections that never finish their first line",
+          HEAD_ONLY),
+    FAULTS["disk-full"],
+)}
+
+
+def catalogue(state: str) -> dict[str, Fault]:
+    """The faults of the lifecycle the state belongs to (a Ray run's, or a run without Ray)."""
+    return GANG_FAULTS if state in GANG_STATES else FAULTS
+
+
 @dataclass(frozen=True)
 class Cell:
     fault: str
@@ -166,21 +197,23 @@ class Cell:
 
 def targets(fault: str, state: str) -> list[str]:
     """Whom the fault can hit in that state (none: nothing of its kind runs then)."""
-    spec = FAULTS[fault]
-    return [t for t in spec.targets if runs(spec.process, t, state)]
+    spec = catalogue(state).get(fault)
+    return [t for t in spec.targets if runs(spec.process, t, state)] if spec else []
 
 
 def plan(fault: str, state: str, seed: int) -> Cell:
     """The cell's schedule, from the seed alone."""
     rng = random.Random(f"{seed}/{fault}/{state}")
-    spec = FAULTS[fault]
+    spec = catalogue(state)[fault]
     return Cell(fault, state, seed, rng.choice(targets(fault, state) or [""]),
                 rng.choice(spec.variants), round(rng.uniform(0.5, 3.0), 2))
 
 
-def matrix(seed: int) -> list[Cell]:
-    """Every fault at every state where it can hit something."""
-    return [plan(f, s, seed) for f in FAULTS for s in STATES if targets(f, s)]
+def matrix(seed: int, states: tuple[str, ...] = STATES + GANG_STATES) -> list[Cell]:
+    """Every fault at every state (of a Ray run and of a run without Ray) where it can hit
+    something."""
+    return [plan(f, s, seed) for group in (STATES, GANG_STATES) for f in catalogue(group[0])
+            for s in group if s in states and targets(f, s)]
 
 
 # What CI runs: every fault and every state at least once, each where it hurts most (the seed
@@ -190,7 +223,13 @@ SAMPLE = ("kill-pod@running:head", "kill-podagent@recovering:head", "kill-raylet
           "cut-network@running:worker", "sigterm@tearing_down:head",
           "sigterm-twice@staying:worker", "disk-full@running:head",
           "dns-several@discovering:head", "jobs-api-5@running:head",
-          "head-restart-new@running:head")
+          "head-restart-new@running:head",
+          # runs without Ray: every fault and every state of theirs
+          "stranger@rendezvous:head", "kill-podagent@data_check:head",
+          "kill-training@data_check:worker", "kill-pod@training:head",
+          "cut-network@training:worker", "head-restart-same@training:head",
+          "disk-full@training:worker", "sigterm@stopping:head",
+          "sigterm-twice@after_run:worker")
 
 
 def parse(name: str, seed: int) -> Cell:
@@ -198,17 +237,18 @@ def parse(name: str, seed: int) -> Cell:
     seed picks."""
     spec, _, rest = name.partition("@")
     state, _, target = rest.partition(":")
-    fault = next((f for f in sorted(FAULTS, key=len, reverse=True)
+    faults = catalogue(state)
+    fault = next((f for f in sorted(faults, key=len, reverse=True)
                   if spec == f or spec.startswith(f + "-")), None)
-    if fault is None or state not in STATES:
+    if fault is None or state not in STATES + GANG_STATES:
         raise ValueError(f"{name!r} is not fault[-variant]@state[:target] (faults: "
-                         f"{', '.join(FAULTS)}; states: {', '.join(STATES)})")
+                         f"{', '.join(faults)}; states: {', '.join(STATES + GANG_STATES)})")
     cell = plan(fault, state, seed)
     variant = spec[len(fault) + 1:] or cell.variant
     possible = targets(fault, state)
-    if variant not in FAULTS[fault].variants or not possible or (target and
-                                                                  target not in possible):
-        raise ValueError(f"{name!r}: {fault} has variants {FAULTS[fault].variants}, and in "
+    if variant not in faults[fault].variants or not possible or (target and
+                                                                 target not in possible):
+        raise ValueError(f"{name!r}: {fault} has variants {faults[fault].variants}, and in "
                          f"{state} it can hit {possible or 'nothing'}")
     return Cell(fault, state, seed, target or cell.target, variant, cell.pause)
 
@@ -238,9 +278,9 @@ class Container:
     `restart()` starts it with the same volume (and Ray temp dir, which a restart may keep)."""
 
     def __init__(self, name: str, pod: Pod, dns: DnsServer, volume: Path, env: dict[str, str],
-                 root: Path):
+                 root: Path, argv: tuple[str, ...] = ()):
         self.name, self.pod, self.dns, self.volume, self.root = name, pod, dns, volume, root
-        self.env = env
+        self.env, self.argv = env, argv  # podagent's arguments (none: its entrypoint)
         self.agent: Agent | None = None
         self.exits: list[Exit] = []
         self.killed_by_fault = False
@@ -251,7 +291,7 @@ class Container:
 
     def start(self) -> None:
         if self.agent is None:
-            self.agent = Agent(self.pod, self.dns, self.root, self.env)
+            self.agent = Agent(self.pod, self.dns, self.root, self.env, self.argv)
             self.agent.cwd = str(self.root)
         else:
             self.agent = self.agent.restarted()
@@ -415,6 +455,8 @@ class CellResult:
 class CellRun:
     """Runs one cell: brings the cluster to the cell's state, injects the fault, lets the run
     end, and checks the invariants."""
+
+    JOB_LOG = "job.log"  # the job's output in the head's run directory
 
     def __init__(self, cell: Cell, root: Path, podagent_path: str | None = None,
                  say: Callable[[str], None] = lambda line: None):
@@ -777,7 +819,7 @@ class CellRun:
         found = {}
         for c in self.containers:
             run_dir = c.run_dir()
-            for name in ("events.jsonl", "ledger.json", "job.log"):
+            for name in ("events.jsonl", "ledger.json", self.JOB_LOG):
                 if (run_dir / name).exists():
                     found[f"{c.name}/{name}"] = run_dir / name
             for log in run_dir.glob("podagent-*.log"):
@@ -864,12 +906,7 @@ class CellRun:
 
     def _check_files(self, violations: list[str]) -> None:
         """(e): the checkpoint, the logs and the ledger."""
-        ckpt = self.volumes["head"] / "ckpt" / "step-1" / "model.txt"
-        if ckpt.exists() and ckpt.read_text() != CHECKPOINT:
-            violations.append(f"(e) the checkpoint changed: {ckpt.read_text()[:40]!r}")
-        started = any("started" in _read(c.run_dir() / "job.log") for c in self.containers)
-        if started and not ckpt.exists() and self.cell.fault != "disk-full":
-            violations.append("(e) the job checkpointed, and the checkpoint is gone")
+        self._check_checkpoint(violations)
         now = self._sizes()
         for name, size in self.snapshot.items():
             if now.get(name, 0) < size:
@@ -881,6 +918,14 @@ class CellRun:
             for log in c.run_dir().glob("podagent-*.log"):
                 if not log.stat().st_size:
                     violations.append(f"(e) {c.name}'s {log.name} is empty")
+
+    def _check_checkpoint(self, violations: list[str]) -> None:
+        ckpt = self.volumes["head"] / "ckpt" / "step-1" / "model.txt"
+        if ckpt.exists() and ckpt.read_text() != CHECKPOINT:
+            violations.append(f"(e) the checkpoint changed: {ckpt.read_text()[:40]!r}")
+        started = any("started" in _read(c.run_dir() / "job.log") for c in self.containers)
+        if started and not ckpt.exists() and self.cell.fault != "disk-full":
+            violations.append("(e) the job checkpointed, and the checkpoint is gone")
 
 
 def _read(path: Path) -> str:
@@ -908,4 +953,8 @@ def _fill(volume: Path) -> None:
 def run_cell(cell: Cell, root: Path, podagent_path: str | None = None,
              say: Callable[[str], None] = lambda line: None) -> CellResult:
     say(f"cell {cell.name} (seed {cell.seed}, pause {cell.pause} s)")
+    if cell.state in GANG_STATES:
+        from tests.harness.gang_campaign import GangCellRun
+
+        return GangCellRun(cell, root, podagent_path, say).run()
     return CellRun(cell, root, podagent_path, say).run()
