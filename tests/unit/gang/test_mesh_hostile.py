@@ -4,16 +4,20 @@ never the run's; strangers are bounded in number, size and time; every line of a
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from podagent.errors import AuthRefused
-from podagent.gang import mesh, messages
+from podagent.gang import mesh, messages, supervisor
 from tests.harness.pods import wait_for
 from tests.unit.gang.test_mesh import GRACE, _free_port, _join, _next, _reporter
 
@@ -29,7 +33,12 @@ def _running(token: str | None = TOKEN, workers: int = 1):
     head = _reporter("head")
     hub = mesh.Hub(rv, mesh.Peer("127.0.0.1", "h"), QUIET_GRACE, token, head, events)
     hub.status = lambda: {"run": "r"}
-    hub.logs = lambda offset: {"text": "", "offset": offset}
+    # The head's own answer to `logs`: its training log read from the offset asked.
+    log = tempfile.NamedTemporaryFile(prefix="training-", suffix=".log", delete=False)
+    log.write(b"step 1\n")
+    log.close()
+    hub.logs = functools.partial(supervisor.HeadSupervisor.logs, SimpleNamespace(
+        log_path=Path(log.name), phase=supervisor.Phase.RUNNING, step_name="training"))
     joining = []
     for i in range(workers):
         link_events: queue.Queue = queue.Queue()
@@ -107,7 +116,14 @@ def test_a_hostile_first_line_while_the_run_goes_on_costs_only_its_connection(fi
         hub.close()
 
 
-def test_a_hostile_line_during_the_rendezvous_leaves_it_to_form():
+@pytest.mark.parametrize("first", [
+    pytest.param(b'{"ask": "stop", "token": "\\ud800"}\n', id="lone-surrogate-token"),
+    pytest.param(b'{"hello": {"addr": "10.0.0.7", "rank": 1e400}, "token": "s3cret"}\n',
+                 id="infinite-rank-with-token"),
+    pytest.param(b'{"hello": {"addr": "10.0.0.7", "rank": 9}, "token": "s3cret"}\n',
+                 id="rank-past-the-workers"),
+])
+def test_a_hostile_line_during_the_rendezvous_leaves_it_to_form(first):
     rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=1)
     events: queue.Queue = queue.Queue()
     hub = mesh.Hub(rv, mesh.Peer("127.0.0.1", "h"), GRACE, TOKEN, _reporter("head"), events)
@@ -117,9 +133,8 @@ def test_a_hostile_line_during_the_rendezvous_leaves_it_to_form():
     outcome: list = []
 
     def strangers_then_the_worker() -> None:
-        wait_for(lambda: _send(rv.port, b'{"ask": "stop", "token": "\\ud800"}\n'), timeout=30,
-                 what="the rendezvous to listen", ignore=(ConnectionRefusedError,))
-        _send(rv.port, b'{"hello": {"addr": "10.0.0.7", "rank": 1e400}, "token": "s3cret"}\n')
+        wait_for(lambda: _send(rv.port, first), timeout=30, what="the rendezvous to listen",
+                 ignore=(ConnectionRefusedError,))
         outcome.append(link.join(time.monotonic() + 30, 30, None, time.sleep))
 
     joiner = threading.Thread(target=strangers_then_the_worker, daemon=True)

@@ -9,13 +9,27 @@ import time
 from podagent.rewards import audit
 
 
+class Counted:
+    """The real pool, counting the chunks given to it."""
+
+    def __init__(self, pool):
+        self.pool, self.workers, self.chunks = pool, pool.workers, 0
+
+    async def run(self, *args, **kwargs):
+        self.chunks += 1
+        return await self.pool.run(*args, **kwargs)
+
+
 def test_the_audit_of_a_large_dataset_ends_at_its_deadline(pool):
     answers = [f"\\frac{{{i}}}{{{i + 1}}} + x^{{{i % 7}}}" for i in range(20_000)]
-    deadline = 1.0
-    started = time.monotonic()
-    bad, checked = asyncio.run(audit._unparsed_by_seed(answers, pool, started + deadline))
-    # Far from all of them in a second on one worker: the rest were never started.
+    counted = Counted(pool)
+    bad, checked = asyncio.run(audit._unparsed_by_seed(answers, counted,
+                                                       time.monotonic() + 1.0))
+    chunks = -(-len(answers) // audit.CHUNK)
+    # Far from all of them in a second on one worker, and the rest never given to the pool
+    # (which would check them all, the server's start waiting, whatever the deadline).
     assert 0 < checked < len(answers), checked
+    assert counted.chunks < chunks / 4, (counted.chunks, chunks)
     assert checked % audit.CHUNK == 0  # whole chunks: none counted half done
     assert bad == []
 

@@ -184,9 +184,10 @@ def test_what_a_reward_func_may_return():
     assert rule("q", None, None) == func.Scored(0.5, 0.5, {"m": 2.0})
     cases = {"rewards": "'rewards' that is str", 3: "int, not a dict",
              "no-rewards": "a dict without 'rewards'", "two": "'rewards' with 2 values",
-             "nan": "'rewards' that is nan"}
+             "nan": "'rewards' that is nan", "huge": "'rewards' that is too large for a number"}
     answers = {"rewards": {"rewards": ["x"]}, 3: 3, "no-rewards": {"scores": [1.0]},
-               "two": {"rewards": [1.0, 2.0]}, "nan": {"rewards": [float("nan")]}}
+               "two": {"rewards": [1.0, 2.0]}, "nan": {"rewards": [float("nan")]},
+               "huge": {"rewards": [10**400]}}
     for name, answer in answers.items():
         scored = func._func_rule(lambda q, p, lab, a=answer: a)("q", None, None)
         assert scored.error is not None and cases[name] in scored.error, (name, scored)
