@@ -44,21 +44,51 @@ def field_envs(tmp_path_factory: pytest.TempPathFactory
 
 NEEDS_FIELDS = pytest.StashKey[bool]()
 NEEDS_IMAGES = pytest.StashKey[bool]()
+PREBUILT = pytest.StashKey[bool]()
 CONTAINER_TESTS = Path(__file__).parent / "container"
+
+# The README's test command runs two lanes at once (pytest-xdist, --dist loadgroup): each group
+# below runs whole, in order, on one of them. Pods in network namespaces (e2e, the campaign)
+# and containers never meet another test's processes (each network is locked and named apart);
+# what starts Ray or looks for Ray processes in this machine's own namespace (unit,
+# integration, compat, and the e2e test beside a field environment's Ray) is one group, one
+# test at a time, as without lanes.
+LANES = (("pods", Path(__file__).parent / "e2e"), ("pods", CONTAINER_TESTS),
+         ("faults", Path(__file__).parent / "faults"))
+HOST = "host"
+
+
+def lane(item: pytest.Item) -> str:
+    if "field_envs" in item.fixturenames:  # with tests/compat, which builds them
+        return HOST
+    return next((name for name, folder in LANES if folder in item.path.parents), HOST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[NEEDS_FIELDS] = any("field_envs" in item.fixturenames for item in items)
     config.stash[NEEDS_IMAGES] = any(CONTAINER_TESTS in item.path.parents for item in items)
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(lane(item)))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _field_envs_from_the_start(request: pytest.FixtureRequest) -> None:
-    """Installing the field environments waits mostly on the network: when a selected test
-    needs them, they are built from the session's first test on (tests/compat runs last), so
-    that the wait overlaps the other tests instead of adding to them."""
-    if request.config.stash.get(NEEDS_FIELDS, False):
+@pytest.fixture(autouse=True)
+def _built_from_the_start(request: pytest.FixtureRequest) -> None:
+    """Installing the field environments and making the container suite's images wait mostly
+    on the network and the disk: when selected tests need them, they are started from the
+    session's first test on (tests/compat and tests/container run late), so that the wait
+    overlaps the other tests instead of adding to them. In a lane (xdist), each is started by
+    the lane whose first group needs it: the field environments by the host lane, the images
+    by the pods lane (e2e, then the containers); any other need builds them when it comes."""
+    config = request.config
+    if config.stash.get(PREBUILT, False):
+        return
+    config.stash[PREBUILT] = True
+    first = lane(request.node) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if config.stash.get(NEEDS_FIELDS, False) and first in (None, HOST):
         request.getfixturevalue("field_envs")
+    if config.stash.get(NEEDS_IMAGES, False) and first in (None, "pods"):
+        request.getfixturevalue("container_images")
 
 
 @pytest.fixture(scope="session")
@@ -74,12 +104,3 @@ def container_images() -> Iterator[concurrent.futures.Future[tuple[Any, list[Any
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         yield pool.submit(make)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _container_images_from_the_start(request: pytest.FixtureRequest) -> None:
-    """As the field environments: when container tests are selected, their images are made
-    from the session's first test on (tests/container runs late), not when they begin."""
-    if request.config.stash.get(NEEDS_IMAGES, False):
-        request.getfixturevalue("container_images")
-
