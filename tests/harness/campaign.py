@@ -506,17 +506,38 @@ class CellRun:
         self.timeline.append((round(time.monotonic() - self.started, 2), what))
         self.say(f"  {self.timeline[-1][0]:7.2f} s  {what}")
 
-    def _build(self) -> None:
-        cell = self.cell
+    def _pods_and_scripts(self, scripts: dict[str, str]) -> Path:
+        """The head's and the worker's pods, the head's DNS record, the cell's scripts (the
+        job's among them) and volumes; the scripts' folder."""
         self.head_pod = self.net.add_pod("head")
         self.worker_pod = self.net.add_pod("w1")
         self.dns.set_record(self.head_pod.dns_name, self.head_pod.ip)
-        scripts = self.root / "scripts"
-        scripts.mkdir(exist_ok=True)
-        (scripts / "job.py").write_text(JOB)
-        (scripts / "reward.py").write_text(REWARD)
-        self.job_script = str(scripts / "job.py")
+        folder = self.root / "scripts"
+        folder.mkdir(exist_ok=True)
+        for name, text in scripts.items():
+            (folder / name).write_text(text)
+        self.job_script = str(folder / "job.py")
         self.go = self.root / "go"  # the job ends once this is there
+        self.volumes = {}
+        for name in ("head", "worker"):
+            volume = self.root / f"volume-{name}"
+            volume.mkdir(exist_ok=True)
+            if self.cell.fault == "disk-full" and name == self.cell.target:
+                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_SIZE}", "tmpfs",
+                                str(volume)], check=True)
+                self._mounts.append(volume)
+            self.volumes[name] = volume
+        return folder
+
+    def _pythonpath(self) -> str:
+        # The podagent under test goes first on the path, and podagent starts outside any
+        # checkout (`python -m` would take the one in its working directory first).
+        return os.pathsep.join(
+            p for p in (self.podagent_path or str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+    def _build(self) -> None:
+        cell = self.cell
+        scripts = self._pods_and_scripts({"job.py": JOB, "reward.py": REWARD})
         self.reward_go = self.root / "reward-go"  # the reward server listens once this is
         if cell.state not in ("reward", "submitting"):
             self.reward_go.touch()
@@ -528,19 +549,7 @@ class CellRun:
             "PODAGENT_STOP_TIMEOUT": "5", "PODAGENT_RESTART_BACKOFF": "0",
             "PODAGENT_REWARD_TIMEOUT": "60",
         }
-        # The podagent under test goes first on the path, and podagent starts outside any
-        # checkout (`python -m` would take the one in its working directory first).
-        common["PYTHONPATH"] = os.pathsep.join(
-            p for p in (self.podagent_path or str(REPO), os.environ.get("PYTHONPATH")) if p)
-        self.volumes = {}
-        for name in ("head", "worker"):
-            volume = self.root / f"volume-{name}"
-            volume.mkdir(exist_ok=True)
-            if cell.fault == "disk-full" and name == cell.target:
-                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_SIZE}", "tmpfs",
-                                str(volume)], check=True)
-                self._mounts.append(volume)
-            self.volumes[name] = volume
+        common["PYTHONPATH"] = self._pythonpath()
         head_env = {**common, "EXPECTED_WORKERS": "1",
                     "PODAGENT_LOG_DIR": str(self.volumes["head"] / "logs"),
                     "PODAGENT_CHECKPOINT_DIR": str(self.volumes["head"] / "ckpt"),
@@ -756,19 +765,28 @@ class CellRun:
             self._thaw()
         if cell.state == "recovering":
             worker.restart()
+        self._to_the_end(staying=cell.state == "staying")
+
+    def _to_the_end(self, staying: bool) -> None:
+        """The rest of a cell: a vanished worker replaced, the job let finish, staying pods
+        stopped once settled, every podagent awaited."""
         # A pod that died is started again (by _tick, as RunPod does); a vanished worker is
         # replaced by a new pod.
-        if cell.fault == "cut-network" and cell.target == "worker":
+        if self.cell.fault == "cut-network" and self.cell.target == "worker":
             self._tick()
+            worker = self.worker
             new = self.net.add_pod("w2")
-            replacement = Container("worker2", new, self.dns, self.root / "volume-worker2",
-                                    {**worker.env, "RUNPOD_POD_ID": new.pod_id}, self.root)
-            replacement.env["PODAGENT_LOG_DIR"] = str(replacement.volume / "logs")
+            replacement = type(worker)("worker2", new, self.dns, self.root / "volume-worker2",
+                                       {**worker.env, "RUNPOD_POD_ID": new.pod_id}, self.root,
+                                       worker.argv)
+            for name, under in (("PODAGENT_LOG_DIR", "logs"), ("PODAGENT_CHECKPOINT_DIR", "ckpt")):
+                if name in worker.env:
+                    replacement.env[name] = str(replacement.volume / under)
             self.containers.append(replacement)
             replacement.start()
             self.note("a replacement worker started")
         self.go.touch()
-        if cell.state == "staying":
+        if staying:
             # The pods are stopped once they settled: SIGTERM to every podagent still up.
             try:
                 self.wait("every podagent to settle (staying or ended)", self._settled, BOUND)

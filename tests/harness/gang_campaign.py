@@ -17,10 +17,7 @@ on the supervisor port must change nothing: the run still succeeds.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -29,12 +26,8 @@ import psutil
 
 from podagent.gang import mesh
 from tests.harness.campaign import (
-    BOUND,
-    CELL_BOUND,
     CHECKPOINT,
     FORM_TIMEOUT,
-    REPO,
-    VOLUME_SIZE,
     CellRun,
     Container,
     _read,
@@ -116,19 +109,10 @@ class GangCellRun(CellRun):
 
     def _build(self) -> None:
         cell = self.cell
-        self.head_pod = self.net.add_pod("head")
-        self.worker_pod = self.net.add_pod("w1")
-        self.dns.set_record(self.head_pod.dns_name, self.head_pod.ip)
-        scripts = self.root / "scripts"
-        scripts.mkdir(exist_ok=True)
-        (scripts / "job.py").write_text(JOB)
-        (scripts / "loader.py").write_text(LOADER)
-        self.job_script = str(scripts / "job.py")
+        scripts = self._pods_and_scripts({"job.py": JOB, "loader.py": LOADER})
         self.loader_go = scripts / "loader-go"
         self.scripts = scripts
-        self.go = self.root / "go"
         self.strangers: list[socket.socket] = []
-        self.volumes = self._volumes()
         common = {
             **QUICK_RESOLVER, "PODAGENT_RUN_NAME": "camp", "HEAD_POD_ID": self.head_pod.pod_id,
             "EXPECTED_WORKERS": "1", "PODAGENT_TOKEN": TOKEN,
@@ -147,22 +131,6 @@ class GangCellRun(CellRun):
             self.containers.append(GangContainer(name, pod, self.dns, self.volumes[name], env,
                                                  self.root, argv))
         self.head, self.worker = self.containers
-
-    def _pythonpath(self) -> str:
-        return os.pathsep.join(p for p in (self.podagent_path or str(REPO),
-                                           os.environ.get("PYTHONPATH")) if p)
-
-    def _volumes(self) -> dict[str, Path]:
-        volumes = {}
-        for name in ("head", "worker"):
-            volume = self.root / f"volume-{name}"
-            volume.mkdir(exist_ok=True)
-            if self.cell.fault == "disk-full" and name == self.cell.target:
-                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_SIZE}", "tmpfs",
-                                str(volume)], check=True)
-                self._mounts.append(volume)
-            volumes[name] = volume
-        return volumes
 
     # --- bringing the run to the cell's state ------------------------------------------------
 
@@ -265,39 +233,11 @@ class GangCellRun(CellRun):
         if cell.state == "rendezvous":
             worker.start()
         self.loader_go.touch()
-        if cell.fault == "cut-network" and cell.target == "worker":
-            self._tick()
-            new = self.net.add_pod("w2")
-            replacement = GangContainer("worker2", new, self.dns, self.root / "volume-worker2",
-                                        {**worker.env, "RUNPOD_POD_ID": new.pod_id}, self.root,
-                                        worker.argv)
-            replacement.env["PODAGENT_LOG_DIR"] = str(replacement.volume / "logs")
-            replacement.env["PODAGENT_CHECKPOINT_DIR"] = str(replacement.volume / "ckpt")
-            self.containers.append(replacement)
-            replacement.start()
-            self.note("a replacement worker started")
-        self.go.touch()
-        if cell.state == "after_run":
-            try:
-                self.wait("every podagent to settle (staying or ended)", self._settled, BOUND)
-            except TimeoutError as exc:
-                self.result.violations.append(f"(a) {exc}")
-            for c in self.containers:
-                c.restart_on_exit = False
-                c.signal_podagent(signal.SIGTERM)
-            self.note("the pods stopped (SIGTERM)")
         try:
-            self.wait("every podagent to end",
-                      lambda: not any(c.running for c in self.containers), CELL_BOUND)
-        except TimeoutError as exc:
-            self.result.violations.append(f"(a) {exc}")
+            self._to_the_end(staying=cell.state == "after_run")
         finally:
             for s in self.strangers:
                 s.close()
-        self._tick()
-        ends = [c.exits[-1].at for c in self.containers if c.exits]
-        if ends and self.fault_at:
-            self.result.fault_to_end = round(max(ends) - self.fault_at, 1)
 
     # --- watching the trainings and the files ----------------------------------------------------
 
