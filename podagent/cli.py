@@ -37,8 +37,7 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                            "stops it)"),
     (errors.RayVersionMismatch, 2, "worker: this pod's Ray version differs from the head's "
                                    "(every pod must run the same image)"),
-    (errors.JobFailed, 3, "the job failed (`podagent torchrun/accelerate`: the training "
-                          "failed on this pod or another, which the line names)"),
+    (errors.JobFailed, 3, "the job failed (without Ray: the training, on any pod)"),
     (errors.JobStopped, 4, "the job was stopped by someone else"),
     (errors.WorkersTimeout, 5, "head: fewer workers joined than expected in time (in a run "
                                "without Ray, the workers that came exit so too)"),

@@ -47,29 +47,43 @@ NEEDS_IMAGES = pytest.StashKey[bool]()
 PREBUILT = pytest.StashKey[bool]()
 CONTAINER_TESTS = Path(__file__).parent / "container"
 
-# The README's test command runs two lanes at once (pytest-xdist, --dist loadgroup): each group
-# below runs whole, in order, on one of them. Pods in network namespaces (e2e, the campaign)
-# and containers never meet another test's processes (each network is locked and named apart);
-# what starts Ray or looks for Ray processes in this machine's own namespace (unit,
-# integration, compat, and the e2e test beside a field environment's Ray) is one group, one
-# test at a time, as without lanes.
-LANES = (("pods", Path(__file__).parent / "e2e"), ("pods", CONTAINER_TESTS),
-         ("faults", Path(__file__).parent / "faults"))
+# The README's test command runs two lanes at once (pytest-xdist, `-n 2`): each group below
+# runs whole, in order, on one of them (`pytest_xdist_make_scheduler`). Pods in network
+# namespaces (e2e, the campaign) and containers never meet another test's processes (each
+# network is locked and named apart); what starts Ray or looks for Ray processes in this
+# machine's own namespace (unit, integration, compat, and an e2e test beside a field
+# environment's Ray) is one group, one test at a time, as without lanes.
 HOST = "host"
+LANES = (("tests/e2e/", "pods"), ("tests/container/", "pods"), ("tests/faults/", "faults"))
+HOST_MODULES = ("tests/e2e/test_ray_mismatch.py",)  # they use the field environments
 
 
-def lane(item: pytest.Item) -> str:
-    if "field_envs" in item.fixturenames:  # with tests/compat, which builds them
+def lane(nodeid: str) -> str:
+    if nodeid.startswith(HOST_MODULES):
         return HOST
-    return next((name for name, folder in LANES if folder in item.path.parents), HOST)
+    return next((name for prefix, name in LANES if nodeid.startswith(prefix)), HOST)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        """Whole groups to a worker (the largest first); a worker nearly done takes the next."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[NEEDS_FIELDS] = any("field_envs" in item.fixturenames for item in items)
     config.stash[NEEDS_IMAGES] = any(CONTAINER_TESTS in item.path.parents for item in items)
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(lane(item)))
+    strays = [item.nodeid for item in items
+              if "field_envs" in item.fixturenames and lane(item.nodeid) != HOST]
+    if strays:
+        raise pytest.UsageError(f"{strays[0]} uses the field environments: add its module to "
+                                f"HOST_MODULES in tests/conftest.py (its lane builds them)")
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +98,7 @@ def _built_from_the_start(request: pytest.FixtureRequest) -> None:
     if config.stash.get(PREBUILT, False):
         return
     config.stash[PREBUILT] = True
-    first = lane(request.node) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    first = lane(request.node.nodeid) if os.environ.get("PYTEST_XDIST_WORKER") else None
     if config.stash.get(NEEDS_FIELDS, False) and first in (None, HOST):
         request.getfixturevalue("field_envs")
     if config.stash.get(NEEDS_IMAGES, False) and first in (None, "pods"):

@@ -220,11 +220,17 @@ def terminate_run(pod: Pod, reporter: Any) -> bool:
         pods = [p for p in client.list_pods(include_cluster_pods=True)
                 if (p.get("env") or {}).get(config.UP_RUN_LABEL) == pod.up_run]
         clusters = {str(p["cluster"]["id"]) for p in pods if isinstance(p.get("cluster"), dict)}
-        for other in sorted(pods, key=lambda p: p["id"] == pod.pod_id):  # this one last
-            if not isinstance(other.get("cluster"), dict):
-                client.terminate_pod(other["id"])
+        alone = [p["id"] for p in pods if not isinstance(p.get("cluster"), dict)]
+        for other in (p for p in alone if p != pod.pod_id):
+            client.terminate_pod(other)
+        # Said before this pod goes: its own termination ends this process.
+        reporter.say(f"terminating the {len(pods)} pod(s) of run {pod.up_run}: the others are "
+                     f"gone, this one goes last")
+        reporter.event("terminate_run", run=pod.up_run, ok=True, pods=len(pods))
         for cluster in clusters:
             client.delete_cluster(cluster)
+        if pod.pod_id in alone:
+            client.terminate_pod(pod.pod_id)
     except RunPodApiError as exc:
         reporter.warn(f"could not terminate the pods of run {pod.up_run} with the account key "
                       f"({exc}); stopping this pod instead")
@@ -232,8 +238,6 @@ def terminate_run(pod: Pod, reporter: Any) -> bool:
         return False
     finally:
         client.close()
-    reporter.say(f"terminated the {len(pods)} pod(s) of run {pod.up_run}, this one last")
-    reporter.event("terminate_run", run=pod.up_run, ok=True, pods=len(pods))
     return True
 
 

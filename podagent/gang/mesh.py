@@ -247,6 +247,79 @@ class Stranger:
     deadline: float  # monotonic: dropped when its first line has not come by then
 
 
+class Door:
+    """The head's listening socket and the connections on it: strangers until their first line
+    (bounded in number per address and in all, in the bytes they may send, and in time),
+    then the hub's; what is readable, and the faults said once."""
+
+    def __init__(self, addr: str, port: int, greeting: Mapping[str, Any], reporter: Reporter):
+        self.greeting, self.reporter = greeting, reporter
+        self._listener = listen(addr, port)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ)
+        self.strangers: dict[socket.socket, Stranger] = {}  # connected, no first line yet
+        self._faults_told: set[tuple[str, str]] = set()
+
+    def select(self, timeout: float) -> tuple[list[Wire], list[Stranger]]:
+        """(the wires with something to read, the strangers whose first line is late)."""
+        readable = []
+        for key, _ in self._sel.select(timeout):
+            if key.fileobj is self._listener:
+                self._accept()
+            else:
+                readable.append(key.data)
+        now = time.monotonic()
+        return readable, [s for s in self.strangers.values() if now > s.deadline]
+
+    def _accept(self) -> None:
+        try:
+            conn, where = self._listener.accept()
+        except OSError:
+            return
+        addr = str(where[0])
+        from_addr = sum(1 for s in self.strangers.values() if s.addr == addr)
+        if len(self.strangers) >= MAX_STRANGERS or from_addr >= MAX_STRANGERS_PER_ADDR:
+            with contextlib.suppress(OSError):
+                conn.close()
+            self.tell_fault(addr, f"too many connections not past their first line (at most "
+                                  f"{MAX_STRANGERS_PER_ADDR} from one address, "
+                                  f"{MAX_STRANGERS} in all)")
+            return
+        wire = Wire(conn, FIRST_LINE_LIMIT)
+        self.strangers[conn] = Stranger(wire, addr, time.monotonic() + FIRST_LINE_TIMEOUT)
+        self._sel.register(conn, selectors.EVENT_READ, wire)
+        wire.send(self.greeting)
+        conn.setblocking(False)
+
+    def admit(self, wire: Wire) -> None:
+        """Its token and first line are good: no longer a stranger."""
+        del self.strangers[wire.sock]
+        wire.limit = LINE_LIMIT
+
+    def forget(self, wire: Wire) -> None:
+        """No longer read (the connection is closed by whoever holds it)."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(wire.sock)
+        self.strangers.pop(wire.sock, None)
+
+    def tell_fault(self, who: str, why: str) -> None:
+        """Said once for each address and kind of fault (its words before any detail), for
+        the first MAX_FAULTS_TOLD of them: a flood of strangers does not flood the log."""
+        told = (who, why.split(" (")[0])
+        if told in self._faults_told or len(self._faults_told) > MAX_FAULTS_TOLD:
+            return
+        self._faults_told.add(told)
+        more = (" (further faults of strangers are dropped without a word)"
+                if len(self._faults_told) > MAX_FAULTS_TOLD else "")
+        self.reporter.warn(f"supervisor port: dropped a connection from {who}: {why}{more}")
+
+    def close(self) -> None:
+        for key in list(self._sel.get_map().values()):
+            with contextlib.suppress(OSError):
+                key.fileobj.close()  # type: ignore[union-attr]
+        self._sel.close()
+
+
 class Hub:
     """The head's side: the rendezvous, then the heartbeats, the workers' news and the
     questions of `status`/`stop`/`logs`, in one thread of its own once the run started."""
@@ -258,11 +331,7 @@ class Hub:
         self.members: dict[str, Member] = {}  # by address: one who comes back wins
         self.status: Callable[[], dict[str, Any]] = dict
         self.logs: Callable[[int], dict[str, Any]] = lambda offset: {}
-        self._listener = listen(rv.head_ip, rv.port)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._listener, selectors.EVENT_READ)
-        self._pending: dict[socket.socket, Stranger] = {}  # connected, first line not yet read
-        self._faults_told: set[tuple[str, str]] = set()
+        self.door = Door(rv.head_ip, rv.port, {"rendezvous": rv.rdzv_id}, reporter)
         self._stoppers: list[Wire] = []
         self._running = False
         self._ending = False
@@ -342,10 +411,7 @@ class Hub:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * TICK + SEND_TIMEOUT)
-        for key in list(self._sel.get_map().values()):
-            with contextlib.suppress(OSError):
-                key.fileobj.close()  # type: ignore[union-attr]
-        self._sel.close()
+        self.door.close()
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -365,41 +431,15 @@ class Hub:
                                   f"its host is gone)")
 
     def _select(self, timeout: float) -> None:
-        for key, _ in self._sel.select(timeout):
-            sock = key.fileobj
-            if sock is self._listener:
-                self._accept()
-            else:
-                self._readable(key.data)
-        now = time.monotonic()
-        for stranger in [s for s in self._pending.values() if now > s.deadline]:
+        readable, late = self.door.select(timeout)
+        for wire in readable:
+            self._readable(wire)
+        for stranger in late:
             self._fault(stranger.wire, stranger.addr,
                         f"no first line within {FIRST_LINE_TIMEOUT:g} s")
 
-    def _accept(self) -> None:
-        try:
-            conn, where = self._listener.accept()
-        except OSError:
-            return
-        addr = str(where[0])
-        from_addr = sum(1 for s in self._pending.values() if s.addr == addr)
-        if len(self._pending) >= MAX_STRANGERS or from_addr >= MAX_STRANGERS_PER_ADDR:
-            with contextlib.suppress(OSError):
-                conn.close()
-            self._tell_fault(addr, f"too many connections not past their first line (at most "
-                                   f"{MAX_STRANGERS_PER_ADDR} from one address, "
-                                   f"{MAX_STRANGERS} in all)")
-            return
-        wire = Wire(conn, FIRST_LINE_LIMIT)
-        self._pending[conn] = Stranger(wire, addr, time.monotonic() + FIRST_LINE_TIMEOUT)
-        self._sel.register(conn, selectors.EVENT_READ, wire)
-        wire.send({"rendezvous": self.rv.rdzv_id})
-        conn.setblocking(False)
-
     def _drop(self, wire: Wire) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(wire.sock)
-        self._pending.pop(wire.sock, None)
+        self.door.forget(wire)
         if wire in self._stoppers:
             self._stoppers.remove(wire)
         wire.close()
@@ -414,18 +454,7 @@ class Hub:
         if member is not None:
             del self.members[member.peer.addr]
         self._drop(wire)
-        self._tell_fault(who, why)
-
-    def _tell_fault(self, who: str, why: str) -> None:
-        """Said once for each address and kind of fault (its words before any detail), for
-        the first MAX_FAULTS_TOLD of them: a flood of strangers does not flood the log."""
-        told = (who, why.split(" (")[0])
-        if told in self._faults_told or len(self._faults_told) > MAX_FAULTS_TOLD:
-            return
-        self._faults_told.add(told)
-        more = (" (further faults of strangers are dropped without a word)"
-                if len(self._faults_told) > MAX_FAULTS_TOLD else "")
-        self.reporter.warn(f"supervisor port: dropped a connection from {who}: {why}{more}")
+        self.door.tell_fault(who, why)
 
     def _member_of(self, wire: Wire) -> Member | None:
         return next((m for m in self.members.values() if m.wire is wire), None)
@@ -455,7 +484,7 @@ class Hub:
         member = self._member_of(wire)
         if member is not None:
             return f"worker {member.peer}"
-        stranger = self._pending.get(wire.sock)
+        stranger = self.door.strangers.get(wire.sock)
         return stranger.addr if stranger else "a pod that asked"
 
     def _closed_by_peer(self, wire: Wire) -> None:
@@ -476,19 +505,18 @@ class Hub:
         if member is not None:
             self._from_member(member, messages.from_worker(messages.decode(raw)))
             member.last_seen = time.monotonic()
-        elif wire.sock in self._pending:
+        elif wire.sock in self.door.strangers:
             self._first_line(wire, messages.decode(raw))
         # a stopper's later lines: nothing to do with them
 
     def _first_line(self, wire: Wire, message: dict[str, Any]) -> None:
-        stranger = self._pending[wire.sock]
+        stranger = self.door.strangers[wire.sock]
         if not messages.authorized(self.token, message):
             wire.send({"error": "refused: wrong or missing cluster token", "kind": "auth"})
             self._fault(wire, stranger.addr, "a wrong or missing cluster token")
             return
         first = messages.first(message)
-        del self._pending[wire.sock]
-        wire.limit = LINE_LIMIT
+        self.door.admit(wire)
         if isinstance(first, messages.Ask):
             self._ask(wire, first)
         elif not self._running:
@@ -538,8 +566,7 @@ class Hub:
         if m.state in ("lost", "out"):
             return
         m.state = "out" if self._ending else "lost"
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(m.wire.sock)
+        self.door.forget(m.wire)
         m.wire.close()
         if m.state == "lost":
             self.events.put(Lost(m.peer, why))

@@ -189,7 +189,8 @@ def test_a_detached_run_is_terminated_by_its_head_with_an_account_key(make_cloud
     wait_for(lambda: not [p for p in of_run(cloud, "det") if p.status != "TERMINATED"],
              timeout=RUN_BOUND, what="every pod of the run terminated")
     head_said = output(cloud, pods["head"])
-    assert "terminated the 3 pod(s) of run det, this one last" in head_said, head_said[-3000:]
+    assert "terminating the 3 pod(s) of run det: the others are gone, this one goes last" \
+        in head_said, head_said[-3000:]
     # The workers' own stop was refused (the pod-scoped key may do nothing here): they stayed
     # idle, saying so, until the head terminated them.
     assert "RunPod refused to stop pod" in output(cloud, pods["w1"])

@@ -79,12 +79,12 @@ class FakeJobsApi(ServedFake):
 
             def _reply(self, route: str, status: int, body: Any) -> None:
                 data = json.dumps(body).encode()
+                api._record(route, str(status))  # before the answer: the client may look at once
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-                api._record(route, str(status))
 
             def _troubled(self, route: str) -> bool:
                 kind = api._take_trouble(route)

@@ -114,9 +114,9 @@ def test_fuzzed_lines_while_the_run_goes_on_change_nothing():
             assert link_events[0].empty()
             assert hub.members["10.0.0.2"].state == "running"
             # Strangers are held within their limits (count and bytes).
-            assert len(hub._pending) <= mesh.MAX_STRANGERS
+            assert len(hub.door.strangers) <= mesh.MAX_STRANGERS
             assert all(len(s.wire._buf) <= mesh.FIRST_LINE_LIMIT
-                       for s in hub._pending.values())
+                       for s in hub.door.strangers.values())
 
         one()
         wire, answer = mesh.ask("127.0.0.1", hub.rv.port, {"ask": "status"}, TOKEN, 10)

@@ -164,9 +164,9 @@ def test_strangers_that_never_finish_a_line_are_bounded_and_dropped_in_time():
             s = socket.create_connection(("127.0.0.1", hub.rv.port), timeout=10)
             s.sendall(b'{"ask": "sta')  # never a whole line
             held.append(s)
-        wait_for(lambda: len(hub._pending) == mesh.MAX_STRANGERS_PER_ADDR, timeout=10,
+        wait_for(lambda: len(hub.door.strangers) == mesh.MAX_STRANGERS_PER_ADDR, timeout=10,
                  what="the hub to hold as many strangers as it allows")
-        wait_for(lambda: not hub._pending, timeout=mesh.FIRST_LINE_TIMEOUT + 5,
+        wait_for(lambda: not hub.door.strangers, timeout=mesh.FIRST_LINE_TIMEOUT + 5,
                  what="the strangers to be dropped")
         for s in held:
             _assert_closed(s)
