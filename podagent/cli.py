@@ -84,7 +84,8 @@ RESTARTABLE = frozenset({5, 6, 7, 8, 9, 10, 14, 22, EXIT_INTERNAL})
 NOT_A_POD = frozenset({15, 18, 19, 20, 21, 24})  # `podagent stop`, and the laptop's up/down/ls
 _ON_RUNPOD = {
     "stops": "stops itself (PODAGENT_AFTER_RUN)",
-    "restarts": "exits; RunPod starts it again (a crash loop, or no volume, stops it)",
+    "restarts": "exits; RunPod starts it again (a crash loop, 5 such ends in a row, or no "
+                "volume, stops it)",
     "not a pod": "—",
 }
 

@@ -44,6 +44,9 @@ STAY_NOTE_EVERY = 600.0  # a staying pod says once in a while what it is waiting
 # the last of them is not left to RunPod's restart.
 CRASH_LOOP = 3
 CRASH_WINDOW = 600.0
+# However long each took: a worker that waits out PODAGENT_HEAD_TIMEOUT for a head whose run
+# ended while it was down would otherwise be started again, and wait, for ever.
+SLOW_LOOP = 5
 STARTS_FILE = "pod-starts.json"
 VOLUME = "/workspace"  # where RunPod mounts a pod's volume (volumeMountPath's default)
 
@@ -84,9 +87,9 @@ class StartBook:
         ends = data.get(self.pod) if isinstance(data, dict) else None
         return [e for e in ends if isinstance(e, dict)] if isinstance(ends, list) else []
 
-    def ended(self, took: float, end: End) -> int:
+    def ended(self, took: float, end: End) -> tuple[int, int]:
         """Record this end; how many restartable ends in a row (this one included) came soon
-        after their start."""
+        after their start, and how many however long they took."""
         ends = [*self._read(), {"at": round(time.time(), 3), "took": round(took, 1),
                                 "code": end.code, "restartable": end.restartable}][-20:]
         with contextlib.suppress(OSError, ValueError):
@@ -100,17 +103,23 @@ class StartBook:
             tmp = self.path.with_name(f".{STARTS_FILE}.{os.getpid()}")
             tmp.write_text(json.dumps(whole))
             tmp.replace(self.path)
-        in_a_row = 0
+        restartable = 0
         for entry in reversed(ends):
-            quick = isinstance(entry.get("took"), (int, float)) and entry["took"] < CRASH_WINDOW
-            if not (entry.get("restartable") and quick):
+            if not entry.get("restartable"):
                 break
-            in_a_row += 1
-        return in_a_row
+            restartable += 1
+        quick = 0
+        for entry in reversed(ends[len(ends) - restartable:]):
+            if not (isinstance(entry.get("took"), (int, float)) and entry["took"] < CRASH_WINDOW):
+                break
+            quick += 1
+        return quick, restartable
 
 
-def final(end: End, in_a_row: int, kept: bool) -> str | None:
-    """Why this end must not be left to RunPod's restart (None: a new start may mend it)."""
+def final(end: End, in_a_row: int, kept: bool, slow_in_a_row: int = 0) -> str | None:
+    """Why this end must not be left to RunPod's restart (None: a new start may mend it).
+    `in_a_row`: restartable ends in a row soon after their start; `slow_in_a_row`: however
+    long they took."""
     if end.over:
         return "the run is over"
     if not end.restartable:
@@ -122,6 +131,9 @@ def final(end: End, in_a_row: int, kept: bool) -> str | None:
     if in_a_row >= CRASH_LOOP:
         return (f"a crash loop: {in_a_row} starts in a row ended within "
                 f"{CRASH_WINDOW / 60:g} min (exit {end.code} last)")
+    if slow_in_a_row >= SLOW_LOOP:
+        return (f"a restart loop: {slow_in_a_row} starts in a row ended in an exit a new "
+                f"start could mend, and none did (exit {end.code} last)")
     return None
 
 
@@ -243,9 +255,9 @@ def terminate_run(pod: Pod, reporter: Any) -> bool:
 
 def ended(end: End, started: float, run_dir: Path, pod_name: str, kept: bool) -> str | None:
     """Record this end in the pod's start book (when its run dir is kept) and judge it."""
-    in_a_row = StartBook(run_dir, pod_name).ended(time.monotonic() - started, end) if kept \
-        else 0
-    return final(end, in_a_row, kept)
+    quick, slow = StartBook(run_dir, pod_name).ended(time.monotonic() - started, end) if kept \
+        else (0, 0)
+    return final(end, quick, kept, slow)
 
 
 class _Plain:

@@ -6,6 +6,7 @@ import io
 import json
 import signal
 import threading
+import time
 
 import pytest
 
@@ -231,12 +232,23 @@ def test_which_ends_are_final(end, in_a_row, kept, final):
 def test_the_start_book_counts_quick_restartable_ends_in_a_row(tmp_path):
     book = after_run.StartBook(tmp_path, "pod-1")
     quick = after_run.End(6, over=False, restartable=True)
-    assert [book.ended(3.0, quick) for _ in range(3)] == [1, 2, 3]
-    assert after_run.StartBook(tmp_path, "pod-2").ended(3.0, quick) == 1  # its own
-    assert book.ended(3600.0, quick) == 0  # a long start is not a loop
-    assert book.ended(3.0, quick) == 1
+    assert [book.ended(3.0, quick)[0] for _ in range(3)] == [1, 2, 3]
+    assert after_run.StartBook(tmp_path, "pod-2").ended(3.0, quick) == (1, 1)  # its own
+    assert book.ended(3600.0, quick) == (0, 4)  # a long start is no crash loop, but counts
+    assert book.ended(3.0, quick) == (1, 5)
+    assert book.ended(3.0, after_run.End(0, over=False, restartable=False)) == (0, 0)
     (tmp_path / after_run.STARTS_FILE).write_text("[not json")
-    assert book.ended(3.0, quick) == 1  # unreadable: counted anew, not a crash
+    assert book.ended(3.0, quick) == (1, 1)  # unreadable: counted anew, not a crash
+
+
+def test_a_worker_that_waits_out_its_head_again_and_again_stops_at_last(tmp_path):
+    """Each start waits PODAGENT_HEAD_TIMEOUT (600 s) for a head whose run ended while the
+    worker was down: never a quick end, yet the fifth in a row is final (no endless billing)."""
+    waited = after_run.End(6, over=False, restartable=True)
+    whys = [after_run.ended(waited, time.monotonic() - 610, tmp_path, "w", kept=True)
+            for _ in range(after_run.SLOW_LOOP)]
+    assert whys[:-1] == [None] * (after_run.SLOW_LOOP - 1)
+    assert whys[-1] is not None and "a restart loop: 5 starts in a row" in whys[-1]
 
 
 def test_only_a_volume_or_a_given_log_dir_is_kept(tmp_path):
