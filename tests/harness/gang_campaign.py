@@ -270,11 +270,13 @@ class GangCellRun(CellRun):
         if self.result.most_jobs_at_once > pods:
             violations.append(f"(d) {self.result.most_jobs_at_once} trainings were alive at "
                               f"once on {pods} pods")
-        if self.cell.fault == "stranger":
-            codes = [code for _, code in self.result.exits]
-            if self.result.run_outcome != "succeeded" or any(codes):
+        if self.cell.fault == "stranger":  # the run ends as it would have without him
+            expected = "JobStopped" if self.cell.state == "stopping" else "succeeded"
+            codes = {code for _, code in self.result.exits}
+            if self.result.run_outcome != expected or len(codes) != 1:
                 violations.append(f"(b) a stranger changed the run: it ended "
-                                  f"{self.result.run_outcome}, exits {codes}")
+                                  f"{self.result.run_outcome} (not {expected}), exits "
+                                  f"{sorted(codes)}")
 
     def _check_checkpoint(self, violations: list[str]) -> None:
         """(e): each pod's own checkpoint."""
