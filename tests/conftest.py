@@ -64,6 +64,7 @@ def lane(nodeid: str) -> str:
     return next((name for prefix, name in LANES if nodeid.startswith(prefix)), HOST)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; a field environment has no xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
