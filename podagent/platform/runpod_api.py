@@ -146,7 +146,11 @@ class Pace:
     its reset; RateLimit-Policy: the quota): before a call, the pause that keeps the calls left
     in every window from running out before it resets. Nothing is paced while more than half of
     a window's quota is left; below that the calls left are spread over the time left. Also
-    counts the calls made."""
+    counts the calls made.
+
+    Calls may go out from several threads at once (the workers are created together), so a
+    call takes its slot in one step (`reserve`), and an answer's count of calls left is read
+    less the calls still out, which RunPod may not have counted yet."""
 
     SPREAD_BELOW = 0.5
 
@@ -155,46 +159,64 @@ class Pace:
         self._lock = threading.Lock()
         self._windows: dict[str, _Window] = {}
         self._last_call = 0.0
+        self._out = 0  # calls sent (or about to be) and not answered yet
         self._times: list[float] = []  # when each call went out (a run's few thousand)
         self.waited = 0.0  # seconds of pauses so far
 
     def heard(self, headers: Mapping[str, str]) -> None:
+        """An answer came: what it says is left, less the other calls still out."""
         now = self._clock()
         state = parse_rate_header(headers.get("RateLimit", "") or "")
         policy = parse_rate_header(headers.get("RateLimit-Policy", "") or "")
         with self._lock:
+            self._out = max(0, self._out - 1)
             for name, params in state.items():
                 if "r" not in params:
                     continue
                 quota = policy.get(name, {}).get("q")
-                self._windows[name] = _Window(int(params["r"]), now + params.get("t", 60.0),
+                self._windows[name] = _Window(int(params["r"]) - self._out,
+                                              now + params.get("t", 60.0),
                                               int(quota) if quota is not None else None)
 
-    def pause(self) -> float:
-        """Seconds to wait before the next call (0: go)."""
-        now = self._clock()
+    def unanswered(self) -> None:
+        """A call ended without an answer (it may or may not have counted)."""
         with self._lock:
-            wait = 0.0
-            for window in self._windows.values():
-                left = window.resets_at - now
-                if left <= 0:
-                    continue
-                if window.remaining <= 0:
-                    wait = max(wait, left)
-                    continue
-                half = (window.quota or 0) * self.SPREAD_BELOW
-                if window.quota is None or window.remaining < half:
-                    wait = max(wait, self._last_call + left / window.remaining - now)
-            return max(0.0, wait)
+            self._out = max(0, self._out - 1)
 
-    def calling(self) -> None:
+    def _pause(self, now: float) -> float:
+        at = now  # when the next call may go
+        for window in self._windows.values():
+            if window.resets_at <= now:
+                continue  # a new window: its quota is whole
+            if window.remaining <= 0:
+                at = max(at, window.resets_at)
+                continue
+            half = (window.quota or 0) * self.SPREAD_BELOW
+            if window.quota is None or window.remaining < half:
+                # The calls left, evenly between the last one and the window's reset.
+                gap = (window.resets_at - self._last_call) / window.remaining
+                at = max(at, min(self._last_call + gap, window.resets_at))
+        return at - now
+
+    def pause(self) -> float:
+        """Seconds the next call would wait (0: go)."""
+        with self._lock:
+            return self._pause(self._clock())
+
+    def reserve(self) -> float:
+        """Takes the next call's slot: the seconds to wait before sending it (0: go now). The
+        slot is counted at once, so a call from another thread meanwhile waits its turn."""
         now = self._clock()
         with self._lock:
-            self._times.append(now)
-            self._last_call = now
+            wait = self._pause(now)
+            at = now + wait
+            self._times.append(at)
+            self._last_call = at
+            self._out += 1
             for window in self._windows.values():
-                if window.resets_at > now:
+                if window.resets_at > at:
                     window.remaining -= 1
+            return wait
 
     def quota(self, window: str = "minute") -> int | None:
         with self._lock:
@@ -298,18 +320,30 @@ class Transport:
 
     def _paced(self, deadline: Deadline | None = None) -> None:
         """Wait as RunPod's quota asks before a call (never past the call's deadline)."""
-        wait = self.pace.pause()
+        wait = self.pace.reserve()
         if deadline is not None:
             wait = min(wait, deadline.left())
         if wait > 0:
             self.pace.waited += wait
             time.sleep(wait)
-        self.pace.calling()
 
-    def _heard(self, method: str, path: str, response: requests.Response) -> None:
+    def _send(self, method: str, path: str, send: Callable[[], requests.Response],
+              deadline: Deadline | None = None) -> tuple[requests.Response | None, str]:
+        """One request in its turn: its response (whose rate headers are heard), or None and
+        why none came."""
+        self._paced(deadline)
+        try:
+            response = send()
+        except requests.RequestException as exc:
+            self.pace.unanswered()
+            return None, _why(exc)
+        except BaseException:
+            self.pace.unanswered()
+            raise
         self.pace.heard(response.headers)
         if self.on_call:
             self.on_call(method, path, response.status_code)
+        return response, ""
 
     def call(self, method: str, path: str, *, body: Any = None,
              params: Mapping[str, Any] | None = None, missing_ok: bool = False,
@@ -331,20 +365,17 @@ class Transport:
                 if found is not None:
                     return Answer(200, found)
                 ambiguous = False
-            self._paced(deadline)
-            remaining = max(deadline.left(), 0.1)
-            failure = None
-            try:
-                response = self._session.request(
+            def send() -> requests.Response:
+                remaining = max(deadline.left(), 0.1)
+                return self._session.request(
                     method, url, json=body, params=params, allow_redirects=False,
                     timeout=(min(_CONNECT_TIMEOUT, remaining), remaining))
-            except requests.RequestException as exc:
-                failure = _why(exc)
-            if failure is not None:  # raised here, not in the handler: nothing chained
+
+            response, failure = self._send(method, path, send, deadline)
+            if response is None:
                 ambiguous = True
                 raise NotYet(f"{what}: {failure}")  # may succeed later
             status = response.status_code
-            self._heard(method, path, response)
             if 200 <= status < 300 or (missing_ok and status == 404):
                 try:
                     data = response.json() if response.content else None
@@ -497,18 +528,13 @@ class Client(Transport):
             headers["Last-Event-ID"] = resume
         else:
             params["tail"] = 5000  # the document's maximum: the run's start, when we are late
-        self._paced()
-        failure = None
-        try:
-            response = self._session.get(url, params=params, headers=headers, stream=True,
-                                         allow_redirects=False,
-                                         timeout=(_CONNECT_TIMEOUT, idle))
-        except requests.RequestException as exc:
-            failure = _why(exc)
-        if failure is not None:
+        response, failure = self._send(
+            "GET", f"/v2/pods/{pod_id}/logs",
+            lambda: self._session.get(url, params=params, headers=headers, stream=True,
+                                      allow_redirects=False, timeout=(_CONNECT_TIMEOUT, idle)))
+        if response is None:
             raise RunPodApiError(f"RunPod API: GET {url}: {failure}")
         with response:
-            self._heard("GET", f"/v2/pods/{pod_id}/logs", response)
             if response.status_code != 200:
                 raise self._error(f"RunPod API: GET {url} answered {response.status_code} "
                                   f"{_reason(response)}", response.status_code)

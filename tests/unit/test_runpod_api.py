@@ -182,19 +182,47 @@ def test_the_pace_spreads_the_calls_left_once_half_the_quota_is_used():
     clock = Clock()
     pace = runpod_api.Pace(clock)
     policy = '"minute";q=60;w=60'
+    assert pace.reserve() == 0
     pace.heard({"RateLimit": '"minute";r=50;t=40', "RateLimit-Policy": policy})
-    pace.calling()
     assert pace.pause() == 0  # plenty left
+    assert pace.reserve() == 0
     pace.heard({"RateLimit": '"minute";r=20;t=40', "RateLimit-Policy": policy})
-    pace.calling()  # 19 left for 40 s: about one call every 2.1 s
-    assert pace.pause() == pytest.approx(40 / 19, rel=0.01)
+    assert pace.pause() == pytest.approx(40 / 20, rel=0.01)  # 20 left for 40 s: one every 2 s
     clock.now += 1.0
-    assert pace.pause() == pytest.approx(39 / 19 - 1.0, rel=0.01)  # 39 s left, 1 s since
+    assert pace.pause() == pytest.approx(1.0, rel=0.01)  # 1 s since the last one
     pace.heard({"RateLimit": '"minute";r=0;t=7', "RateLimit-Policy": policy})
     assert pace.pause() == pytest.approx(7)  # none left: until the window resets
     clock.now += 7.5
     assert pace.pause() == 0
     assert pace.calls == 2 and pace.quota() == 60
+
+
+def test_calls_from_several_threads_take_their_turns():
+    """Creates that go out together (the workers): each takes its slot in one step, so two
+    never both spend the last call left."""
+    clock = Clock()
+    pace = runpod_api.Pace(clock)
+    pace.reserve()
+    pace.heard({"RateLimit": '"minute";r=2;t=6', "RateLimit-Policy": '"minute";q=6;w=6'})
+    waits = [pace.reserve() for _ in range(3)]  # three threads, before any answer
+    assert waits[0] == pytest.approx(3.0)  # 2 left for 6 s
+    assert waits[1] == pytest.approx(6.0)  # the last one left, after the first
+    assert waits[2] == pytest.approx(6.0)  # none left: when the window has reset
+    assert pace.calls == 4
+
+
+def test_an_answer_counts_the_calls_still_out_as_spent():
+    """An answer's count was taken when RunPod answered; calls sent since may not be in it."""
+    clock = Clock()
+    pace = runpod_api.Pace(clock)
+    for _ in range(3):
+        pace.reserve()
+    pace.heard({"RateLimit": '"minute";r=2;t=60', "RateLimit-Policy": '"minute";q=6;w=60'})
+    assert pace.pause() == pytest.approx(60.0)  # 2 left, 2 still out: none to spend
+    pace.unanswered()  # one failed without an answer
+    pace.heard({"RateLimit": '"minute";r=1;t=60', "RateLimit-Policy": '"minute";q=6;w=60'})
+    assert pace.pause() == pytest.approx(0.0 + 60 / 1)  # 1 left, spread over the minute
+    assert pace.reserve() == pytest.approx(60.0)
 
 
 # --- the log stream's cursor ----------------------------------------------------------------------
