@@ -361,16 +361,11 @@ def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None
         healthy, line = status_mod.local_health(settings)
         click.echo(line)
         sys.exit(EXIT_OK if healthy else 1)
-    from podagent.control import lookup, no_ray
+    from podagent.control.channel import open_channel
 
-    ip = lookup.head_ip(settings, role, reporter)
-    state = no_ray.status(settings, ip)
-    if state is not None:
-        click.echo(json.dumps(state, indent=2) if as_json else no_ray.render(state))
-        return
-    ray_compat.require()
-    state = status_mod.cluster_status(settings, role, reporter, ip)
-    click.echo(json.dumps(state, indent=2) if as_json else status_mod.render_status(state))
+    channel = open_channel(settings, role, reporter)
+    state = channel.status()
+    click.echo(json.dumps(state, indent=2) if as_json else channel.render(state))
 
 
 @main.command(context_settings=CONTEXT)
@@ -384,19 +379,10 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     then the head). The run is over: every podagent then exits 0, stays up idle or stops its
     pod, as PODAGENT_AFTER_RUN says."""
     settings, role, reporter = _asking(ctx, flags)
-    from podagent.control import lookup, no_ray
+    from podagent.control.channel import open_channel
 
-    by = settings.pod_id or socket.gethostname()
-    ip = lookup.head_ip(settings, role, reporter)
-    took = no_ray.stop(settings, ip, by, wait)
-    if took is not None:
-        reporter.say(f"every pod of the run is out ({took:.1f} s)")
-        return
-    ray_compat.require()
-    from podagent.control import stop as stop_mod
-
-    took = stop_mod.request_stop(settings, role, reporter, by=by, timeout=wait, ip=ip)
-    reporter.say(f"the cluster is down ({took:.1f} s)")
+    channel = open_channel(settings, role, reporter)
+    reporter.say(channel.stop(by=settings.pod_id or socket.gethostname(), timeout=wait))
 
 
 @main.command(context_settings=CONTEXT)
@@ -408,15 +394,12 @@ def logs(ctx: click.Context, follow: bool, **flags: Any) -> None:
     """From any pod: the run's job log (from the head's Jobs API; in a run without Ray, the
     head's training output)."""
     settings, role, reporter = _asking(ctx, flags)
-    from podagent.control import logs as logs_mod
-    from podagent.control import lookup, no_ray
+    from podagent.control.channel import open_channel
 
     signals = Signals()
     signals.install()
-    ip = lookup.head_ip(settings, role, reporter)
-    write = lambda text: click.echo(text, nl=False)  # noqa: E731
-    if not no_ray.follow(settings, ip, follow, write, signals):
-        logs_mod.follow_logs(settings, role, reporter, follow, write, signals, ip)
+    channel = open_channel(settings, role, reporter)
+    channel.logs(follow, lambda text: click.echo(text, nl=False), signals)
 
 
 # A launcher's own options pass through untouched: podagent's come first, and parsing stops at

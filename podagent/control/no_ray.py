@@ -1,6 +1,6 @@
 """`status`, `stop` and `logs` for a run without Ray (`podagent torchrun/accelerate`): the same
-commands ask the head's podagent on its supervisor port where the Ray path asks Ray. Nothing
-listening there means the run is not one of these, and the Ray path is asked instead."""
+commands ask the head's podagent on its supervisor port where the Ray path asks Ray
+(control/channel.py chooses)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ def ask(settings: Settings, ip: str, question: dict[str, Any]) -> tuple[mesh.Wir
         return None
     except mesh.NotSupervisor:
         return None
+
+
+def answers(settings: Settings, ip: str) -> bool:
+    """Whether a run without Ray answers on the head's supervisor port."""
+    asked = ask(settings, ip, {"ask": "status"})
+    if asked is not None:
+        asked[0].close()
+    return asked is not None
 
 
 def status(settings: Settings, ip: str) -> dict[str, Any] | None:
@@ -61,7 +69,7 @@ def stop(settings: Settings, ip: str, by: str, timeout: float) -> float | None:
         return None
     wire, _ = asked
     try:
-        answer = mesh.Link._read(wire, timeout)
+        answer = wire.next(timeout)
     finally:
         wire.close()
     if answer is TimeoutError:

@@ -178,6 +178,20 @@ class Wire:
             return None
         return None if lines is None else [_lenient(raw) for raw in lines]
 
+    def next(self, timeout: float, check: Callable[[], None] = lambda: None) -> Any:
+        """The next line (parsed as `messages` does; the ones after it stay in `unread`),
+        None when the connection ended, TimeoutError (the class) when nothing came in time.
+        `check` runs every TICK (a signal raises there)."""
+        ends = time.monotonic() + timeout
+        while not self.unread and (left := ends - time.monotonic()) > 0:
+            check()
+            self.sock.settimeout(min(TICK, left))
+            lines = self.messages()
+            if lines is None:
+                return None
+            self.unread.extend(lines)
+        return self.unread.popleft() if self.unread else TimeoutError
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -634,7 +648,7 @@ class Link:
                          f"{rv}: the head's podagent did not answer within {timeout:g} s "
                          f"(last try: {gave_up.seen})"))
         wire = Wire(sock)
-        greeting = self._read(wire, GREETING_TIMEOUT)
+        greeting = wire.next(GREETING_TIMEOUT)
         if greeting is None:  # closed at once: a head on its way out (or in)
             wire.close()
             raise _StartedWithout("its podagent closed the connection")
@@ -654,7 +668,7 @@ class Link:
             hello["token"] = self.token
         wire.send(hello)
         self.reporter.say(f"joined the {rv}; waiting for the head to start it")
-        answer = self._read(wire, max(0.1, deadline - time.monotonic()), check)
+        answer = wire.next(max(0.1, deadline - time.monotonic()), check)
         if answer is TimeoutError:
             wire.close()
             raise HeadUnreachable(f"{rv}: joined, but the head did not start it within "
@@ -680,21 +694,6 @@ class Link:
             raise HeadUnreachable(f"{rv}: the head answered something else than its go")
         self.wire = wire
         return answer["go"]
-
-    @staticmethod
-    def _read(wire: Wire, timeout: float, check: Callable[[], None] = lambda: None) -> Any:
-        """The next line (parsed; the ones after it stay in wire.unread), None when the
-        connection ended, TimeoutError (the class) when nothing came in time. `check` runs
-        every TICK (a signal raises there)."""
-        ends = time.monotonic() + timeout
-        while not wire.unread and (left := ends - time.monotonic()) > 0:
-            check()
-            wire.sock.settimeout(min(TICK, left))
-            lines = wire.messages()
-            if lines is None:
-                return None
-            wire.unread.extend(lines)
-        return wire.unread.popleft() if wire.unread else TimeoutError
 
     def send(self, payload: Mapping[str, Any]) -> bool:
         return self.wire is not None and self.wire.send(payload)
@@ -764,12 +763,12 @@ def ask(head_ip: str, port: int, question: Mapping[str, Any], token: str | None,
     the cluster token or does not answer."""
     sock = socket.create_connection((head_ip, port), timeout=timeout)
     wire = Wire(sock)
-    greeting = Link._read(wire, timeout)
+    greeting = wire.next(timeout)
     if not isinstance(greeting, dict) or "rendezvous" not in greeting:
         wire.close()
         raise NotSupervisor(f"{head_ip}:{port} is not a podagent supervisor")
     wire.send({**question, **({"token": token} if token else {})})
-    answer = Link._read(wire, timeout)
+    answer = wire.next(timeout)
     if answer is TimeoutError or answer is None:
         wire.close()
         raise HeadUnreachable(f"the head's podagent at {head_ip}:{port} did not answer")
