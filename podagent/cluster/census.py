@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from podagent.errors import RayUnhealthy, WorkersTimeout
+from podagent.errors import RayUnhealthy
 from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
+from podagent.run.workers import accept_shortfall
 from podagent.waiting import Backoff, Deadline, Expired, retry
 
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
@@ -53,6 +54,9 @@ class LostWorker:
 
 
 class WorkerCensus:
+    """Who joined, who left and who was lost, from reads of Ray's node table; each change
+    said once and recorded as an event."""
+
     def __init__(self, nodes: Callable[[], list[NodeInfo]], reporter: Reporter,
                  registered: Callable[[], int] | None = None):
         self._nodes = nodes  # the head's node table; raises when its GCS does not answer
@@ -153,14 +157,8 @@ class WorkerCensus:
         return True
 
     def accept_shortfall(self, expected: int, minimum: int | None, timeout: float) -> None:
-        """Fewer joined than expected within the timeout: raises WorkersTimeout unless
-        PODAGENT_MIN_WORKERS says that many will do."""
-        joined, who = len(self.workers), ", ".join(self.ips()) or "none"
-        if minimum is None or joined < minimum:
-            raise WorkersTimeout(f"only {joined} of {expected} workers joined within "
-                                 f"{timeout:g} s; joined: {who}")
-        self.reporter.warn(f"{joined} of {expected} workers joined ({who}); going on "
-                           f"because PODAGENT_MIN_WORKERS={minimum}")
+        """Fewer joined than expected within the timeout: the kernel's rule decides."""
+        accept_shortfall(self.reporter, self.ips(), expected, minimum, timeout)
 
     def count(self, expected: int) -> None:
         """On re-attach: the job runs already, so the workers are counted, never awaited."""

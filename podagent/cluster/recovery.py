@@ -1,6 +1,7 @@
 """Restarts of the job after a lost node (PODAGENT_ON_NODE_LOSS) or a failed job
-(PODAGENT_RETRY_FAILED_JOB): the policy, kept apart from the head's states as torch's elastic
-agent keeps its restart loop apart from starting and watching its workers.
+(PODAGENT_RETRY_FAILED_JOB) on the Ray path: the kernel's policy (run/restarts.py) carried
+out, kept apart from the head's states as torch's elastic agent keeps its restart loop apart
+from starting and watching its workers.
 
 The head tells `Recovery` what it sees (losses while the job runs, the job's end) and asks it
 whether the job runs again. A restart is counted against PODAGENT_RESTARTS across container
@@ -19,12 +20,11 @@ from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.job_spec import JobAttempt
 from podagent.cluster.ledger import Ledger, record_or_warn
 from podagent.config import Settings
-from podagent.errors import RestartsExhausted
 from podagent.ray_access.gcs import NodeInfo
 from podagent.report import Reporter
+from podagent.run import restarts
 from podagent.waiting import Backoff, Expired, Signals, retry
 
-RESTART_BACKOFF_MAX = 300.0
 # Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
 # twice that means Ray's own checks are configured otherwise.
 DEPARTED_TIMEOUT = 15.0
@@ -32,19 +32,6 @@ DEPARTED_TIMEOUT = 15.0
 AFTER_LOSS = {OnNodeLoss.RESTART: "stopping the job to restart it",
               OnNodeLoss.WAIT: "the job decides whether it goes on (restarted if it fails)",
               OnNodeLoss.FAIL: "the job decides whether it goes on"}
-
-
-def restart_reason(settings: Settings, job_status: str | None, lost: list[str]) -> str | None:
-    """Why the job that just ended is run again, or None: it succeeded, was stopped by someone
-    else, or failed by itself (unless PODAGENT_RETRY_FAILED_JOB=1); with
-    PODAGENT_ON_NODE_LOSS=fail a lost node changes nothing."""
-    if job_status == "SUCCEEDED":
-        return None
-    if lost and settings.on_node_loss != OnNodeLoss.FAIL:
-        return f"lost {', '.join(lost)}"
-    if not lost and settings.retry_failed_job and job_status == "FAILED":
-        return "the job failed (PODAGENT_RETRY_FAILED_JOB=1)"
-    return None
 
 
 class NodeLost(Exception):
@@ -62,6 +49,9 @@ class Restart:
 
 
 class Recovery:
+    """Carries out the restart policy for the head: what a loss means while the job runs,
+    whether the job runs again, and the restart's count, backoff and figures."""
+
     def __init__(self, settings: Settings, ledger: Ledger, census: WorkerCensus,
                  reporter: Reporter, signals: Signals):
         self.settings, self.ledger, self.census = settings, ledger, census
@@ -89,7 +79,7 @@ class Recovery:
         return lost
 
     def restart_reason(self, job_status: str | None, lost: list[NodeInfo]) -> str | None:
-        return restart_reason(self.settings, job_status, [w.ip for w in lost])
+        return restarts.restart_reason(self.settings, job_status, [w.ip for w in lost])
 
     # --- a restart ----------------------------------------------------------------------------
 
@@ -97,14 +87,7 @@ class Recovery:
         """Counts the restart against PODAGENT_RESTARTS (across container restarts: the ledger
         keeps them), says it loudly and records it."""
         settings = self.settings
-        done = len(self.ledger.restarts)
-        if done >= settings.restarts:
-            raise RestartsExhausted(
-                f"{why}; the run was already restarted {done} time(s) "
-                f"(PODAGENT_RESTARTS={settings.restarts}): giving up; logs in "
-                f"{settings.run_dir}" + (f", checkpoints kept in {settings.checkpoint_dir}"
-                                         if settings.checkpoint_dir else ""))
-        number, now = done + 1, time.time()
+        number, now = restarts.admit(settings, len(self.ledger.restarts), why), time.time()
         # The run stopped making progress when the job ended or the loss was seen, if earlier.
         noticed = min(t for t in (self.census.first_noticed(), job.ended_at, now)
                       if t is not None)
@@ -115,7 +98,7 @@ class Recovery:
                            f"{ended}; waiting for {settings.expected_workers} worker(s) (a "
                            f"replacement pod counts), then the job is submitted again, "
                            f"resuming from the newest checkpoint")
-        backoff = min(RESTART_BACKOFF_MAX, settings.restart_backoff * 2 ** (number - 1))
+        backoff = restarts.backoff(settings, number)
         self.under_way = Restart(number, noticed, now, time.monotonic() + backoff)
         ips = [w.ip for w in lost]
         entry = {"n": number, "reason": why, "lost": ips, "job": submission,

@@ -36,6 +36,7 @@ from podagent import process
 from podagent.errors import AuthRefused, HeadUnreachable, InputError, PortInUse, WorkersTimeout
 from podagent.gang import messages
 from podagent.report import Progress, Reporter
+from podagent.run.workers import accept_shortfall
 from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
 
 HEARTBEAT = 1.0  # seconds between heartbeats, both ways
@@ -223,20 +224,21 @@ def missing_line(rv: Rendezvous, head: Peer, joined: list[Peer], waited: float) 
 
 def machine_ranks(workers: list[tuple[Peer, int | None]]) -> dict[Peer, int]:
     """Machine ranks for the workers (the head is 0): a rank a worker asked for (its NODE_RANK
-    or its launcher's --machine_rank, already checked to be 1..N) is kept, the others fill the
-    free ranks in the order of their pod names. Two asking for one rank: InputError."""
+    or its launcher's --machine_rank, already checked to be 1..N) is kept while the nodes that
+    came have it, the others fill the free ranks in the order of their pod names. Two asking
+    for one rank: InputError."""
     ranks: dict[Peer, int] = {}
     taken: dict[int, Peer] = {}
     for peer, asked in workers:
-        if asked is None:
+        if asked is None or asked > len(workers):  # fewer came (PODAGENT_MIN_WORKERS)
             continue
         if asked in taken:
             raise InputError(f"workers {taken[asked]} and {peer} both asked for machine rank "
                              f"{asked} (NODE_RANK or --machine_rank): every pod needs its own")
         ranks[peer], taken[asked] = asked, peer
     free = (r for r in range(1, len(workers) + 1) if r not in taken)
-    for peer, asked in sorted(workers, key=lambda w: (w[0].pod, w[0].addr)):
-        if asked is None:
+    for peer, _ in sorted(workers, key=lambda w: (w[0].pod, w[0].addr)):
+        if peer not in ranks:
             ranks[peer] = next(free)
     return ranks
 
@@ -355,10 +357,12 @@ class Hub:
 
     # --- the rendezvous (in the caller's thread) -------------------------------------------------
 
-    def gather(self, timeout: float, signals_check: Callable[[], None]) -> list[Member]:
+    def gather(self, timeout: float, signals_check: Callable[[], None],
+               minimum: int | None = None) -> list[Member]:
         """Wait up to `timeout` s for every expected worker, then give each its machine rank
-        (not yet sent: `start` does). Raises WorkersTimeout (after telling the workers that
-        came) when some never did; InputError when two asked for one rank."""
+        (not yet sent: `start` does). Fewer will do only down to `minimum`
+        (PODAGENT_MIN_WORKERS). Raises WorkersTimeout (after telling the workers that came)
+        when too few did; InputError when two asked for one rank."""
         started = time.monotonic()
         deadline = started + timeout
         progress = Progress(self.reporter)
@@ -369,9 +373,9 @@ class Hub:
             self._select(min(left, 1.0))
         joined = list(self.members.values())
         try:
-            if len(joined) < self.rv.workers:
-                raise WorkersTimeout(missing_line(self.rv, self.head, [m.peer for m in joined],
-                                                  timeout))
+            accept_shortfall(self.reporter, [str(m.peer) for m in joined], self.rv.workers,
+                             minimum, timeout,
+                             missing_line(self.rv, self.head, [m.peer for m in joined], timeout))
             ranks = machine_ranks([(m.peer, m.asked_rank) for m in joined])
         except (WorkersTimeout, InputError) as exc:
             for m in joined:

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from podagent import __version__, process
-from podagent.choices import AfterRun
+from podagent.choices import AfterRun, OnNodeLoss
 from podagent.cluster import beacon
 from podagent.cluster.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
 from podagent.config import AFTER_RUN, Settings
-from podagent.errors import HeadUnreachable, PodagentError, RestartsExhausted
+from podagent.errors import HeadUnreachable, JobFailed, PeerLost, PodagentError
 from podagent.gang import mesh
 from podagent.gang.launchers import (
     Accelerate,
@@ -29,6 +29,7 @@ from podagent.gang.supervisor import Cause, HeadSupervisor, Plan, WorkerSupervis
 from podagent.gang.supervisor import run as supervise
 from podagent.platform.roles import Role, detect_role
 from podagent.report import Reporter
+from podagent.run import restarts
 from podagent.waiting import Signals
 
 LAUNCHERS: dict[str, type[Torchrun] | type[Accelerate]] = {"torchrun": Torchrun,
@@ -73,10 +74,16 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
     else:
         outcome = "succeeded"
         try:
-            check_restarts(settings, ledger)
+            number = check_restarts(settings, ledger)
+            if number:
+                _back_off(settings, number, reporter, signals)
             cause, me, head_addr = _supervised(settings, launcher, role, reporter, signals,
                                                data_check, loader, asked_rank)
             error = cause.error(me, launcher.name)
+            if isinstance(error, PeerLost) and settings.on_node_loss == OnNodeLoss.FAIL:
+                # As on the Ray path: the training decides, and a lost pod breaks it.
+                error = JobFailed(f"{error}; PODAGENT_ON_NODE_LOSS=fail: the run is not "
+                                  f"started again")
             if error is not None:
                 raise error
         except mesh.HeadSaysOver as said:
@@ -112,16 +119,26 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
 LOSSES = ("PeerLost", "WorkersTimeout", "HeadUnreachable")
 
 
-def check_restarts(settings: Settings, ledger: Ledger) -> None:
+def check_restarts(settings: Settings, ledger: Ledger) -> int:
     """A run whose pods keep getting lost is restarted (RunPod starts the containers again,
-    the script resumes from its own checkpoint) at most PODAGENT_RESTARTS times: a pod gone
-    for good must not keep the others restarting, billing, for ever."""
+    the script resumes from its own checkpoint) as the kernel's restart policy allows: a pod
+    gone for good must not keep the others restarting, billing, for ever. The number of the
+    restart this start is (0: none)."""
     losses = sum(1 for start in ledger.data["starts"][:-1] if start.get("outcome") in LOSSES)
-    if losses > settings.restarts:
-        raise RestartsExhausted(f"run {settings.run_name}: a pod was lost or missing {losses} "
-                                f"times, more than PODAGENT_RESTARTS={settings.restarts} "
-                                f"allows; not starting it again (logs and checkpoints are "
-                                f"kept)")
+    if not losses:
+        return 0
+    return restarts.admit(settings, losses - 1,
+                          f"run {settings.run_name}: a pod was lost or missing {losses} times, "
+                          f"more than PODAGENT_RESTARTS={settings.restarts} allows")
+
+
+def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Signals) -> None:
+    wait = restarts.backoff(settings, number)
+    reporter.warn(f"RESTART {number}/{settings.restarts}: a pod of the run was lost; starting "
+                  f"it again" + (f" after {wait:g} s (PODAGENT_RESTART_BACKOFF)" if wait else ""))
+    reporter.event("restart", n=number, of=settings.restarts, backoff_s=wait)
+    if wait:
+        signals.sleep(wait)
 
 
 def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Reporter,

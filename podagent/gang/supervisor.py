@@ -117,6 +117,9 @@ class Plan:
 
 
 class Supervisor:
+    """One pod's side of a run without Ray: its phases, its launcher, the steps it runs and
+    how they end; the head and the worker each add their part of the protocol."""
+
     def __init__(self, settings: Settings, role: Role, plan: Plan, me: mesh.Peer,
                  rv: mesh.Rendezvous, reporter: Reporter, signals: Signals, run_dir: Path):
         self.settings, self.role, self.plan, self.me, self.rv = settings, role, plan, me, rv
@@ -215,7 +218,8 @@ class HeadSupervisor(Supervisor):
         self._hub = hub
         hub.status, hub.logs = self.status, self.logs
         try:
-            members = hub.gather(self.settings.worker_timeout, self.signals.check)
+            members = hub.gather(self.settings.worker_timeout, self.signals.check,
+                                 self.settings.min_workers)
             self.layout = layout = self._layout(len(members) + 1, 0)
             steps = self.steps(layout)
             hub.start(lambda m: {"rank": m.rank, "nodes": layout.nodes, "head": self.me.pod,
@@ -237,7 +241,8 @@ class HeadSupervisor(Supervisor):
 
     def _say_layout(self, members: list[mesh.Member]) -> None:
         ranks = ", ".join([f"0 {self.me}", *(f"{m.rank} {m.peer}" for m in members)])
-        self.reporter.say(f"{self.rv}: all {len(members) + 1} node(s) came; machine ranks: "
+        came = "all" if len(members) == self.rv.workers else "only"
+        self.reporter.say(f"{self.rv}: {came} {len(members) + 1} node(s) came; machine ranks: "
                           f"{ranks}")
         self.reporter.event("rendezvous_done", nodes=len(members) + 1,
                             ranks={str(self.me): 0, **{str(m.peer): m.rank for m in members}})

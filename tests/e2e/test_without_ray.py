@@ -61,12 +61,12 @@ def _under_way(out: Path, pods: list[Agent]) -> None:
 
 
 def _mid_run(make_pod, dns_server, tmp_path, agents, launcher: str,
-             *launcher_args: str) -> list[Agent]:
+             *launcher_args: str, env: dict[str, str] | None = None) -> list[Agent]:
     """Three pods in a loop that runs until stopped, every rank past its first step."""
     loop = ("--accelerate",) if launcher == "accelerate" else ()
     pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, launcher, *launcher_args,
                             str(LOOP), str(tmp_path / "ranks"), *loop, "--steps", "100000",
-                            "--step-seconds", "0.1")
+                            "--step-seconds", "0.1", env=env)
     _start(pods)
     _under_way(out, pods)
     return pods
@@ -148,6 +148,54 @@ def test_a_worker_killed_mid_run_takes_every_pod_out_naming_it(make_pod, dns_ser
     for a in (pods[0], pods[2]):
         assert f"ERROR: pod {lost.pod.ip} ({lost.pod.pod_id}) was lost" in a.output, \
             a.output[-3000:]
+
+
+def test_fewer_workers_will_do_down_to_the_minimum(make_pod, dns_server, tmp_path, agents):
+    """PODAGENT_MIN_WORKERS, as on the Ray path: one of two workers never comes; after
+    PODAGENT_WORKER_TIMEOUT the run goes on with the pods that came, ranked among themselves."""
+    pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, "torchrun", "--",
+                            str(LOOP), str(tmp_path / "ranks"),
+                            env={"PODAGENT_MIN_WORKERS": "1", "PODAGENT_WORKER_TIMEOUT": "8"})
+    came = pods[:2]
+    _start(came)
+    codes = [a.wait_exit(180) for a in came]
+    assert codes == [0, 0], "\n\n".join(a.output[-3000:] for a in came)
+    ranks = _ranks(out, world=2)
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["world"] for r in ranks} == {2}
+    head = came[0]
+    assert "1 of 2 workers joined" in head.output and "PODAGENT_MIN_WORKERS=1" in head.output
+    assert "only 2 node(s) came" in head.output
+
+
+def test_without_the_minimum_the_run_is_not_started(make_pod, dns_server, tmp_path, agents):
+    pods, _ = _three_pods(make_pod, dns_server, tmp_path, agents, "torchrun", "--",
+                          str(LOOP), str(tmp_path / "ranks"),
+                          env={"PODAGENT_WORKER_TIMEOUT": "8"})
+    came = pods[:2]
+    _start(came)
+    codes = [a.wait_exit(120) for a in came]
+    assert codes == [_code(errors.WorkersTimeout)] * 2, "\n\n".join(a.output[-3000:]
+                                                                     for a in came)
+    assert not (tmp_path / "ranks" / "rank0.json").exists()
+
+
+def test_a_lost_pod_with_on_node_loss_fail_ends_the_run_for_good(make_pod, dns_server,
+                                                                tmp_path, agents):
+    """PODAGENT_ON_NODE_LOSS=fail, as on the Ray path: the training decides, a lost pod breaks
+    it, and the run is not started again (a restarted container finds it finished)."""
+    pods = _mid_run(make_pod, dns_server, tmp_path, agents, "torchrun", "--",
+                    env={"PODAGENT_ON_NODE_LOSS": "fail"})
+    lost = pods[1]
+    lost.kill_pod()
+    t0 = time.monotonic()
+    codes = _all_out([pods[0], pods[2]], t0, LOSS_DEADLINE)
+    assert codes == [_code(errors.JobFailed)] * 2, pods[0].output[-3000:]
+    assert "PODAGENT_ON_NODE_LOSS=fail" in pods[0].output
+    again = pods[0].restarted()
+    agents.append(again)
+    assert again.start().wait_exit(60) == _code(errors.JobFailed), again.output[-3000:]
+    assert "finished earlier (JobFailed" in again.output
+    assert "training: " not in again.output
 
 
 def test_a_worker_cut_off_then_killed_takes_every_pod_out_naming_it(make_pod, dns_server,

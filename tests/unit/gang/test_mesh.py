@@ -134,6 +134,36 @@ def test_machine_ranks_keep_what_was_asked_and_fill_the_rest_by_pod_name():
     assert mesh.machine_ranks([(a, None), (b, None), (c, 1)]) == {c: 1, b: 2, a: 3}
 
 
+def test_fewer_workers_will_do_down_to_the_minimum_ranked_among_themselves():
+    """PODAGENT_MIN_WORKERS: one of three came; a rank asked beyond the nodes that came is
+    given a free one, so the ranks are 1..N of the nodes there."""
+    rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=3)
+    hub, _, head = _hub(rv)
+    joining = [_join(rv, "10.0.0.2", asked=3)]
+    try:
+        members = hub.gather(2, lambda: None, minimum=1)
+        assert [(m.peer.addr, m.rank) for m in members] == [("10.0.0.2", 1)]
+        assert ("1 of 3 workers joined (10.0.0.2 (pod-10.0.0.2)); going on because "
+                "PODAGENT_MIN_WORKERS=1") in head.stream.getvalue()
+    finally:
+        for _, link, _, _ in joining:
+            link.close()
+        hub.close()
+
+
+def test_fewer_workers_than_the_minimum_is_the_rendezvous_timeout():
+    rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=3)
+    hub, _, _ = _hub(rv)
+    joining = [_join(rv, "10.0.0.2")]
+    try:
+        with pytest.raises(WorkersTimeout, match="2 of 4 nodes joined within 2 s"):
+            hub.gather(2, lambda: None, minimum=2)
+    finally:
+        hub.close()
+    joining[0][0].join(30)
+    assert isinstance(joining[0][2][0], WorkersTimeout)
+
+
 def test_a_worker_that_finds_something_else_on_the_port_says_so():
     with socket.create_server(("127.0.0.1", 0)) as other:
         def answer_as_another_program() -> None:

@@ -15,6 +15,7 @@ import pytest
 from podagent import cli, config, errors
 from podagent.cluster.ledger import Ledger
 from podagent.gang.run import check_restarts
+from podagent.run import restarts
 from tests.harness.agents import clean_environ
 
 BAD_INPUT = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.ConfigError)
@@ -113,9 +114,21 @@ def test_a_run_whose_pods_keep_getting_lost_is_started_again_only_so_often(tmp_p
         ledger.started("pod")
         ledger.ended(outcome, None)
     ledger.started("pod")
-    check_restarts(settings, ledger)  # the second restart may run
+    assert check_restarts(settings, ledger) == 2  # the second restart may run
     ledger.ended("PeerLost", None)
     ledger.started("pod")
     with pytest.raises(errors.RestartsExhausted, match="lost or missing 3 times, more than "
                                                        "PODAGENT_RESTARTS=2"):
         check_restarts(settings, ledger)
+
+
+def test_a_first_start_is_no_restart_and_the_backoff_doubles(tmp_path):
+    settings = config.build({}, {"PODAGENT_RESTARTS": "5", "PODAGENT_RESTART_BACKOFF": "4",
+                                 "PODAGENT_LOG_DIR": str(tmp_path)})
+    ledger = Ledger.load(tmp_path, "r")
+    ledger.started("pod")
+    assert check_restarts(settings, ledger) == 0
+    ledger.ended("JobFailed", None)  # a finished run is never a restart
+    ledger.started("pod")
+    assert check_restarts(settings, ledger) == 0
+    assert [restarts.backoff(settings, n) for n in (1, 2, 3, 8)] == [4.0, 8.0, 16.0, 300.0]
