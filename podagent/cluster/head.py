@@ -158,6 +158,9 @@ class HeadNode:
 
 
 class Head(Lifecycle[HeadState]):
+    """The head's lifecycle: recall the run, start Ray and the reward server, gather the
+    workers, run and follow the job (restarting it as the policy says), and end in order."""
+
     FIRST, LAST, SUCCESS = HeadState.RECALLING, HeadState.DONE, "succeeded"
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,

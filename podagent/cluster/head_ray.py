@@ -38,6 +38,8 @@ ANNOUNCE_TIMEOUT = 1.0
 
 
 class HeadRay:
+    """This pod's Ray as the head: started or adopted, proven healthy, watched, stopped."""
+
     def __init__(self, settings: Settings, setup: NodeSetup, reporter: Reporter,
                  signals: Signals, submission_id: str = ""):
         self.settings, self.setup = settings, setup

@@ -33,6 +33,9 @@ INTERNAL_ERRORS_IN_A_ROW = 3
 
 
 class Ledger:
+    """The run's record on the volume: its starts, submissions, restarts and end, each
+    change written whole and atomically."""
+
     def __init__(self, path: Path, data: dict[str, Any]):
         self.path, self.data = path, data
 

@@ -66,6 +66,9 @@ def asked(settings: Settings) -> dict[str, Any]:
 
 
 class RewardServer:
+    """The built-in reward server as the head's child process: started with the head's
+    reward settings, proven with a real request, watched, and stopped (TERM, deadline, KILL)."""
+
     def __init__(self, settings: Settings, host_ip: str, run_dir: Path, reporter: Reporter,
                  env: Mapping[str, str]):
         self.settings, self.host_ip, self.reporter = settings, host_ip, reporter

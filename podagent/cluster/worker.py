@@ -66,6 +66,9 @@ class FoundHead:
 
 
 class Worker(Lifecycle[WorkerState]):
+    """The worker's lifecycle: find the head, join its Ray, watch it, rejoin a returning
+    head, and leave when the run is over."""
+
     FIRST, LAST, SUCCESS = WorkerState.FINDING_HEAD, WorkerState.LEFT, "left"
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,

@@ -23,6 +23,9 @@ CHUNK = 1 << 16
 
 
 class Training:
+    """One step's launcher on this pod: started in its own session, its output teed to the
+    training log, and stopped with everything under it."""
+
     def __init__(self, step: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path):
         self.step, self.argv, self.env, self.log_path = step, list(argv), dict(env), log_path
         self.proc: subprocess.Popen[bytes] | None = None

@@ -76,6 +76,8 @@ def default_state_dir(environ: Mapping[str, str]) -> Path:
 
 @dataclass(frozen=True)
 class UpSpec:
+    """A run's shape as `podagent up` was asked for it, checked once."""
+
     run: str
     gpu_type: str
     gpus_per_pod: int

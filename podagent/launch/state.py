@@ -38,6 +38,8 @@ class Resource:
 
 @dataclass
 class RunRecord:
+    """What `up` asked RunPod to create for one run and what came of it, as saved."""
+
     run: str
     api_url: str
     shape: str = ""

@@ -119,6 +119,9 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
 
 
 class Up:
+    """`podagent up`'s state machine: carries out what `judge` decides, from checking the
+    account to the last pod gone."""
+
     def __init__(self, spec: UpSpec, client: Client, view: PlainView | LiveView,
                  interrupts: Interrupts | None = None,
                  explain: Callable[[int], str] = lambda code: f"exit {code}",

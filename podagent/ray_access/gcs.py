@@ -120,6 +120,9 @@ class NodeInfo:
 
 
 class GcsClient:
+    """The few GCS calls podagent needs (liveness, the node table, the key-value store), over
+    gRPC without importing Ray."""
+
     def __init__(self, address: str, metadata: tuple[tuple[str, str], ...] = ()):
         self.address = address
         self._metadata = metadata

@@ -19,6 +19,9 @@ class DatasetError(ValueError):
 
 
 class GoldIndex:
+    """Gold answers by prompt: the exact prompt, the longest one that starts the query, or
+    the most similar one."""
+
     def __init__(self, golds: dict[str, str]):
         self._all = golds  # in the file's order (closest-prompt ties go to the earlier one)
         self._golds = {p: a for p, a in golds.items() if p}

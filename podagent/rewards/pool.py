@@ -62,6 +62,9 @@ def _init_worker(memory: int | None = None) -> None:
 
 
 class VerifierPool:
+    """Scores items in worker processes, each task under a time limit (and, where set, an
+    item's memory limit); a worker past either is killed and the item scores the default."""
+
     def __init__(self, workers: int, item_timeout: float, preload: str | None = None,
                  item_memory: int | None = None):
         """`preload`: a reward rule's source (`func`) the forkserver loads once, so that every

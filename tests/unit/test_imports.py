@@ -1,5 +1,6 @@
 """The package's shape: podagent's import graph has no cycle and no layer imports upward; no
-class is too long to read and the top level stays small.
+class of some length goes without a docstring saying its one job, and the top level stays
+small.
 
 Imports are read with `ast` from every module of podagent/, those inside functions (late
 imports) included: a late import still ties two modules together. `from podagent import x`
@@ -9,6 +10,7 @@ Layers, lowest first:
   foundation  the top-level modules podagent/*.py (not cli.py, __main__.py) and podagent/report/
   ray_access  the GCS client, Ray version gates
   platform    pod, NCCL, discovery, roles, the RunPod API
+  kernel      run/: what every run does whatever runs its job (below both engines)
   packages    cluster/, checks/, control/, gang/, launch/, rewards/ (one layer; a package imports
               another only as ALLOWED_CROSS says)
   top         cli.py, __main__.py
@@ -22,7 +24,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "podagent"
 
-LAYERS = ("foundation", "ray_access", "platform", "packages", "top")
+LAYERS = ("foundation", "ray_access", "platform", "kernel", "packages", "top")
 PACKAGES = ("cluster", "checks", "control", "gang", "launch", "rewards")
 TOP = ("podagent.cli", "podagent.__main__")
 
@@ -46,7 +48,8 @@ ALLOWED_CROSS = {
 # Modules that import nothing of podagent, so that anything may import them.
 LEAVES = ("podagent.choices",)
 
-MAX_CLASS_LINES = 250
+# A class is as long as its one job needs; past this many lines its docstring must say the job.
+SAYS_ITS_JOB_PAST = 40
 MAX_TOP_LEVEL_MODULES = 14
 
 
@@ -114,10 +117,12 @@ def layer(module: str) -> tuple[int, str]:
     parts = module.split(".")
     if module in TOP:
         return LAYERS.index("top"), "top"
-    if len(parts) <= 2 or parts[1] == "report":
+    if len(parts) <= 2 or parts[1] in ("report", "config"):
         return LAYERS.index("foundation"), "foundation"
     if parts[1] in ("ray_access", "platform"):
         return LAYERS.index(parts[1]), parts[1]
+    if parts[1] == "run":
+        return LAYERS.index("kernel"), "kernel"
     assert parts[1] in PACKAGES, f"{module}: a package the layers do not name"
     return LAYERS.index("packages"), parts[1]
 
@@ -210,16 +215,17 @@ def test_leaves_import_nothing_of_podagent():
     assert not leaning, "\n".join(f"  {i}" for i in leaning)
 
 
-def test_no_class_is_over_the_limit():
-    long = []
+def test_every_class_of_some_length_says_its_job():
+    silent = []
     for path in MODULES.values():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if isinstance(node, ast.ClassDef):
+            if isinstance(node, ast.ClassDef) and not ast.get_docstring(node):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_CLASS_LINES:
+                if lines > SAYS_ITS_JOB_PAST:
                     where = path.relative_to(PACKAGE.parent)
-                    long.append(f"  {where}:{node.lineno}: class {node.name}, {lines} lines")
-    assert not long, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(long)
+                    silent.append(f"  {where}:{node.lineno}: class {node.name}, {lines} lines")
+    assert not silent, (f"classes over {SAYS_ITS_JOB_PAST} lines without a docstring saying "
+                        f"their job:\n" + "\n".join(silent))
 
 
 def test_the_top_level_stays_small():
