@@ -118,7 +118,8 @@ class GangCellRun(CellRun):
             "EXPECTED_WORKERS": "1", "PODAGENT_TOKEN": TOKEN,
             "PODAGENT_AFTER_RUN": "stay" if cell.state == "after_run" else "exit",
             "PODAGENT_HEAD_TIMEOUT": "45", "PODAGENT_WORKER_TIMEOUT": "45",
-            "PODAGENT_STOP_TIMEOUT": "5", "PODAGENT_SUPERVISOR_PORT": str(SUPERVISOR_PORT),
+            "PODAGENT_STOP_TIMEOUT": "5", "PODAGENT_RESTART_BACKOFF": "0",
+            "PODAGENT_SUPERVISOR_PORT": str(SUPERVISOR_PORT),
             "PYTHONPATH": self._pythonpath(),
         }
         check = ("--data-check", "--loader", f"{scripts / 'loader.py'}:build") \
