@@ -18,7 +18,7 @@ class Named(str, enum.Enum):
 
 class AfterRun(Named):
     """What a pod does once its run is over for good (PODAGENT_AFTER_RUN); what each does is in
-    `meaning` (the setting's help) and in cluster/after_run.py."""
+    `meaning` (the setting's help) and in run/after_run.py."""
 
     STAY = "stay"
     EXIT = "exit"

@@ -77,7 +77,7 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
-# What a pod's podagent does after each code on RunPod (cluster/after_run.py), where RunPod starts
+# What a pod's podagent does after each code on RunPod (run/after_run.py), where RunPod starts
 # a container again whenever its process exits. Codes a new start may mend exit, and RunPod
 # starts the pod's podagent again; every other code of a pod stops the pod (PODAGENT_AFTER_RUN).
 RESTARTABLE = frozenset({5, 6, 7, 8, 9, 10, 14, 22, EXIT_INTERNAL})
@@ -144,7 +144,7 @@ def _boundary(command: Callable[..., Any] | None = None, *, pod: bool = False) -
                 code = exit_code(exc)
                 if pod and not isinstance(exc, errors.Interrupted) and not restartable(code) \
                         and not _dry_run_asked():
-                    from podagent.cluster import after_run
+                    from podagent.run import after_run
 
                     after_run.settle_unconfigured(
                         os.environ, code, lambda line: click.echo(line, err=True))
@@ -335,7 +335,7 @@ def check(ctx: click.Context, as_json: bool, cluster: bool, **flags: Any) -> Non
 def _asking(ctx: click.Context, flags: dict[str, Any], stream: TextIO | None = None
             ) -> tuple[config.Settings, Role, Reporter]:
     """Settings, role and a screen-only reporter for the commands that ask the cluster."""
-    from podagent.cluster.run import reporter_for
+    from podagent.run.shell import reporter_for
 
     # gRPC's core logs connection chatter (a GOAWAY when the head goes down) unless told not
     # to; it reads this when first loaded, which is after this line for these commands.

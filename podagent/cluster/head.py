@@ -16,12 +16,9 @@ from typing import Any
 from podagent import runstate
 from podagent.choices import AfterRun
 from podagent.cluster import exposure, job_spec, node, ray_node, reattach
-from podagent.cluster import ledger as ledger_mod
 from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
 from podagent.cluster.jobs import SUBMIT_TIMEOUT
-from podagent.cluster.ledger import Ledger, record_or_warn
-from podagent.cluster.lifecycle import Lifecycle
 from podagent.cluster.recovery import JobAttempt, NodeLost, Recovery
 from podagent.cluster.reward_server import RewardServer
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
@@ -31,6 +28,9 @@ from podagent.platform import pod
 from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access.gcs import GcsClient
 from podagent.report import Progress, Reporter
+from podagent.run import ledger as ledger_mod
+from podagent.run.ledger import Ledger, record_or_warn
+from podagent.run.lifecycle import Lifecycle
 from podagent.waiting import Backoff, Deadline, Expired, Signals, retry
 
 HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get this long each

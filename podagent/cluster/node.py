@@ -1,5 +1,5 @@
-"""What head and worker share: this pod's NCCL environment, address and GPUs, and a clean slate
-(podagent's own leftovers stopped, anyone else's Ray refused)."""
+"""What head and worker of a Ray run share: the kernel's pod setup with this pod's `ray start`
+plan, and a clean slate (podagent's own leftovers stopped, anyone else's Ray refused)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from podagent import limits, process
 from podagent.cluster import ray_node
 from podagent.config import Settings
 from podagent.errors import ForeignRay
-from podagent.platform import nccl, pod
+from podagent.platform import nccl
 from podagent.platform.roles import Role
 from podagent.report import Reporter
+from podagent.run import pod_setup
 
 
 @dataclass(frozen=True)
@@ -28,22 +29,11 @@ class NodeSetup:
 
 def prepare(settings: Settings, role: Role, reporter: Reporter,
             head_ip: str | None = None) -> NodeSetup:
-    nccl_env = nccl.effective(settings, head_ip=head_ip)
-    kept = f"; your own {', '.join(nccl_env.user_wins)} kept" if nccl_env.user_wins else ""
-    reporter.say(f"NCCL preset {nccl_env.preset}: {nccl_env.reason}{kept}")
-    for warning in nccl_env.warnings:
-        reporter.warn(warning)
-    ifname = settings.environ.get("NCCL_SOCKET_IFNAME",
-                                  nccl_env.variables.get("NCCL_SOCKET_IFNAME"))
-    node_ip, ip_rule = pod.choose_node_ip(settings, head_ip, nccl_ifname=ifname)
-    if role is Role.HEAD:  # its dashboard and reward server listen there
-        pod.require_private(settings, node_ip, ip_rule)
-    gpus, gpu_rule = pod.detect_gpus(settings)
-    reporter.say(f"this pod: {node_ip} ({ip_rule}), {gpus} GPU(s) ({gpu_rule})")
-    plan = ray_node.plan(settings, role, node_ip, gpus, nccl_env.variables, head_ip)
-    reporter.event("prepared", preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,
-                   nccl=dict(nccl_env.variables), warnings=list(nccl_env.warnings))
-    return NodeSetup(nccl_env, node_ip, gpus, plan)
+    """The kernel's pod setup, and this pod's `ray start`."""
+    ready = pod_setup.prepare(settings, role, reporter, head_ip)
+    plan = ray_node.plan(settings, role, ready.node_ip, ready.gpus, ready.nccl.variables,
+                         head_ip)
+    return NodeSetup(ready.nccl, ready.node_ip, ready.gpus, plan)
 
 
 def refuse_foreign_ray(settings: Settings) -> process.PodRay:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from podagent.choices import OnNodeLoss
 from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.job_spec import JobAttempt
-from podagent.cluster.ledger import Ledger, record_or_warn
 from podagent.config import Settings
 from podagent.ray_access.gcs import NodeInfo
 from podagent.report import Reporter
 from podagent.run import restarts
+from podagent.run.ledger import Ledger, record_or_warn
 from podagent.waiting import Backoff, Expired, Signals, retry
 
 # Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 from podagent import runstate
-from podagent.cluster.lifecycle import EndRequested
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
+from podagent.run.lifecycle import EndRequested
 from podagent.waiting import Signals
 
 STOP_POLL = 1.0  # a stop request is looked for at most this often

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 from podagent import process, runstate
 from podagent.choices import AfterRun
-from podagent.cluster import beacon, node, ray_node
-from podagent.cluster.lifecycle import EndRequested, Lifecycle
 from podagent.config import Settings
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.platform.discovery import HeadFinder, HeadLocation
@@ -18,6 +16,8 @@ from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
+from podagent.run import beacon, node, ray_node
+from podagent.run.lifecycle import EndRequested, Lifecycle
 from podagent.waiting import Backoff, Signals, retry
 
 WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period

@@ -747,7 +747,7 @@ class Link:
 
 
 class HeadSaysOver(Exception):
-    """The head answered the rendezvous with its word that the run is over (cluster/beacon.py
+    """The head answered the rendezvous with its word that the run is over (run/beacon.py
     reads and checks it): this pod was away when the run ended."""
 
     def __init__(self, rv: Rendezvous, line: bytes):

@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 
 from podagent import __version__, process
 from podagent.choices import AfterRun, OnNodeLoss
-from podagent.cluster import beacon
-from podagent.cluster.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
 from podagent.config import AFTER_RUN, Settings
 from podagent.errors import HeadUnreachable, JobFailed, PeerLost, PodagentError
 from podagent.gang import mesh
@@ -29,7 +27,8 @@ from podagent.gang.supervisor import Cause, HeadSupervisor, Plan, WorkerSupervis
 from podagent.gang.supervisor import run as supervise
 from podagent.platform.roles import Role, detect_role
 from podagent.report import Reporter
-from podagent.run import restarts
+from podagent.run import beacon, restarts
+from podagent.run.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
 from podagent.waiting import Signals
 
 LAUNCHERS: dict[str, type[Torchrun] | type[Accelerate]] = {"torchrun": Torchrun,
@@ -47,8 +46,8 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
         dry_run: bool, exit_code: Callable[[BaseException], int],
         outcome_code: Callable[[str], int],
         restartable: Callable[[int], bool] = lambda code: False) -> int:
-    from podagent.cluster import after_run
-    from podagent.cluster.run import install_signals, report_end, reporter_for, settle
+    from podagent.run import after_run
+    from podagent.run.shell import install_signals, report_end, reporter_for, settle
 
     decision = detect_role(settings)
     role = decision.role
@@ -146,19 +145,19 @@ def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Re
                 asked_rank: int | None) -> tuple[Cause, str, str | None]:
     """The cause the run ended with, this pod as its peers name it, and (the head) its
     address."""
-    from podagent.cluster import node
     from podagent.platform import discovery
+    from podagent.run import pod_setup
 
     name = settings.pod_id or socket.gethostname()
     deadline = 0.0
     if role is Role.HEAD:
-        setup = node.prepare(settings, Role.HEAD, reporter)
+        setup = pod_setup.prepare(settings, Role.HEAD, reporter)
         head_ip = setup.node_ip
     else:
         finder = discovery.HeadFinder(settings, reporter, signals)
         where = finder.locate()
         reporter.say(f"head found at {where.ip} ({where.how})")
-        setup = node.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
+        setup = pod_setup.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
         head_ip, deadline = where.ip, finder.deadline
     me = mesh.Peer(setup.node_ip, name)
     rv = mesh.Rendezvous(rendezvous_id(settings, head_ip), head_ip, settings.supervisor_port,
@@ -176,15 +175,15 @@ def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Re
 
 def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
              data_check: bool, loader: str | None) -> None:
-    from podagent.cluster import node
-    from podagent.cluster.run import reporter_for
     from podagent.gang.launchers import Layout, data_check_step
+    from podagent.run import pod_setup
+    from podagent.run.shell import reporter_for
 
     reporter = reporter_for(settings, role.value, pod="dry-run")
     reporter.say(f"dry run: this pod would be the {role.value} ({reason}) of run "
                  f"{settings.run_name} without Ray ({launcher.name}), logs in "
                  f"{settings.run_dir}")
-    setup = node.prepare(settings, role, reporter)
+    setup = pod_setup.prepare(settings, role, reporter)
     head = setup.node_ip if role is Role.HEAD else "HEAD"
     nodes = settings.expected_workers + 1
     rank = 0 if role is Role.HEAD else (launcher.requested_rank(settings, role) or 1)

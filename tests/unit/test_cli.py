@@ -15,8 +15,8 @@ import pytest
 
 import podagent
 from podagent import cli, errors
-from podagent.cluster import ledger
 from podagent.platform import nccl
+from podagent.run import ledger
 
 _DROP_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
 _DROP_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "EXPECTED_WORKERS",

@@ -18,11 +18,11 @@ from podagent.cluster import census as census_mod
 from podagent.cluster import exposure, job_spec
 from podagent.cluster.census import RECOUNT_EVERY, WorkerCensus
 from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
-from podagent.cluster.lifecycle import EndRequested
 from podagent.cluster.stop_watch import StopWatch
 from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
+from podagent.run.lifecycle import EndRequested
 from podagent.run.restarts import restart_reason
 
 

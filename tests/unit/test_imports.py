@@ -38,9 +38,6 @@ ALLOWED_CROSS = {
     ("checks", "cluster"): "the cluster check runs as a job",
     # ... on the head it finds as the asking commands do (control/lookup.py's head_ip).
     ("checks", "control"): "the cluster check finds the head as status does",
-    # A run without Ray prepares its pod, keeps its ledger and stays after the run as a Ray
-    # run does (gang/run.py); cluster never imports gang.
-    ("gang", "cluster"): "a run without Ray keeps the Ray path's run dir, ledger and pod setup",
     # `status`/`stop`/`logs` ask a run without Ray on the head's supervisor port.
     ("control", "gang"): "the asking commands ask the supervisor of a run without Ray",
 }
@@ -208,6 +205,16 @@ def test_every_allowed_crossing_is_still_used():
     crossings = {(layer(a)[1], layer(b)[1]) for a, b in pairs}
     assert not ALLOWED_CROSS.keys() - crossings, (
         f"remove from ALLOWED_CROSS: {ALLOWED_CROSS.keys() - crossings}")
+
+
+# The two engines of the run kernel: what they share is in run/, so neither imports the other.
+ENGINES = ("cluster", "gang")
+
+
+def test_neither_engine_imports_the_other():
+    crossing = [i for i in IMPORTS if {layer(i.importer)[1], layer(i.imported)[1]}
+                == set(ENGINES)]
+    assert not crossing, "\n".join(f"  {i}" for i in crossing)
 
 
 def test_leaves_import_nothing_of_podagent():

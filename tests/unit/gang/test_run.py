@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from podagent import cli, config, errors
-from podagent.cluster.ledger import Ledger
 from podagent.gang.run import check_restarts
 from podagent.run import restarts
+from podagent.run.ledger import Ledger
 from tests.harness.agents import clean_environ
 
 BAD_INPUT = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.ConfigError)

@@ -1,4 +1,4 @@
-"""The head's word that its run is over (cluster/beacon.py), over real sockets: a worker hears it
+"""The head's word that its run is over (run/beacon.py), over real sockets: a worker hears it
 for its own run only, proven with the cluster token when there is one; anything else on the
 port (nothing, a live run's supervisor, a stranger's bytes) is no word at all. A worker of a
 run without Ray that meets it instead of the rendezvous is told so (mesh.HeadSaysOver)."""
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from podagent.cluster import beacon
 from podagent.gang import mesh
 from podagent.report import Reporter
+from podagent.run import beacon
 
 TOKEN = "t" * 32
 

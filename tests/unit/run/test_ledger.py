@@ -11,10 +11,10 @@ import time
 import pytest
 
 from podagent import config
-from podagent.cluster import after_run
-from podagent.cluster.ledger import INTERNAL_ERROR, LEDGER, Ledger
 from podagent.errors import LedgerError
 from podagent.report import Reporter
+from podagent.run import after_run
+from podagent.run.ledger import INTERNAL_ERROR, LEDGER, Ledger
 from podagent.waiting import Signals
 from tests.fakes.runpod_api import FakeRunPodApi
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
 from podagent.choices import AfterRun
-from podagent.cluster.ledger import INTERNAL_ERROR
 from podagent.config import Settings
 from podagent.errors import Interrupted, PodagentError
 from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
+from podagent.run.ledger import INTERNAL_ERROR
 from podagent.waiting import Deadline, Signals
 
 State = TypeVar("State", bound=enum.Enum)

@@ -1,0 +1,37 @@
+"""This pod made ready for any run: its NCCL environment, its cluster address and its GPUs,
+each said once with the rule that chose it. Nothing here knows what runs the job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from podagent.config import Settings
+from podagent.platform import nccl, pod
+from podagent.platform.roles import Role
+from podagent.report import Reporter
+
+
+@dataclass(frozen=True)
+class PodSetup:
+    nccl: nccl.NcclEnv
+    node_ip: str
+    gpus: int
+
+
+def prepare(settings: Settings, role: Role, reporter: Reporter,
+            head_ip: str | None = None) -> PodSetup:
+    nccl_env = nccl.effective(settings, head_ip=head_ip)
+    kept = f"; your own {', '.join(nccl_env.user_wins)} kept" if nccl_env.user_wins else ""
+    reporter.say(f"NCCL preset {nccl_env.preset}: {nccl_env.reason}{kept}")
+    for warning in nccl_env.warnings:
+        reporter.warn(warning)
+    ifname = settings.environ.get("NCCL_SOCKET_IFNAME",
+                                  nccl_env.variables.get("NCCL_SOCKET_IFNAME"))
+    node_ip, ip_rule = pod.choose_node_ip(settings, head_ip, nccl_ifname=ifname)
+    if role is Role.HEAD:  # its dashboard, reward server or supervisor port listen there
+        pod.require_private(settings, node_ip, ip_rule)
+    gpus, gpu_rule = pod.detect_gpus(settings)
+    reporter.say(f"this pod: {node_ip} ({ip_rule}), {gpus} GPU(s) ({gpu_rule})")
+    reporter.event("prepared", preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,
+                   nccl=dict(nccl_env.variables), warnings=list(nccl_env.warnings))
+    return PodSetup(nccl_env, node_ip, gpus)
