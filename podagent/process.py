@@ -12,6 +12,8 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ import psutil
 
 from podagent.config import RAY_OWNER
 from podagent.waiting import Deadline
+
+_CHUNK = 1 << 16  # a teed output is copied this much at a time
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -262,7 +266,14 @@ def port_holder(port: int) -> str | None:
 
 
 class ManagedProcess:
-    """One external process: start (own session, output to a log file), poll, stop."""
+    """One external process: started in a session of its own with its output in a log file
+    (and, with `tee`, on podagent's own output as it comes), polled, and stopped with what it
+    started, TERM -> deadline -> KILL.
+
+    `whole_pod`: stopping it stops every process podagent has under it, not only this
+    process's tree. A launcher (torchrun, accelerate) starts its workers in sessions of their
+    own, so its process group does not hold them, but podagent is a child subreaper and they
+    stay its descendants even when the launcher died first."""
 
     def __init__(
         self,
@@ -271,18 +282,45 @@ class ManagedProcess:
         env: Mapping[str, str],
         log_path: Path,
         cwd: str | None = None,
+        *,
+        tee: bool = False,
+        whole_pod: bool = False,
     ):
         self.name, self.argv, self.env = name, list(argv), dict(env)
         self.log_path, self.cwd = Path(log_path), cwd
+        self.tee, self.whole_pod = tee, whole_pod
         self.proc: subprocess.Popen | None = None
+        self._pump: threading.Thread | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.tee:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            return
+        sys.stdout.flush()
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._pump = threading.Thread(target=self._copy, args=(self.proc.stdout,),
+                                      name=f"podagent-{self.name}-output", daemon=True)
+        self._pump.start()
+
+    def _copy(self, pipe: object) -> None:
+        """The output (its children's too, which share the pipe) to the screen and the log,
+        as it comes."""
+        fd = pipe.fileno()  # type: ignore[attr-defined]
+        out = sys.stdout.buffer
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+            while chunk := os.read(fd, _CHUNK):
+                with contextlib.suppress(OSError, ValueError):
+                    out.write(chunk)
+                    out.flush()
+                log.write(chunk)
+                log.flush()
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
@@ -295,16 +333,30 @@ class ManagedProcess:
         return log_tail(self.log_path, lines)
 
     def stop(self, timeout: float | Deadline) -> tuple[int, int]:
-        """The process and everything it started, TERM -> deadline -> KILL."""
-        if not self.proc or self.proc.poll() is not None:
+        """The process and everything it started, TERM -> deadline -> KILL (termed, killed)."""
+        if self.whole_pod:
+            result = stop_processes(descendants(), timeout)
+        elif not self.proc or self.proc.poll() is not None:
             return 0, 0
-        try:
-            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
-        except psutil.Error:
-            tree = []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        result = stop_processes(tree, timeout)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=1)
+        else:
+            try:
+                tree = [psutil.Process(self.proc.pid),
+                        *psutil.Process(self.proc.pid).children(True)]
+            except psutil.Error:
+                tree = []
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            result = stop_processes(tree, timeout)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1)
+        if self.whole_pod:
+            self.finish_output()
+            reap_zombies()
         return result
+
+    def finish_output(self) -> None:
+        """With `tee`: let the last of the output reach the screen and the log (bounded: a
+        process that kept the pipe open and escaped is not waited for)."""
+        if self._pump is not None:
+            self._pump.join(timeout=2)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from podagent import process
 from podagent.config import CLUSTER_TOKEN, Settings, child_environ
 from podagent.errors import (
     DataOverlap,
@@ -36,7 +37,6 @@ from podagent.errors import (
 )
 from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
-from podagent.gang.training import Training
 from podagent.platform.roles import Role
 from podagent.report import Reporter
 from podagent.waiting import Deadline, Signals
@@ -127,7 +127,7 @@ class Supervisor:
         self.events: queue.Queue[mesh.Event] = queue.Queue()
         self.phase = Phase.RENDEZVOUS
         self.step_name = ""
-        self.training: Training | None = None
+        self.training: process.ManagedProcess | None = None
         self.started = time.time()
         self.layout: Layout | None = None
         self.check_line = ""  # the data check's verdict, when it passed
@@ -162,7 +162,7 @@ class Supervisor:
 
     # --- one step's launcher -------------------------------------------------------------------
 
-    def _launch(self, step: Step) -> Training:
+    def _launch(self, step: Step) -> process.ManagedProcess:
         self.step_name = step.name
         for said in step.lines:
             if said not in self._said:  # the same for every step: once is enough
@@ -176,7 +176,9 @@ class Supervisor:
                **step.env}
         self.reporter.say(f"{step.name}: {shlex.join(step.argv)}")
         self.reporter.event("step_started", step=step.name, argv=list(step.argv))
-        training = Training(step.name, step.argv, env, self.log_path)
+        # Its output goes to the pod's screen and to the training log `podagent logs` reads.
+        training = process.ManagedProcess(step.name, step.argv, env, self.log_path, tee=True,
+                                          whole_pod=True)
         training.start()
         self.training = training
         return training

@@ -1,4 +1,5 @@
-"""podagent as a subreaper: adopted orphans are reaped, our own Popen children are not."""
+"""podagent as a subreaper: adopted orphans are reaped, our own Popen children are not; a
+managed process with its output teed."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import psutil
 import pytest
+
+from podagent import process
+from tests.harness.pods import wait_for
 
 # In a process of its own: being a subreaper is a process-wide setting.
 SCRIPT = r"""
@@ -41,3 +46,29 @@ def test_reap_zombies_collects_adopted_orphans_and_keeps_our_own_children():
     assert len(seen["before"]) == 2 and seen["own"] in seen["before"], seen
     assert seen["after"] == [seen["own"]], seen  # the orphan is gone, ours is left to its Popen
     assert seen["own_code"] == 0, seen
+
+
+def test_a_teed_process_writes_its_output_to_the_screen_and_its_log_and_stops_whole(
+        tmp_path, capfd):
+    """`tee`: a launcher's output (its children's too) reaches podagent's own output and the
+    log as it comes; stop takes its tree down, TERM first."""
+    script = ("import subprocess, sys, time\n"
+              "print('from the launcher', flush=True)\n"
+              "subprocess.Popen([sys.executable, '-c', "
+              "'print(\"from its child\", flush=True); import time; time.sleep(60)'])\n"
+              "time.sleep(60)\n")
+    managed = process.ManagedProcess("step", [sys.executable, "-c", script], {},
+                                     tmp_path / "training.log", tee=True)
+    managed.start()
+    log = tmp_path / "training.log"
+    wait_for(lambda: log.exists() and "from its child" in log.read_text(), timeout=30,
+             what="the child's line in the log")
+    tree = [managed.pid, *(c.pid for c in psutil.Process(managed.pid).children(True))]
+    termed, killed = managed.stop(5.0)
+    managed.finish_output()
+    assert (termed, killed) == (2, 0)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                   for pid in tree)
+    shown = capfd.readouterr().out
+    assert "from the launcher" in shown and "from its child" in shown
+    assert log.read_text().splitlines() == ["from the launcher", "from its child"]
