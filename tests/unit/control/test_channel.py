@@ -7,6 +7,7 @@ import socket
 import threading
 from pathlib import Path
 
+import podagent
 from podagent import config
 from podagent.control import channel
 from podagent.platform.roles import Role
@@ -60,5 +61,5 @@ def test_something_else_on_the_port_is_no_run_without_ray():
 
 
 def test_the_cli_chooses_no_channel_itself():
-    cli = (Path(config.__file__).parent / "cli.py").read_text()
+    cli = (Path(podagent.__file__).parent / "cli.py").read_text()
     assert "no_ray" not in cli and "RayChannel" not in cli and "SupervisorChannel" not in cli
