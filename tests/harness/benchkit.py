@@ -9,6 +9,7 @@ tail, wall_s, load_before, logs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -17,7 +18,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -85,18 +86,34 @@ def await_event(events: Path, agent: Any, match: Callable[[dict[str, Any]], bool
 
 def add_run_options(parser: argparse.ArgumentParser, per: str = "method",
                     methods: Iterable[str] | None = None,
-                    run_timeout: str = "each bring-up and each wait") -> None:
+                    run_timeout: str = "each bring-up and each wait",
+                    timeout: float = 300.0) -> None:
     """The options every bench takes: --runs, --methods (when it has several), --run-timeout
-    and --out."""
+    (`timeout` seconds by default) and --out."""
     parser.add_argument("--runs", type=int, default=3, help=f"runs per {per} (default 3)")
     if methods is not None:
         methods = tuple(methods)
         parser.add_argument("--methods", type=parse_methods(methods), default=list(methods),
                             help=f"{','.join(methods)} (default: all)")
-    parser.add_argument("--run-timeout", type=float, default=300.0,
-                        help=f"bound on {run_timeout} in seconds (default 300)")
+    parser.add_argument("--run-timeout", type=float, default=timeout,
+                        help=f"bound on {run_timeout} in seconds (default {timeout:g})")
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="results directory (default bench/results/, git-ignored)")
+
+
+def add_baseline_cap(parser: argparse.ArgumentParser, default: float, wait: str) -> None:
+    """--baseline-cap: a plain Ray baseline may never react to a fault, so its wait is bounded
+    (`wait` says for what)."""
+    parser.add_argument("--baseline-cap", type=float, default=default,
+                        help=f"longest wait for {wait}, in seconds (default {default:g})")
+
+
+def bench_parser(doc: str, **run_options: Any) -> argparse.ArgumentParser:
+    """A bench's parser, described by its docstring's first line, with the options every bench
+    takes (`run_options` as add_run_options names them): one place for what --help shows."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_run_options(parser, **run_options)
+    return parser
 
 
 def failed_runs(runs: Iterable[Any], label: Callable[[Any], str] = lambda r: r.method,
@@ -107,14 +124,32 @@ def failed_runs(runs: Iterable[Any], label: Callable[[Any], str] = lambda r: r.m
     return ["#### Failed runs", "", table([what, "run", "reason"], rows), ""] if rows else []
 
 
+def join_report(lines: list[str], runs: Iterable[Any],
+                label: Callable[[Any], str] = lambda r: r.method, what: str = "method") -> str:
+    """A bench's report: its own lines, then the failed runs' table, which every report ends
+    with so that a failure is never lost among the figures."""
+    return "\n".join([*lines, *failed_runs(runs, label, what)])
+
+
 def finish(runs: list[Any], outdir: Path, meta: dict[str, Any], args: argparse.Namespace,
            render: Callable[[list[Any], argparse.Namespace, dict[str, Any]], str]) -> int:
     """Writes the report and the results; the bench's exit status: 0 only if every run
-    succeeded."""
-    loads = [r.load_before[0] for r in runs if r.load_before]
+    succeeded. The load range covers every run's start and, where a run records it, its end."""
+    loads = [x[0] for r in runs for x in (r.load_before, getattr(r, "load_after", None)) if x]
     meta.update(load_min=min(loads, default=0.0), load_max=max(loads, default=0.0))
     write_results(outdir, render(runs, args, meta), meta, args, runs)
     return 0 if runs and all(r.ok for r in runs) else 1
+
+
+def saved_results(directory: Path) -> dict[str, Any]:
+    """DIR/results.json as written, its runs' load averages tuples again (JSON made them lists)
+    so that a run rebuilt from its record equals the one measured."""
+    saved = json.loads((directory / "results.json").read_text())
+    for record in saved["runs"]:
+        for key in ("load_before", "load_after"):
+            if key in record:
+                record[key] = tuple(record[key]) if record[key] else None
+    return saved
 
 
 def rerender(directory: Path, runs: list[Any], saved: dict[str, Any],
@@ -269,6 +304,29 @@ def execute_all(plan: Iterable[tuple[R, str, Body[R]]], outdir: Path,
     return runs
 
 
+def rounds(runs: int, *axes: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
+    """(i, a, b, ...) for every combination of the axes in run i = 1..runs: run 1 of all of
+    them before any run 2, so that machine noise spreads evenly over the methods."""
+    for i in range(1, runs + 1):
+        for combination in itertools.product(*axes):
+            yield (i, *combination)
+
+
+def run_all(parser: argparse.ArgumentParser, argv: list[str] | None, prefix: str,
+            plan: Callable[[argparse.Namespace], Iterable[tuple[R, str, Body[R]]]],
+            line: Callable[[R, int], str],
+            render: Callable[[list[Any], argparse.Namespace, dict[str, Any]], str]) -> int:
+    """A bench of pods from its command line to its exit status, for those that need nothing
+    between the steps: options parsed, root checked, its results folder out/<prefix><time>/,
+    each (run, name, body) of plan(args) executed with line(run, --runs) on screen, and then
+    the report and the results written."""
+    args = parser.parse_args(argv)
+    require_root(parser)
+    outdir, meta = begin(args.out, prefix)
+    runs = execute_all(plan(args), outdir, lambda r: line(r, args.runs))
+    return finish(runs, outdir, meta, args, render)
+
+
 def git_commit() -> str:
     """This checkout's commit, `+dirty` when podagent/ has uncommitted changes."""
     try:
@@ -302,6 +360,30 @@ def median(values: list[float], digits: int | None = None) -> float | None:
         return None
     value = statistics.median(values)
     return value if digits is None else round(value, digits)
+
+
+def figures(runs: Iterable[Any], method: str, get: Callable[[Any], float | None]
+            ) -> list[float]:
+    """`get` of each successful run of `method` that has it: what a table's cell sums up (a
+    failed run's partial figures would skew it)."""
+    found = [get(r) for r in runs if r.method == method and r.ok]
+    return [v for v in found if v is not None]
+
+
+def median_ratio(base: list[float], ours: list[float]) -> float | None:
+    """The baseline's median over ours: how many times faster ours is; None where either side
+    has no figures (or ours is 0) and a table shows `-`."""
+    return median(base) / median(ours) if base and ours and median(ours) else None
+
+
+def spread(found: list[float], capped: bool = False, count: bool = True) -> str:
+    """A cell `median (min-max; N runs)`, `-` for none; `≥ ` in front where a baseline's wait
+    was capped: its true figure is higher."""
+    if not found:
+        return "-"
+    runs = f"; {len(found)} runs" if count else ""
+    at_least = "≥ " if capped else ""
+    return f"{at_least}{median(found):.1f} ({min(found):.1f}-{max(found):.1f}{runs})"
 
 
 def fmt(value: float | None, digits: int = 2) -> str:
