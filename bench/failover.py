@@ -273,10 +273,7 @@ def summary(runs: list[Run], method: str, grace: float | None = None
         return None, "-", False
     values = [r.seconds for r in mine]
     capped = any(r.capped for r in mine)
-    mid = median(values)
-    ge = "≥ " if capped else ""
-    text = f"{ge}{mid:.1f} ({min(values):.1f}-{max(values):.1f}; {len(mine)} runs)"
-    return mid, text, capped
+    return median(values), benchkit.spread(values, capped), capped
 
 
 def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> str:
@@ -312,42 +309,32 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "(code 7); worker loss = the head's `worker_lost` event (its job keeps running). "
             "Killed: every process of the pod SIGKILLed; cut off: its link taken down.",
             ""]
-    out += benchkit.failed_runs(runs, label=lambda r: r.label)
-    return "\n".join(out)
+    return benchkit.join_report(out, runs, label=lambda r: r.label)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    benchkit.add_run_options(parser, methods=METHODS, run_timeout="each cluster's bring-up")
-    parser.add_argument("--grace", type=benchkit.parse_floats, default=[8.0, 5.0],
-                        help="PODAGENT_HEAD_GRACE values for podagent's head loss (default 8,5)")
-    parser.add_argument("--baseline-cap", type=float, default=120.0,
-                        help="longest wait for plain Ray to react, in seconds (default 120)")
-    args = parser.parse_args(argv)
-    benchkit.require_root(parser)
-
-    outdir, meta = benchkit.begin(args.out, "failover-")
+def plan(args: argparse.Namespace) -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
     timeout, cap = args.run_timeout, args.baseline_cap
     bodies: dict[str, benchkit.Body[Run]] = {
         "podagent-headloss": lambda r, d: run_podagent_headloss(r, d, timeout, cap),
         "ray-headloss": lambda r, d: run_ray_headloss(r, d, timeout, cap),
-        "podagent-workerloss": lambda r, d: run_podagent_workerloss(r, d, timeout, cap, "kill"),
+        "podagent-workerloss":
+            lambda r, d: run_podagent_workerloss(r, d, timeout, cap, "kill"),
         "ray-workerloss": lambda r, d: run_ray_workerloss(r, d, timeout, cap, "kill"),
         "podagent-workercut": lambda r, d: run_podagent_workerloss(r, d, timeout, cap, "cut"),
         "ray-workercut": lambda r, d: run_ray_workerloss(r, d, timeout, cap, "cut"),
     }
+    for i, method in benchkit.rounds(args.runs, args.methods):
+        for grace in args.grace if method == "podagent-headloss" else [None]:
+            run = Run(method, i, grace=grace)
+            yield run, log_name(run), bodies[method]
 
-    def plan() -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
-        # Interleaved (run 1 of every method, then run 2...): machine noise spreads evenly.
-        for i in range(1, args.runs + 1):
-            for method in args.methods:
-                graces = args.grace if method == "podagent-headloss" else [None]
-                for grace in graces:
-                    run = Run(method, i, grace=grace)
-                    yield run, log_name(run), bodies[method]
 
-    runs = benchkit.execute_all(plan(), outdir, lambda r: line(r, args.runs))
-    return benchkit.finish(runs, outdir, meta, args, render)
+def main(argv: list[str] | None = None) -> int:
+    parser = benchkit.bench_parser(__doc__, methods=METHODS, run_timeout="each cluster's bring-up")
+    parser.add_argument("--grace", type=benchkit.parse_floats, default=[8.0, 5.0],
+                        help="PODAGENT_HEAD_GRACE values for podagent's head loss (default 8,5)")
+    benchkit.add_baseline_cap(parser, 120.0, "plain Ray to react")
+    return benchkit.run_all(parser, argv, "failover-", plan, line, render)
 
 
 if __name__ == "__main__":

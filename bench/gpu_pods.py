@@ -350,8 +350,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "the check prints (from its ray.init on); ddp step: the slowest rank's, worst run, "
             "and DDP's one-time import of torch._dynamo before it.",
             ""]
-    out += benchkit.failed_runs(runs, label=lambda r: str(r.pods), what="K")
-    return "\n".join(out)
+    return benchkit.join_report(out, runs, label=lambda r: str(r.pods), what="K")
 
 
 def gpu_count() -> int:

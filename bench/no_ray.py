@@ -320,8 +320,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
     for r in slow:
         out += [f"podagent run {r.label} #{r.index} took {r.seconds:.1f} s "
                 f"(> {SLOW_PODAGENT_S:g} s); the pods' last lines are in results.json.", ""]
-    out += benchkit.failed_runs(runs, label=lambda r: r.label)
-    return "\n".join(out)
+    return benchkit.join_report(out, runs, label=lambda r: r.label)
 
 
 def line(run: Run, total: int) -> str:
@@ -329,35 +328,30 @@ def line(run: Run, total: int) -> str:
     return benchkit.status_line(run, f"{run.label:<26} run {run.index}/{total}", figure)
 
 
+def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> str:
+    """The report, after the pods' last lines of each slow podagent run: those go on screen
+    only, ahead of the table that names the slow runs."""
+    for r in runs:
+        for pod, tail in r.extra.get("slow_tails", {}).items():
+            print(f"--- {r.label} #{r.index}: {pod}'s last lines", *tail, sep="\n", flush=True)
+    return render(runs, args, meta)
+
+
+def plan(args: argparse.Namespace) -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
+    for i, fault, method in benchkit.rounds(args.runs, args.faults, args.methods):
+        yield (Run(method, fault, i), f"{method}-{fault}-r{i}",
+               lambda r, d: run_one(r, d, args.run_timeout, args.cap, args.sample_seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    benchkit.add_run_options(parser, methods=METHODS, run_timeout="each run's start")
+    parser = benchkit.bench_parser(__doc__, methods=METHODS, run_timeout="each run's start")
     parser.add_argument("--faults", type=benchkit.parse_methods(FAULTS), default=list(FAULTS),
                         help="kill,cut (default: both)")
     parser.add_argument("--cap", type=float, default=60.0,
                         help="longest wait for the pods to exit after the loss (default 60)")
     parser.add_argument("--sample-seconds", type=float, default=20.0,
                         help="the healthy run's sampling window (default 20; 0: none)")
-    args = parser.parse_args(argv)
-    benchkit.require_root(parser)
-
-    outdir, meta = benchkit.begin(args.out, "no-ray-")
-
-    def body(run: Run, logdir: Path) -> None:
-        run_one(run, logdir, args.run_timeout, args.cap, args.sample_seconds)
-
-    def plan() -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
-        # Interleaved (run 1 of every method and fault, then run 2...): noise spreads evenly.
-        for i in range(1, args.runs + 1):
-            for fault in args.faults:
-                for method in args.methods:
-                    yield Run(method, fault, i), f"{method}-{fault}-r{i}", body
-
-    runs = benchkit.execute_all(plan(), outdir, lambda r: line(r, args.runs))
-    for r in runs:
-        for pod, tail in r.extra.get("slow_tails", {}).items():
-            print(f"--- {r.label} #{r.index}: {pod}'s last lines", *tail, sep="\n", flush=True)
-    return benchkit.finish(runs, outdir, meta, args, render)
+    return benchkit.run_all(parser, argv, "no-ray-", plan, line, report)
 
 
 if __name__ == "__main__":

@@ -432,6 +432,11 @@ def measure_ray(run: Run, gcs: GcsClient, dashboard: str, victim_id: str, new_ip
 # --- driver and tables ---------------------------------------------------------------------------
 
 
+def cell(found: list[float], capped: bool = False) -> str:
+    # The run counts are in the line above the table.
+    return benchkit.spread(found, capped, count=False)
+
+
 def line(run: Run, total: int) -> str:
     if run.method == "podagent":
         parts = run.split()
@@ -446,18 +451,6 @@ def line(run: Run, total: int) -> str:
         figure = f"≥{run.seconds:.0f} s" if run.capped and run.seconds is not None else None
     return benchkit.status_line(run, f"{run.method:<8} run {run.index}/{total}", figure,
                                 note=note)
-
-
-def values(runs: list[Run], method: str, get) -> list[float]:
-    found = [get(r) for r in runs if r.method == method and r.ok]
-    return [v for v in found if v is not None]
-
-
-def cell(found: list[float], capped: bool = False) -> str:
-    if not found:
-        return "-"
-    ge = "≥ " if capped else ""
-    return f"{ge}{median(found):.1f} ({min(found):.1f}-{max(found):.1f})"
 
 
 def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> str:
@@ -476,15 +469,12 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
     def part(name: str):
         return lambda r: r.split()[name]
 
-    def ratio(b: list[float], o: list[float]) -> str:
-        return fmt(median(b) / median(o) if b and o and median(o) else None, 1)
-
     def both(what: str, ours_get, base_get=None, base_text: str | None = None,
              compare: bool = False) -> list[str]:
-        o = values(runs, "podagent", ours_get)
-        b = values(runs, BASELINE, base_get) if base_get else []
+        o = benchkit.figures(runs, "podagent", ours_get)
+        b = benchkit.figures(runs, BASELINE, base_get) if base_get else []
         return [what, cell(o), base_text if base_text is not None else cell(b),
-                ratio(b, o) if compare else ""]
+                fmt(benchkit.median_ratio(b, o), 1) if compare else ""]
 
     def own(r: Run) -> float | None:  # podagent's addition less the job's own start
         job_own = r.split()["job_own"]
@@ -500,7 +490,7 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
         both("**kill → job stopped** (plain Ray: the job's terminal status, "
              f"{'/'.join(sorted({r.job_status or '?' for r in base})) or '-'})",
              part("detection_stop"), lambda r: r.ended_s,
-             base_text=cell(values(runs, BASELINE, lambda r: r.ended_s), capped),
+             base_text=cell(benchkit.figures(runs, BASELINE, lambda r: r.ended_s), capped),
              compare=True),
         both("job stopped → the replacement joined (`worker_joined`, replaces the lost)",
              part("wait")),
@@ -529,10 +519,10 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
     out += ["Seconds from the SIGKILL, median (min-max); plain Ray's wait is capped at "
             f"{args.baseline_cap:g} s (≥ marks a capped median).", "",
             table(["measure", "podagent", "plain Ray", "plain Ray / podagent"], rows), ""]
-    stop = median(values(runs, "podagent", part("detection_stop")))
-    added = median(values(runs, "podagent", own))
-    worst_stop = max(values(runs, "podagent", part("detection_stop")), default=None)
-    worst_added = max(values(runs, "podagent", own), default=None)
+    stop = median(benchkit.figures(runs, "podagent", part("detection_stop")))
+    added = median(benchkit.figures(runs, "podagent", own))
+    worst_stop = max(benchkit.figures(runs, "podagent", part("detection_stop")), default=None)
+    worst_added = max(benchkit.figures(runs, "podagent", own), default=None)
     out += [table(["target", "median", "worst run", "result"], [
         [f"detection + stop ≤ {TARGET_STOP_S:g} s", fmt(stop, 1), fmt(worst_stop, 1),
          verdict(None if stop is None else stop <= TARGET_STOP_S)],
@@ -546,34 +536,24 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
             "start as well (its driver and ranks importing torch: the same as the first "
             "attempt's start, paid by any restart). plain Ray: nothing submits the job again; the "
             "replacement joins the cluster and sits idle.", ""]
-    out += benchkit.failed_runs(runs)
-    return "\n".join(out)
+    return benchkit.join_report(out, runs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    benchkit.add_run_options(parser, methods=METHODS)
-    parser.add_argument("--workers", type=int, choices=(1, 2, 3, 4), default=2,
-                        help="workers besides the head (default 2); one of them is killed")
-    parser.add_argument("--baseline-cap", type=float, default=600.0,
-                        help="longest wait for plain Ray's job to end, in seconds (default 600)")
-    args = parser.parse_args(argv)
-    benchkit.require_root(parser)
-
-    outdir, meta = benchkit.begin(args.out, "recovery-")
+def plan(args: argparse.Namespace) -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
     bodies: dict[str, benchkit.Body[Run]] = {
         "podagent": lambda r, d: run_podagent(r, d, args.run_timeout),
         "ray": lambda r, d: run_ray(r, d, args.run_timeout, args.baseline_cap),
     }
+    for i, method in benchkit.rounds(args.runs, args.methods):
+        yield Run(method, i, args.workers), f"{method}-r{i}", bodies[method]
 
-    def plan() -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
-        # Interleaved (run 1 of every method, then run 2...): machine noise spreads evenly.
-        for i in range(1, args.runs + 1):
-            for method in args.methods:
-                yield Run(method, i, args.workers), f"{method}-r{i}", bodies[method]
 
-    runs = benchkit.execute_all(plan(), outdir, lambda r: line(r, args.runs))
-    return benchkit.finish(runs, outdir, meta, args, render)
+def main(argv: list[str] | None = None) -> int:
+    parser = benchkit.bench_parser(__doc__, methods=METHODS)
+    parser.add_argument("--workers", type=int, choices=(1, 2, 3, 4), default=2,
+                        help="workers besides the head (default 2); one of them is killed")
+    benchkit.add_baseline_cap(parser, 600.0, "plain Ray's job to end")
+    return benchkit.run_all(parser, argv, "recovery-", plan, line, render)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.harness import benchkit
 from tests.harness import cluster as harness
 from tests.harness.agents import Agent
-from tests.harness.benchkit import RunFailed, fmt, last_lines, median, reason_line, table
+from tests.harness.benchkit import RunFailed, fmt, last_lines, reason_line, table
 from tests.harness.pods import wait_for
 
 METHODS = ("rejoin", "restart")
@@ -56,6 +57,13 @@ if "--load_checkpoint" not in sys.argv:
 time.sleep(600)
 """
 JOBSTART = re.compile(r"^JOBSTART ([\d.]+) (.*)$", re.M)
+# Under the table: what the two methods do, told the way its columns name them.
+METHODS_NOTE = (
+    "rejoin: the worker's podagent stops its Ray and waits for the head again in the same "
+    "process. restarted: the worker's podagent exits 7 and a new one is started in the same pod "
+    "at once (RunPod's container restart, without the container's own cost). The new head is "
+    "started once the worker has reacted; the head's job is submitted again as bench-2 with the "
+    "resume flag (its checkpoint is there).")
 
 
 @dataclass
@@ -178,17 +186,6 @@ def line(run: Run, total: int) -> str:
     return benchkit.status_line(run, f"{run.method:<8} run {run.index}/{total}", note=note)
 
 
-def values(runs: list[Run], method: str, attr: str) -> list[float]:
-    return [getattr(r, attr) for r in runs
-            if r.method == method and r.ok and getattr(r, attr) is not None]
-
-
-def cell(found: list[float]) -> str:
-    if not found:
-        return "-"
-    return f"{median(found):.1f} ({min(found):.1f}-{max(found):.1f}; {len(found)} runs)"
-
-
 def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> str:
     out = [f"### Restart benchmark ({meta['started']})", "",
            f"{meta['machine']}; Ray {meta['ray']}, podagent {meta['podagent']} "
@@ -201,43 +198,28 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
                        ("new head started → resubmitted job's first line", "job_s"),
                        ("head killed → worker waits again / exited", "reaction_s"),
                        ("first bring-up: every pod started → job's first line", "cold_job_s")):
-        ours, base = values(runs, "rejoin", attr), values(runs, BASELINE, attr)
-        ratio = median(base) / median(ours) if ours and base and median(ours) else None
-        rows.append([what, cell(ours), cell(base), fmt(ratio, 2)])
+        get = attrgetter(attr)
+        ours, base = benchkit.figures(runs, "rejoin", get), benchkit.figures(runs, BASELINE, get)
+        rows.append([what, benchkit.spread(ours), benchkit.spread(base),
+                     fmt(benchkit.median_ratio(base, ours), 2)])
     out += ["Seconds, median (min-max).", "",
             table(["measure", "podagent rejoin (worker process kept)",
                    "worker restarted (REJOIN=0: exit 7, new podagent)", "restarted / rejoin"],
-                  rows), "",
-            "rejoin: the worker's podagent stops its Ray and waits for the head again in the "
-            "same process. restarted: the worker's podagent exits 7 and a new one is started in "
-            "the same pod at once (RunPod's container restart, without the container's own "
-            "cost). The new head is started once the worker has reacted; the head's job is "
-            "submitted again as bench-2 with the resume flag (its checkpoint is there).", ""]
-    out += benchkit.failed_runs(runs)
-    return "\n".join(out)
+                  rows), "", METHODS_NOTE, ""]
+    return benchkit.join_report(out, runs)
+
+
+def plan(args: argparse.Namespace) -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
+    for i, method in benchkit.rounds(args.runs, args.methods):
+        yield (Run(method, i), f"{method}-r{i}",
+               lambda r, d: run_restart(r, d, args.run_timeout, args.grace))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    benchkit.add_run_options(parser, methods=METHODS)
+    parser = benchkit.bench_parser(__doc__, methods=METHODS)
     parser.add_argument("--grace", type=float, default=3.0,
                         help="the worker's PODAGENT_HEAD_GRACE in seconds (default 3)")
-    args = parser.parse_args(argv)
-    benchkit.require_root(parser)
-
-    outdir, meta = benchkit.begin(args.out, "restart-")
-
-    def body(run: Run, logdir: Path) -> None:
-        run_restart(run, logdir, args.run_timeout, args.grace)
-
-    def plan() -> Iterator[tuple[Run, str, benchkit.Body[Run]]]:
-        # Interleaved (run 1 of every method, then run 2...): machine noise spreads evenly.
-        for i in range(1, args.runs + 1):
-            for method in args.methods:
-                yield Run(method, i), f"{method}-r{i}", body
-
-    runs = benchkit.execute_all(plan(), outdir, lambda r: line(r, args.runs))
-    return benchkit.finish(runs, outdir, meta, args, render)
+    return benchkit.run_all(parser, argv, "restart-", plan, line, render)
 
 
 if __name__ == "__main__":
