@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import shlex
@@ -712,12 +711,10 @@ def render(runs: list[Run], args: argparse.Namespace, meta: dict[str, Any]) -> s
 
 
 def rerender(directory: Path) -> int:
-    saved = json.loads((directory / "results.json").read_text())
+    saved = benchkit.saved_results(directory)
     runs = []
     for record in saved["runs"]:
         record["reason"] = benchkit.ANSI.sub("", record.get("reason", ""))
-        for key in ("load_before", "load_after"):
-            record[key] = tuple(record[key]) if record.get(key) else None
         run = Run(**record)
         logs = directory / run.logs
         if not run.ok and run.method == "symmetric" and logs.is_dir():
@@ -735,19 +732,12 @@ def rerender(directory: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchkit.bench_parser(__doc__, per="method and N", methods=(*METHODS, "headloss"),
+                                   run_timeout="each run")
     parser.add_argument("--workers", type=benchkit.parse_ints, default=[1, 2, 4],
                         help="worker counts N (default 1,2,4)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per method and N (default 3)")
-    parser.add_argument("--methods", type=benchkit.parse_methods((*METHODS, "headloss")),
-                        default=[*METHODS, "headloss"],
-                        help="podagent,floor,symmetric,headloss (default: all)")
-    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
-                        help="results directory (default bench/results/, git-ignored)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: N=1, one run each, head loss with the default grace")
-    parser.add_argument("--run-timeout", type=float, default=300.0,
-                        help="bound on each run in seconds (default 300)")
     parser.add_argument("--head-loss-workers", type=benchkit.parse_ints, default=[1, 2],
                         help="N for the head-loss runs (default 1,2)")
     parser.add_argument("--head-loss-grace", type=benchkit.parse_floats, default=[8.0, 5.0],
@@ -787,12 +777,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = benchkit.execute_all(plan(), outdir,
                                 lambda r: line(r, 1 if r.method == "headloss" else args.runs))
-    loads = [x for r in runs for x in (r.load_before, r.load_after) if x]
-    meta.update(load_min=min((x[0] for x in loads), default=0.0),
-                load_max=max((x[0] for x in loads), default=0.0),
-                foreign_max=max((r.foreign_raylets for r in runs), default=0))
-    benchkit.write_results(outdir, render(runs, args, meta), meta, args, runs)
-    return 0 if runs and all(r.ok for r in runs) else 1
+    meta["foreign_max"] = max((r.foreign_raylets for r in runs), default=0)
+    return benchkit.finish(runs, outdir, meta, args, render)
 
 
 if __name__ == "__main__":

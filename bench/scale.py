@@ -585,7 +585,7 @@ def plot(directory: Path, png: Path, host: str | None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    saved = json.loads((directory / "results.json").read_text())
+    saved = benchkit.saved_results(directory)
     runs = [Run(**r) for r in saved["runs"]]
     host = host or saved["meta"]["machine"]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -633,20 +633,16 @@ def plot(directory: Path, png: Path, host: str | None) -> int:
 
 
 def rerender(directory: Path) -> int:
-    saved = json.loads((directory / "results.json").read_text())
-    runs = [Run(**{**r, "load_before": tuple(r["load_before"] or ()) or None,
-                   "load_after": tuple(r["load_after"] or ()) or None}) for r in saved["runs"]]
+    saved = benchkit.saved_results(directory)
+    runs = [Run(**r) for r in saved["runs"]]
     return benchkit.rerender(directory, runs, saved, render)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchkit.bench_parser(__doc__, per="method and N", methods=(*METHODS, "census"),
+                                   run_timeout="each run", timeout=240.0)
     parser.add_argument("--pods", type=benchkit.parse_ints, default=[4, 8, 16],
                         help="cluster sizes N in pods, head included (default 4,8,16)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per method and N (default 3)")
-    parser.add_argument("--methods", type=benchkit.parse_methods((*METHODS, "census")),
-                        default=[*METHODS, "census"],
-                        help="podagent,floor,symmetric,census (default: all)")
     parser.add_argument("--job-seconds", type=float, default=2.0,
                         help="how long the job runs (default 2)")
     parser.add_argument("--census-sizes", type=benchkit.parse_ints, default=list(MODEL_SIZES),
@@ -656,10 +652,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="start no run after this many seconds (0: none); what was "
                              "measured is written")
-    parser.add_argument("--run-timeout", type=float, default=240.0,
-                        help="bound on each run in seconds (default 240)")
-    parser.add_argument("--out", type=Path, default=benchkit.RESULTS,
-                        help="results directory (default bench/results/, git-ignored)")
     parser.add_argument("--quick", action="store_true",
                         help="3 pods, one run of each method, the census to 64 nodes")
     parser.add_argument("--report", type=Path, metavar="DIR",
@@ -730,11 +722,7 @@ def main(argv: list[str] | None = None) -> int:
                                     figure=figure)
 
     runs = benchkit.execute_all(plan(), outdir, line)
-    loads = [x for r in runs for x in (r.load_before, r.load_after) if x]
-    meta.update(load_min=min((x[0] for x in loads), default=0.0),
-                load_max=max((x[0] for x in loads), default=0.0))
-    benchkit.write_results(outdir, render(runs, args, meta), meta, args, runs)
-    return 0 if runs and all(r.ok for r in runs) else 1
+    return benchkit.finish(runs, outdir, meta, args, render)
 
 
 if __name__ == "__main__":
