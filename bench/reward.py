@@ -64,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from math import gcd
@@ -794,20 +795,27 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
         f"- podagent counters (warm-up included): {json.dumps(counters)}; exit codes after "
         f"SIGTERM: {json.dumps(exit_codes)}.",
     ]
-    print()
-    print(render_load(table_rows, markdown=False))
-    print()
-    markdown = render_load(table_rows, markdown=True) + "\n\n" + "\n".join(notes)
-    print(markdown)
-    (out / "per-sample.md").write_text(markdown + "\n")
-    (out / "per-sample.json").write_text(json.dumps({
+    write_report(out, "per-sample", render_load, table_rows, notes, {
         "rows": table_rows, "args": {k: v for k, v in vars(args).items() if k != "scoring"},
         "cpus": cpus, "load_before": load_before, "load_after": load_after,
         "counters": counters, "exit_codes": exit_codes, "notes": notes,
         "runs": [{"mode": r.mode, "server": labels[r.server], "loads": [
             {"wall_s": x.wall_s, "client_cpu_s": x.client_cpu_s,
              "server_cpu_s": x.server_cpu_s, "latencies": x.latencies, "retries": x.retries,
-             "failures": x.failures} for x in r.loads]} for r in ordered]}, indent=1) + "\n")
+             "failures": x.failures} for x in r.loads]} for r in ordered]})
+
+
+def write_report(out: Path, stem: str, layout: Callable[[list[dict[str, Any]], bool], str],
+                 rows: list[dict[str, Any]], notes: list[str], results: dict[str, Any]) -> None:
+    """A table on screen twice (aligned to read, then markdown with its notes to paste) and in
+    out/<stem>.md; its figures in out/<stem>.json."""
+    print()
+    print(layout(rows, False))
+    print()
+    markdown = layout(rows, True) + "\n\n" + "\n".join(notes)
+    print(markdown)
+    (out / f"{stem}.md").write_text(markdown + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -842,19 +850,13 @@ def run_batched(args: argparse.Namespace, out: Path) -> None:
             f"{p.items} items; built-in server counters (warm-up included): "
             f"{json.dumps(p.counters)}; exit codes after SIGTERM: {json.dumps(p.exit_codes)}.",
         ]
-    print()
-    print(render(rows, markdown=False))
-    print()
-    markdown = render(rows, markdown=True) + "\n\n" + "\n".join(notes)
-    print(markdown)
-    (out / "results.md").write_text(markdown + "\n")
-    (out / "results.json").write_text(json.dumps({
+    write_report(out, "results", render, rows, notes, {
         "rows": rows, "workers": args.workers, "seed": args.seed, "quick": args.quick,
         "load_before": load_before, "load_after": load_after,
         "profiles": {p.name: {"disagreements": p.disagreements, "items": p.items,
                               "counters": p.counters, "exit_codes": p.exit_codes,
                               "latencies": {s.name: s.latencies for s in p.servers}}
-                     for p in profiles}}, indent=1) + "\n")
+                     for p in profiles}})
 
 
 def _profiles(raw: str) -> list[str]:
