@@ -25,6 +25,7 @@ from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 from podagent.run.workers import accept_shortfall
 from podagent.waiting import Backoff, Deadline, Expired, retry
+from podagent.wire import Event
 
 NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at once
 PROBES_AT_ONCE = 64  # raylet probes in flight when a failed job is looked into
@@ -118,7 +119,7 @@ class WorkerCensus:
         for node_id in [n for n in self.workers if n not in alive]:
             gone = self.workers.pop(node_id)
             self.reporter.warn(f"worker {gone.ip} left again before the job started")
-            self.reporter.event("worker_lost", ip=gone.ip, node_id=node_id)
+            self.reporter.event(Event.WORKER_LOST, ip=gone.ip, node_id=node_id)
         for worker in alive.values():
             if worker.node_id not in self.workers:
                 self.workers[worker.node_id] = worker
@@ -127,7 +128,7 @@ class WorkerCensus:
                            if lost.ip == worker.ip else f" (in place of the lost {lost.ip})")
                 self.reporter.say(f"worker joined: {worker.ip} ({worker.gpus:g} GPUs) "
                                   f"[{len(self.workers)}/{expected}]{instead}")
-                self.reporter.event("worker_joined", ip=worker.ip, gpus=worker.gpus,
+                self.reporter.event(Event.WORKER_JOINED, ip=worker.ip, gpus=worker.gpus,
                                     node_id=worker.node_id, registered_ms=worker.start_time_ms,
                                     replaces=lost.ip if lost else None)
         return len(self.workers)
@@ -170,7 +171,7 @@ class WorkerCensus:
             self.reporter.warn(f"re-attached with {counted}; following the job anyway")
         else:
             self.reporter.say(f"re-attached: {counted}")
-        self.reporter.event("workers_counted", workers=len(self.workers), expected=expected,
+        self.reporter.event(Event.WORKERS_COUNTED, workers=len(self.workers), expected=expected,
                             ips=self.ips())
 
     def begin_recovery(self) -> list[NodeInfo]:
@@ -221,7 +222,7 @@ class WorkerCensus:
             at = time.strftime("%H:%M:%S", time.gmtime(now))
             self.reporter.warn(f"worker {worker.ip} left the cluster while the job ran ({how}; "
                                f"noticed {at} UTC); {then}")
-            self.reporter.event("worker_lost", ip=worker.ip, node_id=worker.node_id,
+            self.reporter.event(Event.WORKER_LOST, ip=worker.ip, node_id=worker.node_id,
                                 at=round(now, 3), how=how)
 
     def note_losses(self, alive: set[str], then: str) -> list[NodeInfo]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from podagent.config import Settings
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
+from podagent.wire import Event
 
 # The head's services: the setting of its port, what it is, and whether a cluster token
 # guards it (the reward server asks for nothing, ever).
@@ -32,13 +33,13 @@ def warn(settings: Settings, listen: str, reporter: Reporter) -> None:
                 f"listen on EVERY interface of this pod ({dashboard}), public ones too: "
                 f"anyone who reaches port {settings.dashboard_port} can run any code here. "
                 f"Set PODAGENT_TOKEN on every pod, or use PODAGENT_LISTEN=private")
-        reporter.event("listen_all", dashboard=dashboard, token=bool(settings.auth_token))
+        reporter.event(Event.LISTEN_ALL, dashboard=dashboard, token=bool(settings.auth_token))
     if not settings.auth_token and not listen.startswith("127."):
         if settings.listen != "all":  # that warning said it already, louder
             reporter.warn(
                 f"NO CLUSTER TOKEN: the Ray dashboard and Jobs API on {dashboard} will run "
                 f"jobs for anyone who can reach them; {token_advice()}")
-        reporter.event("auth_off", dashboard=dashboard)
+        reporter.event(Event.AUTH_OFF, dashboard=dashboard)
 
 
 def token_advice() -> str:
@@ -69,5 +70,5 @@ def _published(settings: Settings, reporter: Reporter) -> None:
                           f"({PUBLISHED_TCP.format(port=port)}={public}) AND ASKS FOR NO "
                           f"AUTHENTICATION: remove {port} from the pod template's ports (the "
                           f"pods reach each other over the private network)")
-        reporter.event("port_published", port=port, service=what, public=public,
+        reporter.event(Event.PORT_PUBLISHED, port=port, service=what, public=public,
                        token=bool(token_guards and settings.auth_token))

@@ -8,7 +8,6 @@ again), StopWatch (`podagent stop`), the reattach check, JobRunner (the job) and
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,37 +31,12 @@ from podagent.run import ledger as ledger_mod
 from podagent.run.ledger import Ledger, record_or_warn
 from podagent.run.lifecycle import Lifecycle
 from podagent.waiting import Backoff, Deadline, Expired, Signals, retry
+from podagent.wire import Event, HeadState
 
 HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get this long each
 # ... and the workers this long to read the closing announcement (once a second) and leave
 # before this pod's Ray, which holds it, is stopped.
 HURRIED_DEPARTURES = 1.5
-
-
-class HeadState(str, enum.Enum):
-    """RECALLING -> PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
-    -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE, and RUNNING -> RECOVERING -> SUBMITTING
-    when a node of the job is lost (PODAGENT_ON_NODE_LOSS).
-
-    RECALLING reads the run's ledger: a run that finished earlier goes straight to DONE (a
-    restarted container never runs it again); one interrupted mid-job is submitted again.
-    The reward server loads while the workers join. Re-attaching (CLEANING finds this pod's Ray
-    still running this run's job) skips STARTING_RAY: the reward server is kept if it answers,
-    the workers are counted, not awaited, and SUBMITTING finds the job and follows it.
-    Any state may raise (an error or a signal) or end on a stop request; teardown then runs
-    from `finally`.
-    """
-    RECALLING = "recalling"
-    PREPARING = "preparing"
-    CLEANING = "cleaning"
-    STARTING_RAY = "starting_ray"
-    STARTING_REWARD = "starting_reward"
-    WAITING_WORKERS = "waiting_workers"
-    WAITING_REWARD = "waiting_reward"
-    SUBMITTING = "submitting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    DONE = "done"
 
 
 class HeadNode:
@@ -99,7 +73,7 @@ class HeadNode:
             node.make_room_for_head(settings, self.setup.node_ip, listen, self.reporter)
         return live
 
-    def gather(self, step_name: str, still_fine: Callable[[], None],
+    def gather(self, step_name: Event, still_fine: Callable[[], None],
                extra: Callable[[], dict[str, Any]] = dict) -> None:
         """Wait until the expected workers joined (a replacement pod counts), for up to
         PODAGENT_WORKER_TIMEOUT; fewer will do only down to PODAGENT_MIN_WORKERS.
@@ -255,7 +229,7 @@ class Head(Lifecycle[HeadState]):
         else:
             self.reporter.say(f"waiting for {expected} worker(s) "
                               f"(timeout {self.settings.worker_timeout:g} s)")
-            self.node.gather("workers_joined", self._check_reward_alive)
+            self.node.gather(Event.WORKERS_JOINED, self._check_reward_alive)
         return HeadState.WAITING_REWARD
 
     def _check_reward_alive(self) -> None:
@@ -268,7 +242,7 @@ class Head(Lifecycle[HeadState]):
     def _wait_reward(self) -> HeadState:
         if not self.reward:
             return HeadState.SUBMITTING
-        with self.reporter.step("reward_ready") as step:
+        with self.reporter.step(Event.REWARD_READY) as step:
             self.reward.wait_healthy(self.signals)
             step.done(f"{self.reward.label} answers a real request at {self.reward.url}",
                       url=self.reward.url)
@@ -283,7 +257,7 @@ class Head(Lifecycle[HeadState]):
         runner = head.ray.jobs_api()
         if not existing:
             runner = runner.for_submission(ledger.next_submission_id())
-        with self.reporter.step("job_submitted") as step:
+        with self.reporter.step(Event.JOB_SUBMITTED) as step:
             entrypoint = job_spec.entrypoint(settings, self.reporter, resume=not existing)
             env = head.job_env(self.reward.url if self.reward else None,
                                runner.submission_id,
@@ -313,7 +287,7 @@ class Head(Lifecycle[HeadState]):
         job, recovery = self.job, self.node.recovery
         if job is None:
             raise RuntimeError("RUNNING without a submitted job")
-        with self.reporter.step("job_finished") as step:
+        with self.reporter.step(Event.JOB_FINISHED) as step:
             try:
                 job.status = job.runner.follow(self.signals, on_tick=self._watch_cluster)
             except NodeLost:
@@ -339,7 +313,7 @@ class Head(Lifecycle[HeadState]):
     def _recover(self) -> HeadState:
         """Wait until the cluster is whole again (a replacement pod counts), then back off."""
         head = self.node
-        head.gather("cluster_whole", self._check_reward_alive,
+        head.gather(Event.CLUSTER_WHOLE, self._check_reward_alive,
                     lambda: {"replaced": [list(pair) for pair in head.census.replaced]})
         head.recovery.before_resubmitting()
         return HeadState.SUBMITTING

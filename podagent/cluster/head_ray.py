@@ -24,6 +24,7 @@ from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 from podagent.waiting import Backoff, NotYet, Signals, retry
+from podagent.wire import Event
 
 RAY_START_TIMEOUT = 180.0  # `ray start` plus the first healthy probes; Ray needs ~5-20 s
 RAY_START_ATTEMPTS = 3
@@ -68,7 +69,7 @@ class HeadRay:
         # Importing Ray's job client and node messages takes ~1 s of CPU: do it while
         # `ray start` runs, instead of after the workers joined.
         threading.Thread(target=preload_ray_clients, name="preload", daemon=True).start()
-        with self.reporter.step("ray_head") as step:
+        with self.reporter.step(Event.RAY_HEAD) as step:
             self._ray_start()
             gcs = self.gcs = GcsClient(self.address, metadata=self.settings.grpc_metadata())
             self._probe_until(lambda: gcs.check_alive(timeout=2.0), "the GCS health RPC",
@@ -151,7 +152,7 @@ class HeadRay:
         if connecting.done():
             self.reporter.say(f"dashboard answers at {self.dashboard_url}")
             return connecting.result()
-        with self.reporter.step("dashboard_ready") as step:
+        with self.reporter.step(Event.DASHBOARD_READY) as step:
             while not connecting.done():
                 self.signals.sleep(0.02)
             runner = connecting.result()

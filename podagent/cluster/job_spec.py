@@ -16,6 +16,7 @@ from podagent.cluster.jobs import JobRunner
 from podagent.config import FIELD_BY_ATTR, Settings, is_secret
 from podagent.report import Reporter
 from podagent.waiting import Deadline
+from podagent.wire import Event
 
 CLUSTER_CHECK = (sys.executable, "-m", "podagent.checks.clustercheck")
 
@@ -30,7 +31,7 @@ def entrypoint(settings: Settings, reporter: Reporter, resume: bool = True) -> t
     found = checkpoint.resume_args(settings)
     if found.args:
         reporter.say(found.reason)
-        reporter.event("resume", checkpoint_dir=settings.checkpoint_dir, args=list(found.args))
+        reporter.event(Event.RESUME, checkpoint_dir=settings.checkpoint_dir, args=list(found.args))
     elif found.reason:
         reporter.say(found.reason)
     return (*settings.job, *found.args)
@@ -100,4 +101,4 @@ class JobAttempt:
         else:
             reporter.say(f"job {name} stopped (status {status})")
             self.status = status  # the workers' closing announcement carries it
-        reporter.event("job_stopped", status=status)
+        reporter.event(Event.JOB_STOPPED, status=status)

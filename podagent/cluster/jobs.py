@@ -20,6 +20,7 @@ from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFai
 from podagent.report import Reporter
 from podagent.runstate import CHECK_JSON_PREFIX
 from podagent.waiting import Backoff, Deadline, Expired, Signals, interruptible, retry
+from podagent.wire import Event
 
 T = TypeVar("T")
 
@@ -242,7 +243,7 @@ class JobRunner:
                 raise JobSubmitFailed(f"job {earlier}, an earlier attempt of the run, is still "
                                       f"{final or 'unknown'} {timeout:g} s after being asked "
                                       f"to stop; not submitting a second job")
-        self.reporter.event("earlier_attempts", checked=len(jobs), stopped=alive)
+        self.reporter.event(Event.EARLIER_ATTEMPTS, checked=len(jobs), stopped=alive)
 
     def outcome(self, status: str) -> None:
         """Raise for a job that did not succeed, with the first line of Ray's reason."""
@@ -353,7 +354,7 @@ class JobLog:
                     # The cluster check's machine-readable summary: an event, not screen text.
                     with contextlib.suppress(ValueError):
                         result = json.loads(line[len(CHECK_JSON_PREFIX):])
-                        self.reporter.event("check", **result)
+                        self.reporter.event(Event.CHECK, **result)
                     continue
                 self.reporter.raw(line)
 

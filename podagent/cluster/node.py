@@ -17,6 +17,7 @@ from podagent.platform import nccl
 from podagent.platform.roles import Role
 from podagent.report import Reporter
 from podagent.run import pod_setup
+from podagent.wire import Event
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def clean_stale_ray(settings: Settings, reporter: Reporter) -> None:
         candidates=lambda: [p for p in stale if p.pid in pids and p.is_running()])
     how = f", {killed} needed SIGKILL" if killed else ""
     reporter.say(f"stopped a stale Ray on this pod ({termed + killed} processes{how})")
-    reporter.event("stale_ray_stopped", processes=termed + killed, killed=killed)
+    reporter.event(Event.STALE_RAY_STOPPED, processes=termed + killed, killed=killed)
 
 
 def make_room_for_head(settings: Settings, node_ip: str, listen: str,
@@ -115,4 +116,4 @@ def raise_limits(settings: Settings, role: Role, reporter: Reporter) -> None:
         reporter.say(f"raised this pod's limits to the hard ones for Ray: {', '.join(raised)}")
     for warning in warnings:
         reporter.warn(warning)
-    reporter.event("limits", raised=raised, warnings=warnings)
+    reporter.event(Event.LIMITS, raised=raised, warnings=warnings)

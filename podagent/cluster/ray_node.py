@@ -24,6 +24,7 @@ from podagent.platform import pod
 from podagent.platform.roles import Role
 from podagent.report import Reporter
 from podagent.waiting import Deadline
+from podagent.wire import Event
 
 
 def ray_executable() -> str:
@@ -241,7 +242,7 @@ def stop_at_teardown(settings: Settings, reporter: Reporter,
     if termed or killed:
         extra = f", {killed} needed SIGKILL" if killed else ""
         reporter.say(f"Ray stopped ({termed + killed} processes{extra})")
-    reporter.event("teardown", outcome=outcome, processes=termed + killed, killed=killed)
+    reporter.event(Event.TEARDOWN, outcome=outcome, processes=termed + killed, killed=killed)
 
 
 def _find(wanted: Callable[[psutil.Process], bool], adopted_from: str | None,

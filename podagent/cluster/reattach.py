@@ -10,6 +10,7 @@ from podagent.config import Settings
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.waiting import Backoff, Expired, NotYet, Signals, retry
+from podagent.wire import Event
 
 REATTACH_PROBE_TIMEOUT = 15.0  # a live Ray's Jobs API gets this long to say what job it runs
 LIVE_JOB = ("PENDING", "RUNNING")
@@ -34,7 +35,7 @@ def live_run(settings: Settings, submission_id: str, address: str, dashboard_url
         return None
     reporter.say(f"re-attaching: this pod's Ray at {address} still runs job "
                  f"{submission_id} ({status}); following it, not submitting again")
-    reporter.event("reattached", address=address, job_status=status)
+    reporter.event(Event.REATTACHED, address=address, job_status=status)
     return gcs
 
 

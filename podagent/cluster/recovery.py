@@ -24,6 +24,7 @@ from podagent.report import Reporter
 from podagent.run import restarts
 from podagent.run.ledger import Ledger, record_or_warn
 from podagent.waiting import Backoff, Expired, Signals, retry
+from podagent.wire import Event
 
 # Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
 # twice that means Ray's own checks are configured otherwise.
@@ -104,7 +105,7 @@ class Recovery:
         entry = {"n": number, "reason": why, "lost": ips, "job": submission,
                  "job_status": job.status}
         record_or_warn(lambda: self.ledger.restarting(entry), self.reporter)
-        self.reporter.event("restart", n=number, of=settings.restarts, reason=why, lost=ips,
+        self.reporter.event(Event.RESTART, n=number, of=settings.restarts, reason=why, lost=ips,
                             job=submission)
         return self.under_way
 
@@ -145,5 +146,5 @@ class Recovery:
         self.reporter.say(f"restart {restart.n}: job {submission_id} submitted "
                           f"{figures['time_lost_s']:.1f} s after the run stopped (the job's "
                           f"own start and the steps since its checkpoint come on top)")
-        self.reporter.event("restarted", n=restart.n, submission_id=submission_id, **figures)
+        self.reporter.event(Event.RESTARTED, n=restart.n, submission_id=submission_id, **figures)
         self.under_way = None

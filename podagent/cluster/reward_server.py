@@ -19,12 +19,21 @@ import psutil
 import requests
 
 from podagent import process
-from podagent.config import CLUSTER_TOKEN, Settings, child_environ, is_secret
+from podagent.config import (
+    CLUSTER_TOKEN,
+    FIELD_BY_ATTR,
+    FIELDS,
+    REWARD_FIELD_BY_ATTR,
+    Settings,
+    child_environ,
+    is_secret,
+)
 from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.platform import pod
 from podagent.process import ManagedProcess, stop_processes
 from podagent.report import Progress, Reporter
 from podagent.waiting import Backoff, Deadline, Expired, NotYet, Signals, interruptible, retry
+from podagent.wire import Event
 
 # A request a real trainer could send: one query whose response boxes the right answer.
 PROBE_BODY = {
@@ -55,6 +64,21 @@ def _listener(port: int) -> psutil.Process | None:
     return None
 
 
+def forwarded(settings: Settings, listen_host: str) -> dict[str, str]:
+    """The head's settings of the reward server as the server's own variables: every field the
+    two share (Field.server), by its variable, so that a flag given to the head reaches the
+    server (a custom PODAGENT_REWARD=cmd server may read them as well); and where to listen."""
+    env = {REWARD_FIELD_BY_ATTR["host"].env: listen_host}
+    for f in FIELDS:
+        value = getattr(settings, f.attr)
+        if f.server is None or value is None:
+            continue
+        if f.attr == "reward_func" and settings.reward != "func":
+            continue  # only PODAGENT_REWARD=func serves a file, whatever the environment says
+        env[f.env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return env
+
+
 def asked(settings: Settings) -> dict[str, Any]:
     """How this run asks the built-in server to score, as the server's /health says it."""
     if settings.reward == "func":
@@ -76,26 +100,18 @@ class RewardServer:
         # PODAGENT_LISTEN=all opens every interface.
         self.url = f"http://{host_ip}:{settings.reward_port}/get_reward"
         self.listen_host = pod.listen_address(settings, host_ip)
+        server = REWARD_FIELD_BY_ATTR
         argv = settings.reward_cmd if settings.reward == "cmd" else (
-            sys.executable, "-m", "podagent.rewards",
-            "--host", self.listen_host, "--port", str(settings.reward_port))
-        # The scoring settings go by name too, so that a flag given to the head reaches the
-        # server (a custom PODAGENT_REWARD=cmd server may read them as well).
+            sys.executable, "-m", "podagent.rewards", server["host"].flag, self.listen_host,
+            server["port"].flag, str(settings.reward_port))
         # Built-in: no secret at all (it runs sympy on model output); the user's own code (a
         # reward_func file, a server) may need theirs (a model hub's token, a judge's key),
         # never the cluster token.
         drop = is_secret if settings.reward == "builtin" else CLUSTER_TOKEN.__contains__
         inherited = child_environ(os.environ, drop)
         # Only PODAGENT_REWARD=func serves a file, whatever the environment says.
-        inherited.pop("PODAGENT_REWARD_FUNC", None)
-        if settings.reward == "func":
-            env = {**env, "PODAGENT_REWARD_FUNC": str(settings.reward_func)}
-        env = {**inherited, **env,
-               "PODAGENT_REWARD_HOST": self.listen_host,
-               "PODAGENT_REWARD_PORT": str(settings.reward_port),
-               "PODAGENT_REWARD_SCORING": settings.reward_scoring,
-               "PODAGENT_REWARD_TEMPLATE": settings.reward_template,
-               "PODAGENT_REWARD_STRICT": "1" if settings.reward_strict else "0"}
+        inherited.pop(FIELD_BY_ATTR["reward_func"].env, None)
+        env = {**inherited, **env, **forwarded(settings, self.listen_host)}
         self.process = ManagedProcess("reward", tuple(argv or ()), env, run_dir / "reward.log")
         # A server an earlier podagent of this run started, kept on re-attach (not our child).
         self.adopted: psutil.Process | None = None
@@ -122,7 +138,7 @@ class RewardServer:
     def start(self) -> None:
         if self.settings.reward in ("builtin", "func"):
             self.reporter.say(f"{self.label} scoring: {self.scoring}")
-            self.reporter.event("reward_scoring", **asked(self.settings))
+            self.reporter.event(Event.REWARD_SCORING, **asked(self.settings))
         self.process.start()
 
     def keep_or_start(self, reattached: bool) -> None:
@@ -244,7 +260,7 @@ class RewardServer:
         found = health.get("dataset_audit") if isinstance(health, dict) else None
         if not isinstance(found, dict):
             return
-        self.reporter.event("reward_dataset", **{k: v for k, v in found.items() if k != "line"})
+        self.reporter.event(Event.REWARD_DATASET, **{k: v for k, v in found.items() if k != "line"})
         if found.get("line"):
             self.reporter.warn(str(found["line"]))
 
@@ -273,7 +289,7 @@ class RewardServer:
                 else:
                     if loading_until:
                         self.reporter.say(f"{self.label} answers again at {self.url}")
-                        self.reporter.event("reward_recovered", restarts=self.restarts)
+                        self.reporter.event(Event.REWARD_RECOVERED, restarts=self.restarts)
                     failed_probes, loading_until = 0, 0.0
                     continue
             else:
@@ -290,13 +306,13 @@ class RewardServer:
                 f"spent; "
                 f"last lines of {self.process.log_path}:\n{self.process.tail(TAIL_LINES)}")
             self.reporter.error(f"{self.label} {why}: no restarts left, failing the run")
-            self.reporter.event("reward_failed", why=why, restarts=self.restarts)
+            self.reporter.event(Event.REWARD_FAILED, why=why, restarts=self.restarts)
             return False
         self.restarts += 1
         backoff = min(30.0, 2.0 ** self.restarts)
         self.reporter.error(f"{self.label} {why}: restarting it in {backoff:g} s "
                             f"(restart {self.restarts} of {self.settings.reward_restarts})")
-        self.reporter.event("reward_restart", why=why, restart=self.restarts)
+        self.reporter.event(Event.REWARD_RESTART, why=why, restart=self.restarts)
         self._stop_process(self.settings.stop_timeout)
         if self._stop.wait(backoff):
             return False

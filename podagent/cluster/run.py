@@ -21,6 +21,7 @@ from podagent.ray_access import ray_compat
 from podagent.report import Reporter
 from podagent.run import after_run
 from podagent.run.shell import SUCCESS, install_signals, report_end, reporter_for, settle
+from podagent.wire import Event
 
 if TYPE_CHECKING:  # the lifecycles load only when a role runs
     from podagent.run.lifecycle import Lifecycle
@@ -118,7 +119,7 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
     reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     _say_untested(reporter, ray)
-    reporter.event("role", role=decision.role.value, reason=decision.reason,
+    reporter.event(Event.ROLE, role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__, ray=ray.version)
     from podagent.report import wandb_run
 
@@ -139,7 +140,7 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
     except Exception as exc:
         code = report_end(exc, settings, reporter, exit_code)
     else:
-        reporter.event("exit", code=code)
+        reporter.event(Event.EXIT, code=code)
     finally:
         if bringup:
             bringup.finish(code)

@@ -17,6 +17,7 @@ from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.run.lifecycle import EndRequested
 from podagent.waiting import Signals
+from podagent.wire import Event
 
 STOP_POLL = 1.0  # a stop request is looked for at most this often
 STOP_LOOK_TIMEOUT = 0.5
@@ -49,7 +50,7 @@ class StopWatch:
         when = f" at {time.strftime('%H:%M:%S', time.gmtime(at))} UTC" if at else ""
         self.reporter.say(f"stop requested by {by}{when}: ending the run in order (job, "
                           f"workers, Ray)")
-        self.reporter.event("stop_requested", by=by, at=at)
+        self.reporter.event(Event.STOP_REQUESTED, by=by, at=at)
         raise EndRequested("StopRequested", f"stop requested by {by}")
 
 

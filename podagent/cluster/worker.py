@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from podagent.report import Reporter
 from podagent.run import beacon, node, ray_node
 from podagent.run.lifecycle import EndRequested, Lifecycle
 from podagent.waiting import Backoff, Signals, retry
+from podagent.wire import Event, WorkerState
 
 WATCH_INTERVAL = 1.0  # one tiny RPC a second: cheap, and well inside the grace period
 JOIN_ATTEMPT_TIMEOUT = 120.0
@@ -40,22 +40,6 @@ class RunOver(EndRequested):
 
 class _HeadWentAway(Exception):
     """The head stopped answering: while this pod was joining, or once joined (past grace)."""
-
-
-class WorkerState(str, enum.Enum):
-    """FINDING_HEAD -> PREPARING -> CLEANING -> JOINING -> WATCHING -> LEFT.
-
-    A head that goes away (while this pod joins, or once joined past the grace) or that closes
-    only this start of its run sends the worker back to FINDING_HEAD with its Ray stopped
-    (PODAGENT_REJOIN=0: it exits instead). Any state may raise (an error or a signal);
-    teardown then runs from `finally`.
-    """
-    FINDING_HEAD = "finding_head"
-    PREPARING = "preparing"
-    CLEANING = "cleaning"
-    JOINING = "joining"
-    WATCHING = "watching"
-    LEFT = "left"
 
 
 @dataclass(frozen=True)
@@ -106,7 +90,7 @@ class Worker(Lifecycle[WorkerState]):
                 self._after_run = AfterRun(settings.after_run)
             self.reporter.say(f"the head {ip} says run {over.run} is over ({over.outcome}, "
                               f"exit {over.code}): this pod was away when it closed; leaving")
-            self.reporter.event("run_over", outcome=over.outcome, code=over.code)
+            self.reporter.event(Event.RUN_OVER, outcome=over.outcome, code=over.code)
             raise RunOver(over)
 
     @property
@@ -132,7 +116,7 @@ class Worker(Lifecycle[WorkerState]):
         self._head_start = None
         # At once, not after the wait for a head: a pod with someone else's Ray is refused.
         node.refuse_foreign_ray(self.settings)
-        with self.reporter.step("head_found") as step:
+        with self.reporter.step(Event.HEAD_FOUND) as step:
             found = self.finder.locate()
             self.reporter.say(f"head is {', '.join(found.candidates)} (from {found.how}); "
                               f"waiting for its Ray to answer")
@@ -195,7 +179,7 @@ class Worker(Lifecycle[WorkerState]):
                 raise
 
         self._silent_since = None
-        with self.reporter.step("joined") as step:
+        with self.reporter.step(Event.JOINED) as step:
             try:
                 retry(attempt, awaited=f"this pod to join the head's Ray at {head.ip}",
                       backoff=Backoff(0.5, 5.0), deadline=remaining, sleep=self.signals.sleep,
@@ -238,7 +222,7 @@ class Worker(Lifecycle[WorkerState]):
         ray_node.RayNode.stop(ray_node.stop_timeout(self.settings, gcs_gone=True))
         self.reporter.warn(f"{why}; this pod's Ray is stopped and podagent waits for the head "
                            f"again (up to {self.settings.head_timeout:g} s)")
-        self.reporter.event("rejoining", reason=why)
+        self.reporter.event(Event.REJOINING, reason=why)
         return WorkerState.FINDING_HEAD
 
     def _watch(self) -> WorkerState:

@@ -38,6 +38,7 @@ from podagent.gang import messages
 from podagent.report import Progress, Reporter
 from podagent.run.workers import accept_shortfall
 from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
+from podagent.wire import MemberState
 
 HEARTBEAT = 1.0  # seconds between heartbeats, both ways
 LINE_LIMIT = 1 << 20  # bytes: a joined worker's line (its data-check reports are the longest)
@@ -243,6 +244,10 @@ def machine_ranks(workers: list[tuple[Peer, int | None]]) -> dict[Peer, int]:
     return ranks
 
 
+AT_WORK = (MemberState.RUNNING, MemberState.DONE)  # in the run: heard from, told its steps
+GONE = (MemberState.LOST, MemberState.OUT)
+
+
 @dataclass
 class Member:
     """A worker as the head sees it."""
@@ -251,7 +256,7 @@ class Member:
     asked_rank: int | None
     rank: int = 0
     last_seen: float = field(default_factory=time.monotonic)
-    state: str = "joined"  # joined -> running -> done (a step) -> ... ; lost; out (after end)
+    state: MemberState = MemberState.JOINED
     step: str = ""
 
 
@@ -382,7 +387,7 @@ class Hub:
                 m.wire.send({"error": str(exc), "kind": type(exc).__name__})
             raise
         for m in joined:
-            m.rank, m.state = ranks[m.peer], "running"
+            m.rank, m.state = ranks[m.peer], MemberState.RUNNING
             m.last_seen = time.monotonic()  # silence counts from here
         return sorted(joined, key=lambda m: m.rank)
 
@@ -398,21 +403,21 @@ class Hub:
 
     def broadcast(self, payload: Mapping[str, Any]) -> None:
         for m in list(self.members.values()):
-            if m.state in ("running", "done"):
+            if m.state in AT_WORK:
                 m.wire.send(payload)  # one that fails is seen lost by the loop
 
     def end(self, cause: Mapping[str, Any]) -> None:
         """Tell every worker still there that the run is over."""
         self._ending = True
         for m in list(self.members.values()):
-            if m.state not in ("lost", "out"):
+            if m.state not in GONE:
                 m.wire.send({"end": cause})
 
     def wait_out(self, deadline: Deadline) -> list[Peer]:
         """After `end`: wait until every told worker's podagent has gone (its connection
         closed); the ones still there at the deadline."""
         def there() -> list[Peer]:
-            return [m.peer for m in self.members.values() if m.state not in ("lost", "out")]
+            return [m.peer for m in self.members.values() if m.state not in GONE]
 
         try:
             return retry(there, awaited="the workers' podagents to leave",
@@ -444,7 +449,7 @@ class Hub:
                 self._next_beat = now + HEARTBEAT
                 self.broadcast({"beat": 1})
             for m in list(self.members.values()):
-                if m.state in ("running", "done") and now - m.last_seen > self.grace:
+                if m.state in AT_WORK and now - m.last_seen > self.grace:
                     self._lose(m, f"silent for {self.grace:g} s (no heartbeat: cut off, or "
                                   f"its host is gone)")
 
@@ -510,8 +515,8 @@ class Hub:
         self._drop(wire)
         if member is None:
             return
-        if self._ending or member.state == "out":
-            member.state = "out"
+        if self._ending or member.state == MemberState.OUT:
+            member.state = MemberState.OUT
         elif not self._running:
             del self.members[member.peer.addr]
             self.reporter.say(f"worker {member.peer} left the {self.rv} before it started")
@@ -575,18 +580,18 @@ class Hub:
     def _from_member(self, m: Member, message: messages.Beat | messages.StepDone
                      | messages.Leaving) -> None:
         if isinstance(message, messages.StepDone):
-            m.state, m.step = "done", message.step
+            m.state, m.step = MemberState.DONE, message.step
             self.events.put(Done(m.peer, message.step, message.rc, message.reports))
         elif isinstance(message, messages.Leaving):
             self._lose(m, f"its podagent is stopping ({message.why})")
 
     def _lose(self, m: Member, why: str) -> None:
-        if m.state in ("lost", "out"):
+        if m.state in GONE:
             return
-        m.state = "out" if self._ending else "lost"
+        m.state = MemberState.OUT if self._ending else MemberState.LOST
         self.door.forget(m.wire)
         m.wire.close()
-        if m.state == "lost":
+        if m.state == MemberState.LOST:
             self.events.put(Lost(m.peer, why))
 
 

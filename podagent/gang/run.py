@@ -30,6 +30,7 @@ from podagent.report import Reporter
 from podagent.run import beacon, restarts
 from podagent.run.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
 from podagent.waiting import Signals
+from podagent.wire import Event
 
 LAUNCHERS: dict[str, type[Torchrun] | type[Accelerate]] = {"torchrun": Torchrun,
                                                            "accelerate": Accelerate}
@@ -58,7 +59,7 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
     reporter = reporter_for(settings, role.value, run_dir=settings.run_dir)
     reporter.say(f"podagent {__version__} {launcher.name}: this pod is the {role.value} "
                  f"({decision.reason}); run {settings.run_name}")
-    reporter.event("role", role=role.value, reason=decision.reason, run=settings.run_name,
+    reporter.event(Event.ROLE, role=role.value, reason=decision.reason, run=settings.run_name,
                    version=__version__, launcher=launcher.name)
     signals = install_signals(reporter)
     process.become_subreaper()  # the launcher's workers stay ours when it dies
@@ -95,14 +96,14 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
             else:
                 reporter.say(f"the head says run {over.run} is over ({over.outcome}, exit "
                              f"{over.code}): this pod was away when it closed; leaving")
-                reporter.event("exit", code=code)
+                reporter.event(Event.EXIT, code=code)
                 policy = AfterRun(over.after_run) if over.after_run in AFTER_RUN else None
                 policy = policy or AfterRun(settings.after_run)
         except Exception as exc:
             outcome = type(exc).__name__ if isinstance(exc, PodagentError) else INTERNAL_ERROR
             code = report_end(exc, settings, reporter, exit_code)
         else:
-            reporter.event("exit", code=code)
+            reporter.event(Event.EXIT, code=code)
         record_or_warn(lambda: ledger.ended(outcome, None), reporter)
         record_or_warn(lambda: ledger.exit_code(code), reporter)
     over = policy is not None or bool(ledger.finished)
@@ -135,7 +136,7 @@ def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Sign
     wait = restarts.backoff(settings, number)
     reporter.warn(f"RESTART {number}/{settings.restarts}: a pod of the run was lost; starting "
                   f"it again" + (f" after {wait:g} s (PODAGENT_RESTART_BACKOFF)" if wait else ""))
-    reporter.event("restart", n=number, of=settings.restarts, backoff_s=wait)
+    reporter.event(Event.RESTART, n=number, of=settings.restarts, backoff_s=wait)
     if wait:
         signals.sleep(wait)
 

@@ -14,7 +14,6 @@ not the failures that followed.
 
 from __future__ import annotations
 
-import enum
 import queue
 import shlex
 import signal
@@ -40,19 +39,13 @@ from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import Role
 from podagent.report import Reporter
 from podagent.waiting import Deadline, Signals
+from podagent.wire import Event, GangPhase
 
 SETTLE = 1.0  # seconds a first failure waits for a stronger cause (a lost pod) to show
 POLL = 0.1  # how often the launcher's exit is looked at between events
 LOG_CHUNK = 1 << 18  # bytes of the training log per `podagent logs` answer
 TRAINING_LOG = "training.log"
 END_WAIT = 5.0  # seconds beyond the stop timeout the head waits for its workers to be out
-
-
-class Phase(enum.Enum):
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"  # a step: the data check, then the training
-    ENDING = "ending"
-    DONE = "done"
 
 
 # --- policy ------------------------------------------------------------------------------
@@ -125,7 +118,7 @@ class Supervisor:
         self.settings, self.role, self.plan, self.me, self.rv = settings, role, plan, me, rv
         self.reporter, self.signals, self.run_dir = reporter, signals, run_dir
         self.events: queue.Queue[mesh.Event] = queue.Queue()
-        self.phase = Phase.RENDEZVOUS
+        self.phase = GangPhase.RENDEZVOUS
         self.step_name = ""
         self.training: process.ManagedProcess | None = None
         self.started = time.time()
@@ -138,9 +131,9 @@ class Supervisor:
     def log_path(self) -> Path:
         return self.run_dir / TRAINING_LOG
 
-    def _enter(self, phase: Phase, **fields: Any) -> None:
+    def _enter(self, phase: GangPhase, **fields: Any) -> None:
         self.phase = phase
-        self.reporter.event("state", state=phase.value, **fields)
+        self.reporter.event(Event.STATE, state=phase.value, **fields)
 
     def steps(self, layout: Layout) -> list[Step]:
         plan, out = self.plan, []
@@ -175,7 +168,7 @@ class Supervisor:
         env = {**child_environ(self.settings.environ, lambda k: k in CLUSTER_TOKEN),
                **step.env}
         self.reporter.say(f"{step.name}: {shlex.join(step.argv)}")
-        self.reporter.event("step_started", step=step.name, argv=list(step.argv))
+        self.reporter.event(Event.STEP_STARTED, step=step.name, argv=list(step.argv))
         # Its output goes to the pod's screen and to the training log `podagent logs` reads.
         training = process.ManagedProcess(step.name, step.argv, env, self.log_path, tee=True,
                                           whole_pod=True)
@@ -198,7 +191,7 @@ class Supervisor:
         seconds = min(self.settings.stop_timeout, 3.0) if hurried else self.settings.stop_timeout
         termed, killed = self.training.stop(Deadline.after(seconds))
         if termed or killed:
-            self.reporter.event("training_stopped", termed=termed, killed=killed)
+            self.reporter.event(Event.TRAINING_STOPPED, termed=termed, killed=killed)
         self.training = None
 
     def _signal_cause(self) -> Cause | None:
@@ -231,7 +224,7 @@ class HeadSupervisor(Supervisor):
             for i, step in enumerate(steps):
                 if i:
                     hub.broadcast({"go": {"step": step.name, "check": self.check_line}})
-                self._enter(Phase.RUNNING, step=step.name)
+                self._enter(GangPhase.RUNNING, step=step.name)
                 cause = self._head_step(step, hub)
                 if cause is not None:
                     break
@@ -246,12 +239,12 @@ class HeadSupervisor(Supervisor):
         came = "all" if len(members) == self.rv.workers else "only"
         self.reporter.say(f"{self.rv}: {came} {len(members) + 1} node(s) came; machine ranks: "
                           f"{ranks}")
-        self.reporter.event("rendezvous_done", nodes=len(members) + 1,
+        self.reporter.event(Event.RENDEZVOUS_DONE, nodes=len(members) + 1,
                             ranks={str(self.me): 0, **{str(m.peer): m.rank for m in members}})
 
     def _head_step(self, step: Step, hub: mesh.Hub) -> Cause | None:
         training = self._launch(step)
-        running = [m for m in hub.members.values() if m.state in ("running", "done")]
+        running = [m for m in hub.members.values() if m.state in mesh.AT_WORK]
         waiting = {str(m.peer) for m in running}
         reports: list[dict[str, Any]] = []
         own_rc: int | None = None
@@ -298,7 +291,7 @@ class HeadSupervisor(Supervisor):
             return None
         assert self.layout is not None
         verdict = datacheck.judge(reports, self.layout.nodes * self.layout.procs_per_node)
-        self.reporter.event("data_check", ok=verdict.ok, line=verdict.line,
+        self.reporter.event(Event.DATA_CHECK, ok=verdict.ok, line=verdict.line,
                             **dict(verdict.figures))
         if not verdict.ok:
             return Cause("overlap", str(self.me), verdict.line)
@@ -307,7 +300,7 @@ class HeadSupervisor(Supervisor):
         return None
 
     def _head_end(self, hub: mesh.Hub, cause: Cause) -> None:
-        self._enter(Phase.ENDING, cause=cause.kind, pod=cause.pod)
+        self._enter(GangPhase.ENDING, cause=cause.kind, pod=cause.pod)
         if cause.kind != "succeeded":
             self.reporter.say(f"ending the run on every pod: {self._describe(cause)}")
         hub.end(cause.to_wire())
@@ -318,7 +311,7 @@ class HeadSupervisor(Supervisor):
                                f"{', '.join(map(str, left))}")
         hub.answer_stoppers({"stopped": {"pods": len(hub.members) + 1,
                                          "left": [str(p) for p in left]}})
-        self._enter(Phase.DONE, cause=cause.kind)
+        self._enter(GangPhase.DONE, cause=cause.kind)
 
     def _describe(self, cause: Cause) -> str:
         error = cause.error("", self.plan.launcher.name)
@@ -349,7 +342,7 @@ class HeadSupervisor(Supervisor):
         except OSError:
             chunk = b""
         return {"text": chunk.decode(errors="replace"), "offset": max(0, offset) + len(chunk),
-                "over": self.phase in (Phase.ENDING, Phase.DONE), "step": self.step_name}
+                "over": self.phase in (GangPhase.ENDING, GangPhase.DONE), "step": self.step_name}
 
 
 class WorkerSupervisor(Supervisor):
@@ -365,19 +358,19 @@ class WorkerSupervisor(Supervisor):
             self.layout = layout = self._layout(int(go["nodes"]), int(go["rank"]))
             self.reporter.say(f"{self.rv}: this pod is machine {layout.machine_rank} of "
                               f"{layout.nodes}")
-            self.reporter.event("rendezvous_done", nodes=layout.nodes,
+            self.reporter.event(Event.RENDEZVOUS_DONE, nodes=layout.nodes,
                                 rank=layout.machine_rank)
             steps = {s.name: s for s in self.steps(layout)}
             step: Step | None = self._step_named(steps, go.get("step"))
             cause: Cause | None = None
             while step is not None and cause is None:
-                self._enter(Phase.RUNNING, step=step.name)
+                self._enter(GangPhase.RUNNING, step=step.name)
                 cause, next_name = self._worker_step(step, link)
                 step = self._step_named(steps, next_name) if next_name else None
             cause = cause or Cause("succeeded")
-            self._enter(Phase.ENDING, cause=cause.kind, pod=cause.pod)
+            self._enter(GangPhase.ENDING, cause=cause.kind, pod=cause.pod)
             self._stop_training(hurried=self.signals.received is not None)
-            self._enter(Phase.DONE, cause=cause.kind)
+            self._enter(GangPhase.DONE, cause=cause.kind)
             return cause
         finally:
             link.close()

@@ -37,6 +37,7 @@ from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, LiveView, PlainView
 from podagent.launch.watch import CostMeter, Watch
 from podagent.platform.runpod_api import Client
+from podagent.wire import Event, HeadState
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
 RECORD_WAIT = 0.25  # the loop's wait for the head's next record
@@ -62,9 +63,11 @@ class Phase(str, enum.Enum):
 
 
 # The head's states (its `state` events) as phases of the whole run.
-_HEAD_PHASES = {"waiting_workers": Phase.FORMING, "starting_reward": Phase.FORMING,
-                "waiting_reward": Phase.FORMING, "submitting": Phase.RUNNING,
-                "running": Phase.RUNNING, "recovering": Phase.FORMING}
+# Keyed by the states' values: what the head's events carry.
+_HEAD_PHASES = {state.value: phase for state, phase in (
+    (HeadState.WAITING_WORKERS, Phase.FORMING), (HeadState.STARTING_REWARD, Phase.FORMING),
+    (HeadState.WAITING_REWARD, Phase.FORMING), (HeadState.SUBMITTING, Phase.RUNNING),
+    (HeadState.RUNNING, Phase.RUNNING), (HeadState.RECOVERING, Phase.FORMING))}
 
 
 @dataclass(frozen=True)
@@ -391,39 +394,39 @@ class HeadProgress:
             self._event(data)
 
     def _event(self, data: Mapping[str, Any]) -> None:
-        event = data.get("event")
-        if event == "state" and data.get("state") in _HEAD_PHASES:
-            if data["state"] == "waiting_workers":  # the head's Ray is up
+        event = data.get("event")  # compared with the Event names (str)
+        if event == Event.STATE and data.get("state") in _HEAD_PHASES:
+            if data["state"] == HeadState.WAITING_WORKERS:  # the head's Ray is up
                 self.board.row(self.head_name()).joined = True
             self.phase(_HEAD_PHASES[str(data["state"])])
-        elif event == "worker_joined":
+        elif event == Event.WORKER_JOINED:
             self.board.joined += 1
             self.board.mark_joined(str(data.get("ip")), True)
             self.view.update(self.board)
-        elif event == "worker_lost":
+        elif event == Event.WORKER_LOST:
             self.board.joined = max(0, self.board.joined - 1)
             self.board.mark_joined(str(data.get("ip")), False)
             self.view.update(self.board)
-        elif event == "workers_counted":
+        elif event == Event.WORKERS_COUNTED:
             workers = data.get("workers")
             self.board.joined = workers if isinstance(workers, int) else 0
             self.view.update(self.board)
-        elif event == "teardown_started":
+        elif event == Event.TEARDOWN_STARTED:
             self.closing = True
-        elif event == "role":  # the head's podagent started (again): its workers join anew
+        elif event == Event.ROLE:  # the head's podagent started (again): its workers join anew
             # Counted by the start's own time: the same record read twice is one start.
             self._starts.add((data.get("ts"), data.get("pod")))
             self.closing = False
             self.board.joined = 0
             self.board.mark_joined(None, False)
             self.view.update(self.board)
-        elif event == "exit" and _code(data.get("code")) is not None:
+        elif event == Event.EXIT and _code(data.get("code")) is not None:
             # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
             # RunPod and resumes the run. The run is over when the head says so (run_over).
             self.last_exit = _code(data.get("code"))
-        elif event == "run_over" and _code(data.get("code")) is not None:
+        elif event == Event.RUN_OVER and _code(data.get("code")) is not None:
             self.exit = _code(data.get("code"))
-        elif event == "staying" and self.last_exit is not None:  # a podagent before run_over
+        elif event == Event.STAYING and self.last_exit is not None:  # before run_over
             self.exit = self.last_exit
 
 

@@ -29,6 +29,7 @@ import psutil
 from podagent import __version__
 from podagent.config import Settings
 from podagent.report import Reporter
+from podagent.wire import Event
 
 DEFAULT_PROJECT = "podagent"
 NO_KEY = "W&B: WANDB_API_KEY not set; bring-up is not logged to W&B"
@@ -118,54 +119,54 @@ class BringupTally:
             up.metrics[f"stage/{name}_s"] = _number(record["duration_s"])
             if record["result"] != "ok":
                 up.summary["failed_stage"] = name
-        if name == "prepared":
+        if name == Event.PREPARED:
             self._node("head", "head", record.get("node_ip"), record.get("gpus"), elapsed)
             up.metrics.update(self._cluster())
             up.summary["nccl_preset"] = record.get("preset")
-        elif name == "worker_joined":
+        elif name == Event.WORKER_JOINED:
             key = str(record.get("node_id") or record.get("ip"))
             self._node(key, "worker", record.get("ip"), record.get("gpus"), elapsed)
             up.metrics.update(self._cluster())
-        elif name == "worker_lost":
+        elif name == Event.WORKER_LOST:
             key = str(record.get("node_id") or record.get("ip"))
             if key in self.nodes:
                 self.nodes[key]["state"] = "lost"
             up.metrics.update(self._cluster())
             up.metrics["cluster/workers_lost"] = sum(
                 n["state"] == "lost" for n in self.nodes.values())
-        elif name == "workers_joined" and record.get("result") == "ok":
+        elif name == Event.WORKERS_JOINED and record.get("result") == "ok":
             census = {"cluster/nodes": _number(record.get("nodes")),
                       "cluster/gpus": _number(record.get("gpus"))}
             up.metrics.update({k: v for k, v in census.items() if v is not None})
-        elif name == "job_submitted" and record.get("result") == "ok":
+        elif name == Event.JOB_SUBMITTED and record.get("result") == "ok":
             up.summary["time_to_job_s"] = elapsed
-        elif name == "job_finished" and record.get("status"):
+        elif name == Event.JOB_FINISHED and record.get("status"):
             self.job_status = str(record["status"])
-        elif name == "job_stopped" and self.job_status is None:
+        elif name == Event.JOB_STOPPED and self.job_status is None:
             self.job_status = str(record.get("status") or "STOP_UNCONFIRMED")
         elif name.startswith("check") and "passed" in record:
             self._check(name, record, up)
-        elif name == "state":
+        elif name == Event.STATE:
             up.summary["last_state"] = record.get("state")
-        elif name == "teardown":
+        elif name == Event.TEARDOWN:
             up.summary["outcome"] = record.get("outcome")
-        elif name == "exit":
+        elif name == Event.EXIT:
             self.exit_code = _int(record.get("code"))
             if record.get("error"):
                 # A one-line error, or a traceback: its last line names the exception.
                 up.summary["error"] = str(record["error"]).strip().splitlines()[-1][:500]
-        elif name == "reward_restart":
+        elif name == Event.REWARD_RESTART:
             up.metrics["reward/restarts"] = record.get("restart")
-        elif name == "reward_failed":
+        elif name == Event.REWARD_FAILED:
             up.summary["reward_failed"] = record.get("why")
-        elif name == "auth_off":
+        elif name == Event.AUTH_OFF:
             up.summary["cluster_token"] = "off"
-        elif name == "resume":
+        elif name == Event.RESUME:
             up.summary["resumed_from"] = record.get("checkpoint_dir")
-        elif name == "restart":  # a lost node (or a failed job): the job is run again
+        elif name == Event.RESTART:  # a lost node (or a failed job): the job is run again
             up.metrics["cluster/restarts"] = _number(record.get("n"))
             up.summary["last_restart_reason"] = record.get("reason")
-        elif name == "restarted":
+        elif name == Event.RESTARTED:
             up.metrics["cluster/restart_time_lost_s"] = _number(record.get("time_lost_s"))
         if up.metrics:
             up.metrics[STEP_METRIC] = elapsed

@@ -38,6 +38,7 @@ from podagent.choices import AfterRun
 from podagent.errors import Interrupted, RunPodApiError
 from podagent.platform import runpod_api
 from podagent.waiting import Signals
+from podagent.wire import Event
 
 STAY_NOTE_EVERY = 600.0  # a staying pod says once in a while what it is waiting for
 # Restartable ends in a row, each within CRASH_WINDOW of its start, that make a crash loop:
@@ -187,7 +188,7 @@ def settle(policy: AfterRun | str, pod: Pod, reporter: Any, signals: Signals,
         stay_line = (f"staying up (PODAGENT_AFTER_RUN={policy}) so that RunPod does not start "
                      f"the run again: {summary}; stop the pod to end")
     reporter.say(stay_line)
-    reporter.event("staying", policy=policy, why=why)
+    reporter.event(Event.STAYING, policy=policy, why=why)
     try:
         while True:
             signals.sleep(STAY_NOTE_EVERY)
@@ -204,7 +205,7 @@ def _stop_pod(pod: Pod, reporter: Any, why: str) -> bool:
     if missing:
         reporter.warn(f"cannot stop this pod through RunPod's API: {' and '.join(missing)} "
                       f"{'is' if len(missing) == 1 else 'are'} not set")
-        reporter.event("stop_pod", pod=pod.pod_id, ok=False, error=f"{missing} not set")
+        reporter.event(Event.STOP_POD, pod=pod.pod_id, ok=False, error=f"{missing} not set")
         return False
     try:
         took = runpod_api.stop_pod(pod.pod_id or "", pod.api_key or "", pod.api_url,
@@ -213,11 +214,11 @@ def _stop_pod(pod: Pod, reporter: Any, why: str) -> bool:
         # Exiting instead would only get the container started again: stay, and say so.
         reporter.warn(f"RunPod refused to stop pod {pod.pod_id} with the key it gave the pod "
                       f"({exc})")
-        reporter.event("stop_pod", pod=pod.pod_id, ok=False, error=str(exc))
+        reporter.event(Event.STOP_POD, pod=pod.pod_id, ok=False, error=str(exc))
         return False
     reporter.say(f"asked RunPod's API to stop pod {pod.pod_id}"
                  + ("" if took else " (it is being stopped already)"))
-    reporter.event("stop_pod", pod=pod.pod_id, ok=True, why=why)
+    reporter.event(Event.STOP_POD, pod=pod.pod_id, ok=True, why=why)
     return True
 
 
@@ -238,7 +239,7 @@ def terminate_run(pod: Pod, reporter: Any) -> bool:
         # Said before this pod goes: its own termination ends this process.
         reporter.say(f"terminating the {len(pods)} pod(s) of run {pod.up_run}: the others are "
                      f"gone, this one goes last")
-        reporter.event("terminate_run", run=pod.up_run, ok=True, pods=len(pods))
+        reporter.event(Event.TERMINATE_RUN, run=pod.up_run, ok=True, pods=len(pods))
         for cluster in clusters:
             client.delete_cluster(cluster)
         if pod.pod_id in alone:
@@ -246,7 +247,7 @@ def terminate_run(pod: Pod, reporter: Any) -> bool:
     except RunPodApiError as exc:
         reporter.warn(f"could not terminate the pods of run {pod.up_run} with the account key "
                       f"({exc}); stopping this pod instead")
-        reporter.event("terminate_run", run=pod.up_run, ok=False, error=str(exc))
+        reporter.event(Event.TERMINATE_RUN, run=pod.up_run, ok=False, error=str(exc))
         return False
     finally:
         client.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 from podagent.errors import LedgerError
 from podagent.report import Reporter
+from podagent.wire import Event
 
 LEDGER = "ledger.json"
 # The outcome of a start that ended in a bug of podagent's (the CLI's exit 70).
@@ -192,7 +193,7 @@ def recall(ledger: Ledger, run_name: str, run_dir: Path,
         reporter.say(f"run {run_name} finished earlier ({finished['outcome']}{job}, {at} UTC"
                      f"{why}): not running it again; logs in {run_dir} (a new "
                      f"PODAGENT_RUN_NAME starts a new run)")
-        reporter.event("finished_earlier", **finished)
+        reporter.event(Event.FINISHED_EARLIER, **finished)
         return finished
     ledger.started(reporter.pod)
     interrupted = ledger.interrupted()
@@ -200,7 +201,7 @@ def recall(ledger: Ledger, run_name: str, run_dir: Path,
         reporter.say(f"run {run_name} was interrupted (job {interrupted['id']}: "
                      f"{interrupted.get('status') or 'running when its head stopped'}); it "
                      f"runs again, resuming from a checkpoint if there is one")
-        reporter.event("run_interrupted_earlier", submission=interrupted["id"],
+        reporter.event(Event.RUN_INTERRUPTED_EARLIER, submission=interrupted["id"],
                        status=interrupted.get("status"))
     return None
 

@@ -16,6 +16,7 @@ from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
 from podagent.run.ledger import INTERNAL_ERROR
 from podagent.waiting import Deadline, Signals
+from podagent.wire import Event
 
 State = TypeVar("State", bound=enum.Enum)
 T = TypeVar("T")
@@ -66,7 +67,7 @@ class Lifecycle(Generic[State]):
         try:
             while self.state is not self.LAST:
                 self.signals.check()
-                self.reporter.event("state", state=self.state.value)
+                self.reporter.event(Event.STATE, state=self.state.value)
                 self.state = handlers[self.state]()
             outcome = self.SUCCESS
         except EndRequested as exc:
@@ -79,7 +80,7 @@ class Lifecycle(Generic[State]):
             outcome = type(exc).__name__
             raise
         finally:
-            self.reporter.event("teardown_started", outcome=outcome)
+            self.reporter.event(Event.TEARDOWN_STARTED, outcome=outcome)
             self._teardown(outcome)
 
     def _teardown(self, outcome: str) -> None:
@@ -111,7 +112,7 @@ class Lifecycle(Generic[State]):
         then on every step, the one under way included, gets what is left of TERM_BUDGET."""
         if self._ends_by is None and self.signals.received is not None:
             self._ends_by = time.monotonic() + TERM_BUDGET
-            self.reporter.event("terminating", signal=self.signals.received,
+            self.reporter.event(Event.TERMINATING, signal=self.signals.received,
                                 budget_s=TERM_BUDGET)
         return self._ends_by is not None
 
@@ -139,5 +140,5 @@ class Lifecycle(Generic[State]):
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             self.reporter.warn(f"teardown: could not {what} ({error}); going on")
-            self.reporter.event("teardown_step_failed", step=what, error=error)
+            self.reporter.event(Event.TEARDOWN_STEP_FAILED, step=what, error=error)
             return None

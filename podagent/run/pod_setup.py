@@ -9,6 +9,7 @@ from podagent.config import Settings
 from podagent.platform import nccl, pod
 from podagent.platform.roles import Role
 from podagent.report import Reporter
+from podagent.wire import Event
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,6 @@ def prepare(settings: Settings, role: Role, reporter: Reporter,
         pod.require_private(settings, node_ip, ip_rule)
     gpus, gpu_rule = pod.detect_gpus(settings)
     reporter.say(f"this pod: {node_ip} ({ip_rule}), {gpus} GPU(s) ({gpu_rule})")
-    reporter.event("prepared", preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,
+    reporter.event(Event.PREPARED, preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,
                    nccl=dict(nccl_env.variables), warnings=list(nccl_env.warnings))
     return PodSetup(nccl_env, node_ip, gpus)

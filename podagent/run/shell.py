@@ -25,6 +25,7 @@ from podagent.errors import Interrupted
 from podagent.report import Reporter
 from podagent.run import after_run
 from podagent.waiting import Backoff, Expired, Signals, retry
+from podagent.wire import Event
 
 SUCCESS = 0
 
@@ -55,11 +56,11 @@ def report_end(exc: Exception, settings: config.Settings, reporter: Reporter,
     if isinstance(exc, PodagentError):
         if not isinstance(exc, Interrupted):
             reporter.error(str(exc))
-        reporter.event("exit", code=code, error=str(exc))
+        reporter.event(Event.EXIT, code=code, error=str(exc))
     else:
         reporter.error(f"internal error: {type(exc).__name__}: {exc} "
                        f"(traceback in {settings.run_dir})")
-        reporter.event("exit", code=code, error=traceback.format_exc())
+        reporter.event(Event.EXIT, code=code, error=traceback.format_exc())
     return code
 
 
@@ -111,7 +112,7 @@ def settle(settings: config.Settings, reporter: Reporter, signals: Signals, end:
                      f"with it ({after_run.CRASH_LOOP} such quick ends in a row stop the pod)")
         return
     if over_word is not None:  # `podagent up` reads the head's: the run's code, for good
-        reporter.event("run_over", code=end.code, over=end.over, why=why, policy=policy.value)
+        reporter.event(Event.RUN_OVER, code=end.code, over=end.over, why=why, policy=policy.value)
     if over_word is not None and end.over and policy is not AfterRun.EXIT:
         _say_over(settings, reporter, signals, end, policy, *over_word)
     if over_word is not None and end.over:  # an `up` run's head may terminate the whole run

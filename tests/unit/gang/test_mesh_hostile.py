@@ -18,6 +18,7 @@ import pytest
 
 from podagent.errors import AuthRefused
 from podagent.gang import mesh, messages, supervisor
+from podagent.wire import GangPhase
 from tests.harness.pods import wait_for
 from tests.unit.gang.test_mesh import GRACE, _free_port, _join, _next, _reporter
 
@@ -38,7 +39,7 @@ def _running(token: str | None = TOKEN, workers: int = 1):
     log.write(b"step 1\n")
     log.close()
     hub.logs = functools.partial(supervisor.HeadSupervisor.logs, SimpleNamespace(
-        log_path=Path(log.name), phase=supervisor.Phase.RUNNING, step_name="training"))
+        log_path=Path(log.name), phase=GangPhase.RUNNING, step_name="training"))
     joining = []
     for i in range(workers):
         link_events: queue.Queue = queue.Queue()
