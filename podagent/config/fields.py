@@ -1,7 +1,9 @@
-"""The settings' declarations: every setting once, as a Field of FIELDS (attribute, variable,
-flag, parser, default, help), and the reward server's as a RewardField of REWARD_FIELDS (its
-PODAGENT_REWARD_* variables, for `python -m podagent.rewards`); the frozen Settings class made
-from FIELDS; the Markdown tables the README embeds.
+"""The settings' declarations, each setting once: the reward server's as RewardFields of
+REWARD_FIELDS (its PODAGENT_REWARD_* variables, which it reads when it runs alone as `python -m
+podagent.rewards`); podagent's as Fields of FIELDS (attribute, variable, flag, parser, default,
+help), where the server's settings that the head forwards to it are made from REWARD_FIELDS by
+reward_setting(); the frozen Settings class made from FIELDS; the Markdown tables the README
+embeds.
 
 The CLI makes its options from the same tables, so none of these can drift apart. The reward
 server's table is here, not in podagent.rewards, so that podagent can name a misspelt
@@ -35,8 +37,6 @@ from podagent.config.parsers import (
     port,
     preset_name,
     reward_func_file,
-    reward_scoring,
-    reward_template,
     run_name,
     seconds,
     seconds_or_zero,
@@ -49,7 +49,104 @@ from podagent.config.policy import TOKEN_VARIABLES, runpod_key
 
 RUNPOD_API_URL = "RUNPOD_API_URL"  # the one setting for RunPod's API (on a pod and for `up`)
 
-# --- the table ----------------------------------------------------------------------------------
+# --- the reward server's table (`podagent reward-server`, PODAGENT_REWARD_*) --------------------
+
+REWARD_ENV_PREFIX = "PODAGENT_REWARD_"
+# The weight of the format rule in a reward (rewards.verify scores with it by default).
+FORMAT_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class RewardField:
+    """A reward server setting: its flag is --ATTR, its variable REWARD_ENV_PREFIX + ATTR."""
+
+    attr: str
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = None  # as Field.default
+    default_doc: str = ""
+    flag_name: str = ""  # when the flag is not --ATTR (the seed's own flag name)
+
+    @property
+    def flag(self) -> str:
+        return self.flag_name or "--" + self.attr.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return REWARD_ENV_PREFIX + self.attr.upper()
+
+
+REWARD_FIELDS: tuple[RewardField, ...] = (
+    RewardField("scoring", choice(*SCORING),
+                "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item), "
+                "boxed (the last \\boxed{} or <answer> block) or openrlhf-boxed (upstream "
+                "OpenRLHF's math reward function, item for item); see docs/reward-server.md.",
+                "openrlhf-m"),
+    RewardField("template", choice(*PROMPT_TEMPLATES),
+                "openrlhf-m: the chat template whose assistant prefix starts the response "
+                "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
+    RewardField("strict", zero_one,
+                "openrlhf-m: 1 scores an unparseable gold answer, or a comparison that raises, "
+                "as accuracy 0; 0 scores them 1, as OpenRLHF-M's server does.", False),
+    RewardField("func", reward_func_file,
+                "Serve this file's reward_func(queries, prompts, labels) instead of a profile "
+                "(upstream OpenRLHF's reward function contract), one item per call, in the "
+                "verifier processes."),
+    RewardField("default_reward", number(-1e9, 1e9),
+                "--func and openrlhf-boxed: the reward and score of an item whose function "
+                "raised or ran past --item-timeout (each such item is logged).", 0.0),
+    # Upstream OpenRLHF logs an extra_logs dict; OpenRLHF-M's client makes a tensor of every
+    # reply key, so a dict there would crash the trainer: off unless asked for.
+    RewardField("extra_logs", zero_one,
+                "1 adds extra_logs (per-item format and accuracy lists) to every reply, for "
+                "upstream OpenRLHF; 0 keeps every key a list of numbers, as OpenRLHF-M's "
+                "client needs.", False),
+    # Loopback by default: the server has no authentication. The head passes its
+    # cluster-private address.
+    RewardField("host", host, "Address to listen on.", "127.0.0.1"),
+    RewardField("port", port, "TCP port to listen on.", 5000),
+    RewardField("workers", whole(1, 1024), "Verifier processes.", 1,
+                default_doc="CPUs this process may use"),
+    RewardField("listeners", whole(1, 64),
+                "Server processes accepting requests on the port, each with its share of the "
+                "workers: with one sample per request one process's event loop caps the rate.",
+                1, default_doc="1 per 8 CPUs, at most 4"),
+    RewardField("item_timeout", number(0.1, 600),
+                "Seconds one item may take to verify; past it the worker is killed and the "
+                "item scores 0.", 5.0),
+    # A reward function that allocates without bound fails its item, not the pod (on the head
+    # the trainer shares the pod's memory, and the kernel's OOM killer picks the largest).
+    RewardField("item_memory", size,
+                "Memory one verifier process may allocate (bytes, or with KiB/MiB/GiB); an "
+                "item that needs more fails and scores the default (--func) or 0.", None,
+                default_doc="a quarter of the pod's memory"),
+    RewardField("batch_wait", number(0, 50),
+                "Milliseconds a small request may wait for others to be verified with it "
+                "(trainers that send one sample per request); 0 sends each on its own.", 2.0),
+    # A request's budget: preparing it takes time linear in its bytes, a slice at a time,
+    # turn about with other requests; the limits bound its memory and its share. The defaults
+    # are four times the batches trainers send (OpenRLHF-M: one batch per call, 256 to 1,024
+    # items of a few KB, say 16 KB at most; upstream OpenRLHF: one item per request).
+    RewardField("max_items", whole(1, 1_000_000),
+                "Most items in one request; a request with more gets HTTP 413 naming this "
+                "limit.", 4096),
+    RewardField("max_body", size,
+                "Largest request body (bytes, or with KiB/MiB/GiB); a larger one gets HTTP 413 "
+                "naming this limit.", 64 << 20, default_doc="64MiB"),
+    RewardField("format_weight", number(0, 100),
+                "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", FORMAT_WEIGHT),
+    RewardField("dataset", existing_file,
+                "JSONL of prompts and gold answers. openrlhf-m: gold answers come from it by "
+                "the request's prompts (labels are used only without it); boxed: for requests "
+                "that send no labels."),
+    RewardField("prompt_key", key, "Prompt field of --dataset records.", "prompt"),
+    RewardField("answer_key", key, "Gold answer field of --dataset records.", "answer"),
+)
+
+REWARD_FIELD_BY_ATTR = {f.attr: f for f in REWARD_FIELDS}
+
+
+# --- podagent's table ---------------------------------------------------------------------------
 
 AFTER_RUN = tuple(policy.value for policy in AfterRun)
 ON_NODE_LOSS = tuple(policy.value for policy in OnNodeLoss)
@@ -67,6 +164,19 @@ class Field:
     default: Any = None
     default_doc: str = ""  # the default as the README and --help say it, when not `default`
     is_flag: bool = False  # the CLI option takes no value and means "1"
+    # The reward server's setting this field is (reward_setting made it): the head forwards
+    # the value to the server by this field's variable.
+    server: RewardField | None = None
+
+
+def reward_setting(attr: str, help: str) -> Field:
+    """The head's field for the reward server's setting `attr`, which the head forwards: the
+    server's variable, parser and default, declared once in REWARD_FIELDS; on the head its
+    attribute is reward_ATTR, its flag --reward-ATTR, and its help says what it is there."""
+    server = REWARD_FIELD_BY_ATTR[attr]
+    return Field("reward_" + attr, server.env, "--reward-" + attr.replace("_", "-"),
+                 server.parse, help, default=server.default, default_doc=server.default_doc,
+                 server=server)
 
 
 FIELDS: tuple[Field, ...] = (
@@ -172,30 +282,25 @@ FIELDS: tuple[Field, ...] = (
           "Reward server the head runs: builtin (scoring by PODAGENT_REWARD_SCORING), func "
           "(the built-in server serving PODAGENT_REWARD_FUNC), cmd (PODAGENT_REWARD_CMD) or "
           "none.", default="builtin"),
-    Field("reward_func", "PODAGENT_REWARD_FUNC", "--reward-func", reward_func_file,
-          "PODAGENT_REWARD=func: a Python file defining reward_func(queries, prompts, labels) "
-          "as upstream OpenRLHF's --remote_rm_url takes; served with pooled CPUs and a "
-          "per-item timeout."),
+    reward_setting("func", "PODAGENT_REWARD=func: a Python file defining reward_func(queries, "
+                   "prompts, labels) as upstream OpenRLHF's --remote_rm_url takes; served "
+                   "with pooled CPUs and a per-item timeout."),
     Field("reward_cmd", "PODAGENT_REWARD_CMD", "--reward-cmd", command_line,
           "Reward server command line for PODAGENT_REWARD=cmd (split without a shell); it "
           "must listen on PODAGENT_REWARD_HOST:PODAGENT_REWARD_PORT, which podagent sets."),
-    Field("reward_port", "PODAGENT_REWARD_PORT", "--reward-port", port,
-          "Reward server port on the head.", default=5000),
+    reward_setting("port", "Reward server port on the head."),
     Field("reward_timeout", "PODAGENT_REWARD_TIMEOUT", "--reward-timeout", seconds,
           "Seconds the reward server gets to answer a real request at start.", default=600.0),
     Field("reward_restarts", "PODAGENT_REWARD_RESTARTS", "--reward-restarts", whole(0, 100),
           "Restarts of a reward server that dies or stops answering during the job.",
           default=3),
-    Field("reward_scoring", "PODAGENT_REWARD_SCORING", "--reward-scoring", reward_scoring,
-          "Built-in reward server's scoring: openrlhf-m (OpenRLHF-M's reward server, item for "
-          "item), boxed or openrlhf-boxed (upstream OpenRLHF's math reward function); see "
-          "Reward server.", default="openrlhf-m"),
-    Field("reward_template", "PODAGENT_REWARD_TEMPLATE", "--reward-template", reward_template,
-          "openrlhf-m: the chat template of the trainer's queries (chatml, qwen1 or base, as "
-          "OpenRLHF-M's --prompt-template).", default="chatml"),
-    Field("reward_strict", "PODAGENT_REWARD_STRICT", "--reward-strict", zero_one,
-          "openrlhf-m: 1 scores an unparseable gold answer accuracy 0 instead of OpenRLHF-M's 1.",
-          default=False),
+    reward_setting("scoring", "Built-in reward server's scoring: openrlhf-m (OpenRLHF-M's reward "
+                   "server, item for item), boxed or openrlhf-boxed (upstream OpenRLHF's math "
+                   "reward function); see Reward server."),
+    reward_setting("template", "openrlhf-m: the chat template of the trainer's queries (chatml, "
+                   "qwen1 or base, as OpenRLHF-M's --prompt-template)."),
+    reward_setting("strict", "openrlhf-m: 1 scores an unparseable gold answer accuracy 0 "
+                   "instead of OpenRLHF-M's 1."),
     Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
           "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
     Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
@@ -230,101 +335,6 @@ FIELDS: tuple[Field, ...] = (
 )
 
 FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
-
-
-# --- the reward server's table (`podagent reward-server`, PODAGENT_REWARD_*) --------------------
-
-REWARD_ENV_PREFIX = "PODAGENT_REWARD_"
-# The weight of the format rule in a reward (rewards.verify scores with it by default).
-FORMAT_WEIGHT = 0.5
-
-
-@dataclass(frozen=True)
-class RewardField:
-    """A reward server setting: its flag is --ATTR, its variable REWARD_ENV_PREFIX + ATTR."""
-
-    attr: str
-    parse: Callable[[str], Any]
-    help: str
-    default: Any = None  # as Field.default
-    default_doc: str = ""
-    flag_name: str = ""  # when the flag is not --ATTR (the seed's own flag name)
-
-    @property
-    def flag(self) -> str:
-        return self.flag_name or "--" + self.attr.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return REWARD_ENV_PREFIX + self.attr.upper()
-
-
-REWARD_FIELDS: tuple[RewardField, ...] = (
-    RewardField("scoring", choice(*SCORING),
-                "Scoring profile: openrlhf-m (OpenRLHF-M's reward server, item for item), "
-                "boxed (the last \\boxed{} or <answer> block) or openrlhf-boxed (upstream "
-                "OpenRLHF's math reward function, item for item); see docs/reward-server.md.",
-                "openrlhf-m"),
-    RewardField("template", choice(*PROMPT_TEMPLATES),
-                "openrlhf-m: the chat template whose assistant prefix starts the response "
-                "(the seed's --prompt-template).", "chatml", flag_name="--prompt-template"),
-    RewardField("strict", zero_one,
-                "openrlhf-m: 1 scores an unparseable gold answer, or a comparison that raises, "
-                "as accuracy 0; 0 scores them 1, as OpenRLHF-M's server does.", False),
-    RewardField("func", reward_func_file,
-                "Serve this file's reward_func(queries, prompts, labels) instead of a profile "
-                "(upstream OpenRLHF's reward function contract), one item per call, in the "
-                "verifier processes."),
-    RewardField("default_reward", number(-1e9, 1e9),
-                "--func and openrlhf-boxed: the reward and score of an item whose function "
-                "raised or ran past --item-timeout (each such item is logged).", 0.0),
-    # Upstream OpenRLHF logs an extra_logs dict; OpenRLHF-M's client makes a tensor of every
-    # reply key, so a dict there would crash the trainer: off unless asked for.
-    RewardField("extra_logs", zero_one,
-                "1 adds extra_logs (per-item format and accuracy lists) to every reply, for "
-                "upstream OpenRLHF; 0 keeps every key a list of numbers, as OpenRLHF-M's "
-                "client needs.", False),
-    # Loopback by default: the server has no authentication. The head passes its
-    # cluster-private address.
-    RewardField("host", host, "Address to listen on.", "127.0.0.1"),
-    RewardField("port", port, "TCP port to listen on.", 5000),
-    RewardField("workers", whole(1, 1024), "Verifier processes.", 1,
-                default_doc="CPUs this process may use"),
-    RewardField("listeners", whole(1, 64),
-                "Server processes accepting requests on the port, each with its share of the "
-                "workers: with one sample per request one process's event loop caps the rate.",
-                1, default_doc="1 per 8 CPUs, at most 4"),
-    RewardField("item_timeout", number(0.1, 600),
-                "Seconds one item may take to verify; past it the worker is killed and the "
-                "item scores 0.", 5.0),
-    # A reward function that allocates without bound fails its item, not the pod (on the head
-    # the trainer shares the pod's memory, and the kernel's OOM killer picks the largest).
-    RewardField("item_memory", size,
-                "Memory one verifier process may allocate (bytes, or with KiB/MiB/GiB); an "
-                "item that needs more fails and scores the default (--func) or 0.", None,
-                default_doc="a quarter of the pod's memory"),
-    RewardField("batch_wait", number(0, 50),
-                "Milliseconds a small request may wait for others to be verified with it "
-                "(trainers that send one sample per request); 0 sends each on its own.", 2.0),
-    # A request's budget: preparing it takes time linear in its bytes, a slice at a time,
-    # turn about with other requests; the limits bound its memory and its share. The defaults
-    # are four times the batches trainers send (OpenRLHF-M: one batch per call, 256 to 1,024
-    # items of a few KB, say 16 KB at most; upstream OpenRLHF: one item per request).
-    RewardField("max_items", whole(1, 1_000_000),
-                "Most items in one request; a request with more gets HTTP 413 naming this "
-                "limit.", 4096),
-    RewardField("max_body", size,
-                "Largest request body (bytes, or with KiB/MiB/GiB); a larger one gets HTTP 413 "
-                "naming this limit.", 64 << 20, default_doc="64MiB"),
-    RewardField("format_weight", number(0, 100),
-                "FORMAT_WEIGHT in reward = accuracy + FORMAT_WEIGHT × format.", FORMAT_WEIGHT),
-    RewardField("dataset", existing_file,
-                "JSONL of prompts and gold answers. openrlhf-m: gold answers come from it by "
-                "the request's prompts (labels are used only without it); boxed: for requests "
-                "that send no labels."),
-    RewardField("prompt_key", key, "Prompt field of --dataset records.", "prompt"),
-    RewardField("answer_key", key, "Gold answer field of --dataset records.", "answer"),
-)
 
 
 def settings_class(table: Iterable[Any]) -> Callable[[type], type]:

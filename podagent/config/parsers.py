@@ -17,8 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from podagent.choices import PROMPT_TEMPLATES, SCORING
-
 _LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
@@ -159,14 +157,6 @@ def preset_name(raw: str) -> str:
     if raw not in names:
         raise ValueError(f"must be one of {', '.join(names)}")
     return raw
-
-
-def reward_scoring(raw: str) -> str:
-    return choice(*SCORING)(raw)
-
-
-def reward_template(raw: str) -> str:
-    return choice(*PROMPT_TEMPLATES)(raw)
 
 
 def command_line(raw: str) -> tuple[str, ...]:

@@ -2,6 +2,8 @@
 
 As in podagent.config, each setting is declared once (FIELDS, declared in podagent.config):
 RewardSettings is made from the table, and the CLI makes its options and their help from it.
+The head's settings of the server it runs (PODAGENT_REWARD_SCORING, ...) are these same fields:
+podagent.config makes the head's from them, and the head forwards each by its variable.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from podagent.errors import ConfigError
 ENV_PREFIX = config.REWARD_ENV_PREFIX
 Field = config.RewardField
 FIELDS = config.REWARD_FIELDS
-FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
+FIELD_BY_ATTR = config.REWARD_FIELD_BY_ATTR
 size, number, key, existing_file = config.size, config.number, config.key, config.existing_file
 
 
