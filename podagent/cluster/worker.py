@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from podagent import process, runstate
 from podagent.choices import AfterRun
+from podagent.cluster import node, ray_node
 from podagent.config import Settings
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.platform.discovery import HeadFinder, HeadLocation
@@ -15,7 +16,7 @@ from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
-from podagent.run import beacon, node, ray_node
+from podagent.run import beacon
 from podagent.run.lifecycle import EndRequested, Lifecycle
 from podagent.waiting import Backoff, Signals, retry
 from podagent.wire import Event, WorkerState
