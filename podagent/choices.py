@@ -71,6 +71,11 @@ JOB_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # The built-in reward server's scoring profiles (its --scoring, PODAGENT_REWARD_SCORING).
 SCORING = ("openrlhf-m", "boxed", "openrlhf-boxed")
 
+# What runs the job on every pod (PODAGENT_LAUNCHER): a Ray cluster the job is submitted to, or
+# a launcher on every pod without Ray (`podagent torchrun` / `podagent accelerate`).
+RAY_LAUNCHER = "ray"
+LAUNCHERS = (RAY_LAUNCHER, "torchrun", "accelerate")
+
 # What the head runs as its reward server (PODAGENT_REWARD): podagent's own server scoring by a
 # profile, podagent's server serving the user's reward_func file, the user's own command, none.
 REWARD_KINDS = ("builtin", "func", "cmd", "none")

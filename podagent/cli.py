@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 
 from podagent import __version__, config, errors, extras
+from podagent.choices import LAUNCHERS, RAY_LAUNCHER
 from podagent.platform.roles import Role, detect_role
 from podagent.ray_access import ray_compat
 from podagent.waiting import Signals
@@ -262,6 +263,10 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     With no subcommand, podagent works out this pod's role (see `podagent env`) and acts.
     """
     if ctx.invoked_subcommand is None:
+        settings = _build(_flags(ctx, flags))
+        if settings.launcher != RAY_LAUNCHER:  # a run without Ray, its job the launcher's args
+            _run_without_ray(settings, settings.launcher, settings.job or (), bool(dry_run),
+                             data_check=False, loader=None)
         _run_role(_flags(ctx, flags), explicit=None, dry_run=bool(dry_run))
 
 
@@ -425,8 +430,8 @@ def launcher_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _run_without_ray(ctx: click.Context, name: str, launcher_args: tuple[str, ...],
-                     dry_run: bool | None, data_check: bool, loader: str | None) -> None:
+def _run_without_ray(settings: config.Settings, name: str, launcher_args: tuple[str, ...],
+                     dry_run: bool, data_check: bool, loader: str | None) -> None:
     from podagent.gang import run as gang_run
 
     extras.require_torch(f"podagent {name}")
@@ -438,13 +443,12 @@ def _run_without_ray(ctx: click.Context, name: str, launcher_args: tuple[str, ..
         from podagent.gang import datacheck
 
         datacheck.check_loader_spec(loader)
-    settings = _build(_flags(ctx, {}))
     launcher = gang_run.launcher_for(name, launcher_args)
     if not launcher.script and not data_check:
         raise errors.InputError(f"podagent {name} needs a training script: podagent {name} "
                                 f"[OPTIONS] [--] SCRIPT ARGS (or --data-check)")
     sys.exit(gang_run.run(settings, launcher, data_check=data_check, loader=loader,
-                          dry_run=_dry(ctx, dry_run), exit_code=exit_code,
+                          dry_run=dry_run, exit_code=exit_code,
                           outcome_code=_earlier_exit, restartable=restartable))
 
 
@@ -462,7 +466,8 @@ def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool |
     Options you pass win over podagent's. podagent stays and watches: a pod lost, or a
     training that fails on one pod, stops the training on every pod within seconds.
     """
-    _run_without_ray(ctx, "torchrun", launcher_args, dry_run, data_check, loader)
+    _run_without_ray(_build(_flags(ctx, {})), "torchrun", launcher_args, _dry(ctx, dry_run),
+                     data_check, loader)
 
 
 @main.command(context_settings=LAUNCHER_CONTEXT)
@@ -477,7 +482,8 @@ def accelerate(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool
     --config_file is kept and each of its per-machine values podagent overrides is said.
     Supervised as `podagent torchrun` is.
     """
-    _run_without_ray(ctx, "accelerate", launcher_args, dry_run, data_check, loader)
+    _run_without_ray(_build(_flags(ctx, {})), "accelerate", launcher_args,
+                     _dry(ctx, dry_run), data_check, loader)
 
 
 @main.command(context_settings=CONTEXT)
@@ -557,6 +563,11 @@ key_file_option = click.option(
               help="A variable for every pod (repeat). Secrets only with --secret.")
 @click.option("--secret", "secrets", multiple=True, metavar="NAME=SECRET",
               help="Variable NAME from the RunPod secret SECRET (RunPod puts the value in).")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default=RAY_LAUNCHER,
+              show_default=True,
+              help="What runs the job: a Ray cluster, or torchrun / accelerate on every pod "
+                   "without Ray (the job after -- is then the launcher's [OPTIONS] [--] SCRIPT "
+                   "ARGS).")
 @click.option("--keep", is_flag=True, help="Leave the pods up after the run (they bill).")
 @click.option("--detach", is_flag=True,
               help="Leave once every pod runs: the run goes on, each pod stops itself when it "

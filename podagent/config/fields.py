@@ -19,7 +19,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from podagent.choices import PROMPT_TEMPLATES, REWARD_KINDS, SCORING, AfterRun, OnNodeLoss, one_of
+from podagent.choices import (
+    LAUNCHERS,
+    PROMPT_TEMPLATES,
+    RAY_LAUNCHER,
+    REWARD_KINDS,
+    SCORING,
+    AfterRun,
+    OnNodeLoss,
+    one_of,
+)
 from podagent.config.parsers import (
     choice,
     command_line,
@@ -272,8 +281,13 @@ FIELDS: tuple[Field, ...] = (
           "Parent of the per-run log directories.", default="podagent-logs",
           default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
     Field("job", "PODAGENT_JOB", "--job", command_line,
-          "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it.",
+          "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it. With "
+          "PODAGENT_LAUNCHER=torchrun or accelerate: the launcher's [OPTIONS] [--] SCRIPT ARGS.",
           default_doc="the built-in cluster check"),
+    Field("launcher", "PODAGENT_LAUNCHER", "--launcher", choice(*LAUNCHERS),
+          "What runs the job when `podagent` runs with no command: ray (a Ray cluster, the job "
+          "submitted to it), or torchrun / accelerate on every pod without Ray, as `podagent "
+          "torchrun` does (what `podagent up --launcher` sets).", default=RAY_LAUNCHER),
     Field("working_dir", "PODAGENT_WORKING_DIR", "--working-dir", directory,
           "Directory uploaded as the job's working dir."),
     Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,

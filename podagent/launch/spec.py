@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from podagent import config
-from podagent.choices import AfterRun
+from podagent.choices import LAUNCHERS, RAY_LAUNCHER, AfterRun
 from podagent.errors import ConfigError, InputError
 
 PREFIX = "podagent"
@@ -40,8 +40,8 @@ _IMAGE = re.compile(
     r"(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?")
 # What podagent on the pods is told by `up` itself: a user's -e may not set these.
 OWN_VARIABLES = ("PODAGENT_RUN_NAME", "EXPECTED_WORKERS", "PODAGENT_JOB", "HEAD_POD_ID",
-                 "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", LABEL,
-                 config.RUNPOD_API_URL)
+                 "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", "PODAGENT_LAUNCHER",
+                 LABEL, config.RUNPOD_API_URL)
 # The one variable a run's pods may be given an account key in (--secret NAME=SECRET only):
 # the head then terminates every pod of the run at its end.
 ACCOUNT_KEY = config.RUNPOD_ACCOUNT_KEY
@@ -92,6 +92,7 @@ class UpSpec:
     disk_gb: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     job: tuple[str, ...] = ()
+    launcher: str = RAY_LAUNCHER  # what runs the job on the pods (PODAGENT_LAUNCHER)
     keep: bool = False
     detach: bool = False  # leave once the pods run: they stop themselves at the run's end
     registry_auth: str | None = None  # a registry credential's id or name (a private image)
@@ -156,7 +157,7 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           env: tuple[str, ...], secrets: tuple[str, ...], job: tuple[str, ...], keep: bool,
           timeout: float, api_url: str, state_dir: Path | None,
           api_timeout: float = 60.0, detach: bool = False,
-          registry_auth: str | None = None) -> UpSpec:
+          registry_auth: str | None = None, launcher: str = RAY_LAUNCHER) -> UpSpec:
     """The spec from the command line, or one line naming what is wrong (ConfigError)."""
     run = run or default_run_name()
     try:
@@ -200,6 +201,12 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
         raise InputError("--registry-auth cannot be used with --cluster: RunPod's cluster "
                          "create takes no registry credential (private images are not yet "
                          "supported for clusters); use pods (no --cluster), or a public image")
+    if launcher not in LAUNCHERS:
+        raise _fail("--launcher", launcher, f"must be one of {', '.join(LAUNCHERS)}")
+    if launcher != RAY_LAUNCHER and not job:
+        raise InputError(f"--launcher {launcher} needs the training script: podagent up ... "
+                         f"--launcher {launcher} -- [{launcher.upper()} OPTIONS] [--] SCRIPT "
+                         f"ARGS")
     if detach and keep:
         raise InputError("give at most one of --detach and --keep (a detached run's pods stop "
                          "themselves at its end; --keep leaves them running)")
@@ -223,7 +230,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                   image=image, template=template, cluster=cluster, cloud=cloud.upper(),
                   data_centers=tuple(d.strip() for d in data_centers if d.strip()),
                   volume_gb=volume_gb, network_volume=network_volume or None, disk_gb=disk_gb,
-                  env=_environment(env, secrets), job=tuple(job), keep=keep, detach=detach,
+                  env=_environment(env, secrets), job=tuple(job), launcher=launcher,
+                  keep=keep, detach=detach,
                   registry_auth=registry_auth.strip() if registry_auth else None,
                   timeout=timeout, api_url=api_url.rstrip("/"), api_timeout=api_timeout,
                   state_dir=state_dir or default_state_dir(os.environ))
@@ -348,6 +356,9 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
                     "PODAGENT_LOG_FORMAT": "json"})
         if spec.job:
             env["PODAGENT_JOB"] = shlex.join(spec.job)
+    if spec.launcher != RAY_LAUNCHER:  # every pod runs the launcher, and the same script
+        env.update({"PODAGENT_LAUNCHER": spec.launcher, "PODAGENT_JOB": shlex.join(spec.job),
+                    "EXPECTED_WORKERS": str(spec.workers)})
     if rank not in (0, None):
         env.update({"RAY_WORKER": "1", "HEAD_POD_ID": str(head_id)})
         env.pop(ACCOUNT_KEY, None)  # the head alone terminates the run's pods

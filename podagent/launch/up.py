@@ -37,7 +37,7 @@ from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, LiveView, PlainView
 from podagent.launch.watch import CostMeter, Watch
 from podagent.platform.runpod_api import Client
-from podagent.wire import Event, HeadState
+from podagent.wire import Event, GangPhase, HeadState
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
 RECORD_WAIT = 0.25  # the loop's wait for the head's next record
@@ -63,11 +63,15 @@ class Phase(str, enum.Enum):
 
 
 # The head's states (its `state` events) as phases of the whole run.
-# Keyed by the states' values: what the head's events carry.
+# Keyed by the states' values: what the head's events carry (a Ray run's head, or the head of a
+# run without Ray).
 _HEAD_PHASES = {state.value: phase for state, phase in (
     (HeadState.WAITING_WORKERS, Phase.FORMING), (HeadState.STARTING_REWARD, Phase.FORMING),
     (HeadState.WAITING_REWARD, Phase.FORMING), (HeadState.SUBMITTING, Phase.RUNNING),
-    (HeadState.RUNNING, Phase.RUNNING), (HeadState.RECOVERING, Phase.FORMING))}
+    (HeadState.RUNNING, Phase.RUNNING), (HeadState.RECOVERING, Phase.FORMING),
+    (GangPhase.RENDEZVOUS, Phase.FORMING), (GangPhase.RUNNING, Phase.RUNNING))}
+# The states in which the head's cluster (its Ray, or its rendezvous) is there to join.
+_HEAD_UP = (HeadState.WAITING_WORKERS, GangPhase.RENDEZVOUS)
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,7 @@ class HeadProgress:
     def _event(self, data: Mapping[str, Any]) -> None:
         event = data.get("event")  # compared with the Event names (str)
         if event == Event.STATE and data.get("state") in _HEAD_PHASES:
-            if data["state"] == HeadState.WAITING_WORKERS:  # the head's Ray is up
+            if data["state"] in _HEAD_UP:
                 self.board.row(self.head_name()).joined = True
             self.phase(_HEAD_PHASES[str(data["state"])])
         elif event == Event.WORKER_JOINED:
@@ -406,6 +410,11 @@ class HeadProgress:
         elif event == Event.WORKER_LOST:
             self.board.joined = max(0, self.board.joined - 1)
             self.board.mark_joined(str(data.get("ip")), False)
+            self.view.update(self.board)
+        elif event == Event.RENDEZVOUS_DONE:  # a run without Ray: every pod came at once
+            nodes = data.get("nodes")
+            self.board.joined = nodes - 1 if isinstance(nodes, int) and nodes > 0 else 0
+            self.board.mark_joined(None, True)
             self.view.update(self.board)
         elif event == Event.WORKERS_COUNTED:
             workers = data.get("workers")

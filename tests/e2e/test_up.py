@@ -132,6 +132,30 @@ def test_up_with_cluster_runs_on_an_instant_cluster(cloud, tmp_path):
     nothing_left(cloud)
 
 
+def test_up_runs_torchrun_on_three_pods_without_ray(cloud, tmp_path):
+    """`up --launcher torchrun`: every pod runs the launcher on the same script (a gloo DDP
+    loop), ranked by podagent's rendezvous; `up` follows the head to its end and terminates
+    the pods."""
+    out = tmp_path / "ranks"
+    out.mkdir()
+    loop = Path(__file__).resolve().parents[1] / "jobs" / "ddp_loop.py"
+    # torch looks up every TCPStore peer's host name, and pods reach no name server: one try.
+    argv = up_argv("tr", 3, "--launcher", "torchrun", "-e", "RES_OPTIONS=timeout:1 attempts:1",
+                   job=("--", str(loop), str(out)))
+    result = run_up(cloud, tmp_path, argv)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert {r["world"] for r in ranks} == {3}
+    assert sorted(r["node"] for r in ranks) == [0, 1, 2]  # every pod its own machine rank
+    assert {r["mode"] for r in ranks} == {"torchrun"}
+    assert "run tr succeeded (exit 0)" in result.stdout
+    made = creates(cloud)
+    assert all(r.body["env"]["PODAGENT_LAUNCHER"] == "torchrun" for r in made)
+    assert all(shlex.split(r.body["env"]["PODAGENT_JOB"]) == ["--", str(loop), str(out)]
+               for r in made)
+    nothing_left(cloud)
+
+
 def test_a_head_started_again_mid_run_resumes_and_up_waits_for_the_end(cloud, tmp_path):
     """The head's podagent killed while the job runs: RunPod starts its container again, the
     run resumes (the job submitted again), and `up` ends once, with the run's own code — not
