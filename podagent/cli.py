@@ -265,7 +265,11 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     if ctx.invoked_subcommand is None:
         settings = _build(_flags(ctx, flags))
         if settings.launcher != RAY_LAUNCHER:  # a run without Ray, its job the launcher's args
-            _run_without_ray(settings, settings.launcher, settings.job or (), bool(dry_run),
+            if not settings.job:
+                raise errors.InputError(
+                    f"{settings.source_name('launcher')}={settings.launcher} needs the job: "
+                    f"PODAGENT_JOB='[{settings.launcher.upper()} OPTIONS] [--] SCRIPT ARGS'")
+            _run_without_ray(settings, settings.launcher, settings.job, bool(dry_run),
                              data_check=False, loader=None)
         _run_role(_flags(ctx, flags), explicit=None, dry_run=bool(dry_run))
 

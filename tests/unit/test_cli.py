@@ -70,6 +70,9 @@ BAD_INPUTS = {
         ("env",), {"EXPECTED_WORKERS": "1", "PODAGENT_MIN_WORKERS": "3"},
         "PODAGENT_MIN_WORKERS='3'"),
     "worker-without-head": (("env",), {"RAY_WORKER": "1"}, "HEAD_POD_ID="),
+    "launcher-unknown": ((), {"PODAGENT_LAUNCHER": "mpirun"}, "PODAGENT_LAUNCHER='mpirun'"),
+    "launcher-without-job": ((), {"PODAGENT_LAUNCHER": "torchrun"},
+                             "PODAGENT_LAUNCHER=torchrun needs the job: PODAGENT_JOB="),
 }
 
 # Should a worker wrongly start, it finds no head at once and exits 6 (it starts nothing).

@@ -56,6 +56,10 @@ def build(**over):
     ({"registry_auth": "cred", "cluster": True}, "--registry-auth cannot be used with --cluster"),
     ({"registry_auth": " "}, "--registry-auth=' ' must name a registry credential"),
     ({"detach": True, "keep": True}, "give at most one of --detach and --keep"),
+    ({"launcher": "torchrun"}, "--launcher torchrun needs the training script"),
+    ({"launcher": "mpirun", "job": ("x.py",)}, "--launcher='mpirun' must be one of ray, "
+                                               "torchrun, accelerate"),
+    ({"env": ("PODAGENT_LAUNCHER=torchrun",)}, "is set by `podagent up` itself"),
     ({"volume_gb": 5}, "--volume=5 must be at least 10"),
     ({"env": ("NOEQUALS",)}, "--env='NOEQUALS' must be NAME=VALUE"),
     ({"env": ("EXPECTED_WORKERS=3",)}, "is set by `podagent up` itself"),
@@ -375,3 +379,14 @@ def test_the_log_follower_never_dies_of_what_it_meets(monkeypatch):
         kinds.append(records.get().kind)
     assert not log.alive and kinds == ["broken", "restored", "event", "text", "lost"]
     assert log.connections == 15
+
+
+def test_a_run_without_ray_gives_every_pod_the_launcher_and_the_job():
+    spec = build(launcher="torchrun", job=("--nproc-per-node", "8", "train.py", "--lr", "1"))
+    for rank in (0, 1, 2):
+        env = specs.pod_env(spec, rank, head_id="h1")
+        assert env["PODAGENT_LAUNCHER"] == "torchrun"
+        assert env["PODAGENT_JOB"] == "--nproc-per-node 8 train.py --lr 1"
+        assert env["EXPECTED_WORKERS"] == "2"
+    ray = specs.pod_env(build(job=("python", "train.py")), 1, head_id="h1")
+    assert "PODAGENT_LAUNCHER" not in ray and "PODAGENT_JOB" not in ray
