@@ -85,3 +85,30 @@ def test_every_page_of_docs_is_linked_from_the_readme():
     linked = {(ROOT / target.partition("#")[0]).resolve()
               for target in LINK.findall(_prose(README))}
     assert [p.name for p in DOCS[1:] if p.resolve() not in linked] == []
+
+
+def _to_add_rows() -> list[tuple[str, str, str]]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## To add X, change Y", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    return [(r[0].lstrip("| "), r[1], r[2].rstrip(" |")) for r in rows[2:]]  # past the header
+
+
+def test_the_to_add_table_names_real_files_and_counts_them():
+    """docs/architecture.md's "To add X, change Y": every path a row names exists, and the
+    files column counts them (`N`: exactly; `N or M` / `N to M`: at least the fewest; `+ K`:
+    files the row names without a path)."""
+    rows = _to_add_rows()
+    assert {"an asking command", "a state of the head", "a reward server setting",
+            "a launcher (beside torchrun and accelerate)"} <= {r[0] for r in rows}
+    for what, change, files in rows:
+        named = set(re.findall(r"podagent/[\w/]+\.py", change))
+        missing = [p for p in named if not (ROOT / p).is_file()]
+        assert not missing, f"{what}: no such file {missing}"
+        count = re.fullmatch(r"(\d+)?(?: (?:or|to) (\d+))?(?: ?\+ ?(\d+))?", files.strip())
+        assert count, f"{what}: files column {files!r}"
+        fewest, most = int(count.group(1) or 0), count.group(2)
+        if most is None:
+            assert len(named) == fewest, f"{what}: names {sorted(named)}, says {files}"
+        else:
+            assert len(named) >= fewest, f"{what}: names {sorted(named)}, says {files}"

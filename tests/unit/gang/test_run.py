@@ -132,3 +132,10 @@ def test_a_first_start_is_no_restart_and_the_backoff_doubles(tmp_path):
     ledger.started("pod")
     assert check_restarts(settings, ledger) == 0
     assert [restarts.backoff(settings, n) for n in (1, 2, 3, 8)] == [4.0, 8.0, 16.0, 300.0]
+
+
+def test_every_launcher_the_settings_take_has_its_class():
+    from podagent.choices import LAUNCHERS, RAY_LAUNCHER
+    from podagent.gang import run as gang_run
+
+    assert set(gang_run.LAUNCHERS) == set(LAUNCHERS) - {RAY_LAUNCHER}
