@@ -320,8 +320,9 @@ def test_the_live_view_in_a_real_terminal(cloud, tmp_path):
     socket_name = f"podagent-test-{os.getpid()}"
     cloud.hold_provisioning(r"-w1$")
     done = tmp_path / "done"
+    go = tmp_path / "go"  # the stand-in head ends its run only once the board showed w1 run
     argv = up_argv("live", 2, "-e", "POD_HEAD_LINES=1", "-e", "POD_HEAD_CODE=3",
-                   image=HEAD_IMAGE)
+                   "-e", f"POD_HEAD_GO={go}", image=HEAD_IMAGE)
     command = f"{shlex.join(argv)}; echo $? > {shlex.quote(str(done))}"
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()
                        if k in ("RUNPOD_API_KEY", "RUNPOD_API_URL", "XDG_STATE_HOME", "PATH",
@@ -341,6 +342,7 @@ def test_the_live_view_in_a_real_terminal(cloud, tmp_path):
         cloud.release_provisioning()
         wait_for(lambda: re.search(r"podagent-live-w1\s+\S+\s+RUNNING", pane()), timeout=90,
                  what="the board to show w1 RUNNING")
+        go.touch()
         wait_for(done.exists, timeout=RUN_BOUND, what="podagent up to end")
         final = pane("-S", "-")  # with what scrolled off the screen
     finally:
