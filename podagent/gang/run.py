@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from podagent import __version__, process
 from podagent.choices import AfterRun, OnNodeLoss
 from podagent.config import AFTER_RUN, Settings
-from podagent.errors import HeadUnreachable, JobFailed, PeerLost, PodagentError
+from podagent.errors import HeadUnreachable, PodagentError
 from podagent.gang import mesh
 from podagent.gang.launchers import (
     Accelerate,
@@ -25,7 +25,7 @@ from podagent.gang.launchers import (
 )
 from podagent.gang.supervisor import Cause, HeadSupervisor, Plan, WorkerSupervisor
 from podagent.gang.supervisor import run as supervise
-from podagent.platform.roles import Role, detect_role
+from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.report import Reporter
 from podagent.run import beacon, restarts
 from podagent.run.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
@@ -77,13 +77,9 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
             number = check_restarts(settings, ledger)
             if number:
                 _back_off(settings, number, reporter, signals)
-            cause, me, head_addr = _supervised(settings, launcher, role, reporter, signals,
+            cause, me, head_addr = _supervised(settings, launcher, decision, reporter, signals,
                                                data_check, loader, asked_rank)
-            error = cause.error(me, launcher.name)
-            if isinstance(error, PeerLost) and settings.on_node_loss == OnNodeLoss.FAIL:
-                # As on the Ray path: the training decides, and a lost pod breaks it.
-                error = JobFailed(f"{error}; PODAGENT_ON_NODE_LOSS=fail: the run is not "
-                                  f"started again")
+            error = cause.error(me, launcher.name, settings.on_node_loss == OnNodeLoss.FAIL)
             if error is not None:
                 raise error
         except mesh.HeadSaysOver as said:
@@ -141,14 +137,15 @@ def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Sign
         signals.sleep(wait)
 
 
-def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Reporter,
-                signals: Signals, data_check: bool, loader: str | None,
+def _supervised(settings: Settings, launcher: Launcher, decision: RoleDecision,
+                reporter: Reporter, signals: Signals, data_check: bool, loader: str | None,
                 asked_rank: int | None) -> tuple[Cause, str, str | None]:
     """The cause the run ended with, this pod as its peers name it, and (the head) its
     address."""
     from podagent.platform import discovery
     from podagent.run import pod_setup
 
+    role = decision.role
     name = settings.pod_id or socket.gethostname()
     deadline = 0.0
     if role is Role.HEAD:
@@ -169,8 +166,9 @@ def _supervised(settings: Settings, launcher: Launcher, role: Role, reporter: Re
     plan = Plan(launcher, data_check, loader, tuple(launcher.script),
                 dict(setup.nccl.variables), setup.gpus)
     kind = HeadSupervisor if role is Role.HEAD else WorkerSupervisor
-    supervisor = kind(settings, role, plan, me, rv, reporter, signals, settings.run_dir)
-    return (supervise(supervisor, deadline, asked_rank), str(me),
+    supervisor = kind(settings, decision, plan, me, rv, reporter, signals, settings.run_dir,
+                      deadline, asked_rank)
+    return (supervise(supervisor), str(me),
             head_ip if role is Role.HEAD else None)
 
 

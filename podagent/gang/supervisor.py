@@ -18,12 +18,13 @@ import queue
 import shlex
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from podagent import process
+from podagent.choices import OnNodeLoss
 from podagent.config import CLUSTER_TOKEN, Settings, child_environ
 from podagent.errors import (
     DataOverlap,
@@ -36,8 +37,9 @@ from podagent.errors import (
 )
 from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
-from podagent.platform.roles import Role
+from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
+from podagent.run.lifecycle import Lifecycle
 from podagent.waiting import Deadline, Signals
 from podagent.wire import Event, GangPhase
 
@@ -72,8 +74,11 @@ class Cause:
                    str(body.get("detail", ""))[:2000], str(body.get("step", "")),
                    rc if isinstance(rc, int) else None)
 
-    def error(self, me: str, launcher: str) -> PodagentError | None:
-        """What this pod exits with (None: success)."""
+    def error(self, me: str, launcher: str, lost_is_final: bool = False
+              ) -> PodagentError | None:
+        """What this pod exits with (None: success). `lost_is_final`
+        (PODAGENT_ON_NODE_LOSS=fail): a lost pod fails the run, as on the Ray path, where the
+        training decides and a lost pod breaks it; nothing starts it again."""
         if self.kind == "succeeded":
             return None
         if self.kind == "stopped":
@@ -86,8 +91,12 @@ class Cause:
         if self.kind == "failed":  # the run failed, on every pod alike: none starts it again
             return JobFailed(f"the {self.step} failed on pod {self.pod} ({launcher} exited "
                              f"{self.rc}); stopped this pod's training")
-        return PeerLost(f"pod {self.pod} was lost: {self.detail}; stopped this pod's training",
+        lost = PeerLost(f"pod {self.pod} was lost: {self.detail}; stopped this pod's training",
                         self.pod)
+        if lost_is_final:
+            return JobFailed(f"{lost}; PODAGENT_ON_NODE_LOSS=fail: the run is not started "
+                             f"again")
+        return lost
 
 
 def stronger(current: Cause | None, new: Cause) -> Cause:
@@ -109,16 +118,28 @@ class Plan:
     gpus: int
 
 
-class Supervisor:
-    """One pod's side of a run without Ray: its phases, its launcher, the steps it runs and
-    how they end; the head and the worker each add their part of the protocol."""
+class Supervisor(Lifecycle[GangPhase]):
+    """One pod's side of a run without Ray, as the kernel's named lifecycle: RENDEZVOUS ->
+    RUNNING (once per step: the data check, then the training) -> ENDING -> DONE, its
+    launcher's process stopped in the teardown within the lifecycle's budget; the head and
+    the worker each add their part of the protocol. A signal is no error between states here:
+    the handlers watch for it and end the run in order (the head tells every worker first),
+    and `run()` below raises Interrupted once the run is over."""
 
-    def __init__(self, settings: Settings, role: Role, plan: Plan, me: mesh.Peer,
-                 rv: mesh.Rendezvous, reporter: Reporter, signals: Signals, run_dir: Path):
-        self.settings, self.role, self.plan, self.me, self.rv = settings, role, plan, me, rv
-        self.reporter, self.signals, self.run_dir = reporter, signals, run_dir
+    FIRST, LAST, SUCCESS = GangPhase.RENDEZVOUS, GangPhase.DONE, "succeeded"
+
+    def __init__(self, settings: Settings, decision: RoleDecision, plan: Plan, me: mesh.Peer,
+                 rv: mesh.Rendezvous, reporter: Reporter, signals: Signals, run_dir: Path,
+                 deadline: float = 0.0, asked_rank: int | None = None):
+        super().__init__(settings, decision, reporter, signals)
+        self.role, self.plan, self.me, self.rv = decision.role, plan, me, rv
+        self.run_dir, self.deadline, self.asked_rank = run_dir, deadline, asked_rank
         self.events: queue.Queue[mesh.Event] = queue.Queue()
-        self.phase = GangPhase.RENDEZVOUS
+        self.cause: Cause | None = None  # how the run ended, once it has
+        self._next: Step | None = None  # the step RUNNING runs next
+        self._steps: list[Step] = []  # the head: every step, in order, once the layout is known
+        self._by_name: dict[str, Step] = {}  # a worker: its steps, for the head's word
+        self._link: mesh.Link | None = None  # a worker's
         self.step_name = ""
         self.training: process.ManagedProcess | None = None
         self.started = time.time()
@@ -131,9 +152,39 @@ class Supervisor:
     def log_path(self) -> Path:
         return self.run_dir / TRAINING_LOG
 
-    def _enter(self, phase: GangPhase, **fields: Any) -> None:
-        self.phase = phase
-        self.reporter.event(Event.STATE, state=phase.value, **fields)
+    @property
+    def phase(self) -> GangPhase:
+        return self.state
+
+    def _check_signals(self) -> None:
+        pass  # every handler turns a signal into the run's end (`_signal_cause`)
+
+    def _state_fields(self) -> dict[str, Any]:
+        if self.state is GangPhase.RUNNING and self._next is not None:
+            return {"step": self._next.name}
+        if self.state is GangPhase.ENDING and self.cause is not None:
+            return {"cause": self.cause.kind, "pod": self.cause.pod}
+        return {}
+
+    def _ending(self, cause: Cause) -> GangPhase:
+        self.cause = cause
+        return GangPhase.ENDING
+
+    def error(self) -> PodagentError | None:
+        """What this pod exits with once the run ended (None: success)."""
+        assert self.cause is not None
+        return self.cause.error(str(self.me), self.plan.launcher.name,
+                                self.settings.on_node_loss == OnNodeLoss.FAIL)
+
+    def _finished_outcome(self) -> str:
+        if self.signals.received is not None and self.cause is not None \
+                and self.cause.pod == str(self.me):
+            return Interrupted.__name__  # `run()` raises it once the others were told
+        error = self.error()
+        return type(error).__name__ if error is not None else self.SUCCESS
+
+    def _teardown(self, outcome: str) -> None:
+        self._guarded("stop the training", lambda: self._stop_training(hurried=True))
 
     def steps(self, layout: Layout) -> list[Step]:
         plan, out = self.plan, []
@@ -186,10 +237,14 @@ class Supervisor:
         return tuple(datacheck.read_reports(self.run_dir / "data-check", str(self.me)))
 
     def _stop_training(self, hurried: bool) -> None:
+        """TERM, then KILL at the stop timeout (at most 3 s when hurried: the run is over
+        anyway, or a signal came, and never past the lifecycle's budget then)."""
         if self.training is None:
             return
-        seconds = min(self.settings.stop_timeout, 3.0) if hurried else self.settings.stop_timeout
-        termed, killed = self.training.stop(Deadline.after(seconds))
+        want = self.settings.stop_timeout
+        deadline = self._deadline(min(want, 3.0) if hurried else want,
+                                  hurried=min(want, 3.0))
+        termed, killed = self.training.stop(deadline)
         if termed or killed:
             self.reporter.event(Event.TRAINING_STOPPED, termed=termed, killed=killed)
         self.training = None
@@ -200,39 +255,54 @@ class Supervisor:
         name = signal.Signals(self.signals.received).name
         return Cause("lost", str(self.me), f"its podagent was stopped by {name}")
 
-    def run(self, deadline: float, asked_rank: int | None) -> Cause:
-        raise NotImplementedError
 
 
 class HeadSupervisor(Supervisor):
     """The head: holds the rendezvous, starts each step everywhere and decides the end."""
 
-    def run(self, deadline: float, asked_rank: int | None) -> Cause:
+    def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
+        return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
+                GangPhase.ENDING: self._end}
+
+    def _rendezvous(self) -> GangPhase:
         hub = mesh.Hub(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
                        self.reporter, self.events)
         self._hub = hub
         hub.status, hub.logs = self.status, self.logs
-        try:
-            members = hub.gather(self.settings.worker_timeout, self.signals.check,
-                                 self.settings.min_workers)
-            self.layout = layout = self._layout(len(members) + 1, 0)
-            steps = self.steps(layout)
-            hub.start(lambda m: {"rank": m.rank, "nodes": layout.nodes, "head": self.me.pod,
-                                 "step": steps[0].name if steps else ""})
-            self._say_layout(members)
-            cause: Cause | None = None
-            for i, step in enumerate(steps):
-                if i:
-                    hub.broadcast({"go": {"step": step.name, "check": self.check_line}})
-                self._enter(GangPhase.RUNNING, step=step.name)
-                cause = self._head_step(step, hub)
-                if cause is not None:
-                    break
-            cause = cause or Cause("succeeded")
-            self._head_end(hub, cause)
-            return cause
-        finally:
-            hub.close()
+        members = hub.gather(self.settings.worker_timeout, self.signals.check,
+                             self.settings.min_workers)
+        self.layout = layout = self._layout(len(members) + 1, 0)
+        self._steps = list(self.steps(layout))
+        hub.start(lambda m: {"rank": m.rank, "nodes": layout.nodes, "head": self.me.pod,
+                             "step": self._steps[0].name if self._steps else ""})
+        self._say_layout(members)
+        return self._after(-1)
+
+    def _after(self, index: int) -> GangPhase:
+        """The step after the one at `index`, or the run's success."""
+        if index + 1 < len(self._steps):
+            self._next = self._steps[index + 1]
+            return GangPhase.RUNNING
+        return self._ending(Cause("succeeded"))
+
+    def _running(self) -> GangPhase:
+        hub, step = self._hub, self._next
+        assert hub is not None and step is not None
+        index = self._steps.index(step)
+        if index:
+            hub.broadcast({"go": {"step": step.name, "check": self.check_line}})
+        cause = self._head_step(step, hub)
+        return self._ending(cause) if cause is not None else self._after(index)
+
+    def _end(self) -> GangPhase:
+        assert self._hub is not None and self.cause is not None
+        self._head_end(self._hub, self.cause)
+        return GangPhase.DONE
+
+    def _teardown(self, outcome: str) -> None:
+        super()._teardown(outcome)
+        if self._hub is not None:
+            self._guarded("close the supervisor port", self._hub.close)
 
     def _say_layout(self, members: list[mesh.Member]) -> None:
         ranks = ", ".join([f"0 {self.me}", *(f"{m.rank} {m.peer}" for m in members)])
@@ -300,7 +370,6 @@ class HeadSupervisor(Supervisor):
         return None
 
     def _head_end(self, hub: mesh.Hub, cause: Cause) -> None:
-        self._enter(GangPhase.ENDING, cause=cause.kind, pod=cause.pod)
         if cause.kind != "succeeded":
             self.reporter.say(f"ending the run on every pod: {self._describe(cause)}")
         hub.end(cause.to_wire())
@@ -311,7 +380,6 @@ class HeadSupervisor(Supervisor):
                                f"{', '.join(map(str, left))}")
         hub.answer_stoppers({"stopped": {"pods": len(hub.members) + 1,
                                          "left": [str(p) for p in left]}})
-        self._enter(GangPhase.DONE, cause=cause.kind)
 
     def _describe(self, cause: Cause) -> str:
         error = cause.error("", self.plan.launcher.name)
@@ -348,32 +416,44 @@ class HeadSupervisor(Supervisor):
 class WorkerSupervisor(Supervisor):
     """A worker: joins, runs each step the head starts, and follows the head's word."""
 
-    def run(self, deadline: float, asked_rank: int | None) -> Cause:
+    def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
+        return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
+                GangPhase.ENDING: self._end}
+
+    def _rendezvous(self) -> GangPhase:
         link = mesh.Link(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
                          self.reporter, self.events)
-        try:
-            go = link.join(deadline, self.settings.head_timeout, asked_rank, self.signals.sleep,
-                           self.signals.check)
-            link.head = mesh.Peer(self.rv.head_ip, str(go.get("head") or ""))
-            self.layout = layout = self._layout(int(go["nodes"]), int(go["rank"]))
-            self.reporter.say(f"{self.rv}: this pod is machine {layout.machine_rank} of "
-                              f"{layout.nodes}")
-            self.reporter.event(Event.RENDEZVOUS_DONE, nodes=layout.nodes,
-                                rank=layout.machine_rank)
-            steps = {s.name: s for s in self.steps(layout)}
-            step: Step | None = self._step_named(steps, go.get("step"))
-            cause: Cause | None = None
-            while step is not None and cause is None:
-                self._enter(GangPhase.RUNNING, step=step.name)
-                cause, next_name = self._worker_step(step, link)
-                step = self._step_named(steps, next_name) if next_name else None
-            cause = cause or Cause("succeeded")
-            self._enter(GangPhase.ENDING, cause=cause.kind, pod=cause.pod)
-            self._stop_training(hurried=self.signals.received is not None)
-            self._enter(GangPhase.DONE, cause=cause.kind)
-            return cause
-        finally:
-            link.close()
+        self._link = link
+        go = link.join(self.deadline, self.settings.head_timeout, self.asked_rank,
+                       self.signals.sleep, self.signals.check)
+        link.head = mesh.Peer(self.rv.head_ip, str(go.get("head") or ""))
+        self.layout = layout = self._layout(int(go["nodes"]), int(go["rank"]))
+        self.reporter.say(f"{self.rv}: this pod is machine {layout.machine_rank} of "
+                          f"{layout.nodes}")
+        self.reporter.event(Event.RENDEZVOUS_DONE, nodes=layout.nodes,
+                            rank=layout.machine_rank)
+        self._by_name = {s.name: s for s in self.steps(layout)}
+        self._next = self._step_named(self._by_name, go.get("step"))
+        return GangPhase.RUNNING
+
+    def _running(self) -> GangPhase:
+        assert self._link is not None and self._next is not None
+        cause, next_name = self._worker_step(self._next, self._link)
+        if cause is not None:
+            return self._ending(cause)
+        if not next_name:
+            return self._ending(Cause("succeeded"))
+        self._next = self._step_named(self._by_name, next_name)
+        return GangPhase.RUNNING
+
+    def _end(self) -> GangPhase:
+        self._stop_training(hurried=self.signals.received is not None)
+        return GangPhase.DONE
+
+    def _teardown(self, outcome: str) -> None:
+        super()._teardown(outcome)
+        if self._link is not None:
+            self._guarded("close the link to the head", self._link.close)
 
     @staticmethod
     def _step_named(steps: Mapping[str, Step], name: object) -> Step:
@@ -413,13 +493,12 @@ class WorkerSupervisor(Supervisor):
                 return None, str(event.body.get("step"))
 
 
-def run(supervisor: Supervisor, deadline: float, asked_rank: int | None) -> Cause:
+def run(supervisor: Supervisor) -> Cause:
     """Run this pod's part, whatever its role; the cause the run ended with. A signal's own
     pod raises Interrupted once its training is stopped and the others are told."""
-    try:
-        cause = supervisor.run(deadline, asked_rank)
-    finally:
-        supervisor._stop_training(hurried=True)
+    supervisor.run()
+    cause = supervisor.cause
+    assert cause is not None  # the lifecycle reached DONE through ENDING
     if supervisor.signals.received is not None and cause.pod == str(supervisor.me):
         raise Interrupted(supervisor.signals.received)
     return cause

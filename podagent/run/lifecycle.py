@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from podagent.choices import AfterRun
 from podagent.config import Settings
@@ -66,10 +66,10 @@ class Lifecycle(Generic[State]):
         outcome = INTERNAL_ERROR  # unless the loop ends otherwise
         try:
             while self.state is not self.LAST:
-                self.signals.check()
-                self.reporter.event(Event.STATE, state=self.state.value)
+                self._check_signals()
+                self.reporter.event(Event.STATE, state=self.state.value, **self._state_fields())
                 self.state = handlers[self.state]()
-            outcome = self.SUCCESS
+            outcome = self._finished_outcome()
         except EndRequested as exc:
             outcome = exc.outcome
         except Interrupted as exc:
@@ -85,6 +85,20 @@ class Lifecycle(Generic[State]):
 
     def _teardown(self, outcome: str) -> None:
         raise NotImplementedError
+
+    def _check_signals(self) -> None:
+        """Between states: a signal raises Interrupted here (a role whose handlers turn a
+        signal into an orderly end of their own says so by overriding this)."""
+        self.signals.check()
+
+    def _finished_outcome(self) -> str:
+        """The outcome of a run whose loop reached LAST (a role whose run can end badly
+        without raising says which end it came to)."""
+        return self.SUCCESS
+
+    def _state_fields(self) -> dict[str, Any]:
+        """What the `state` event says beside the state's name."""
+        return {}
 
     # --- what the CLI asks once `run()` is over ----------------------------------------------
 
