@@ -123,13 +123,16 @@ def create(field: Field, root: Path, wheel: Path) -> Installed:
     """A fresh venv with the field's pins, then podagent (with its extras) from `wheel`.
 
     The pins go in with uv (seconds, not minutes); podagent goes in with pip, as a user's
-    `pip install` would put it into the trainer's image.
+    `pip install` would put it into the trainer's image. Compiled, as pip leaves an image: Ray
+    from source costs every process its compile (PYTHONDONTWRITEBYTECODE keeps none), and before
+    2.52 `ray start` gives the dashboard's nine processes a fixed 20 s (16 s of it so spent on
+    an idle two-core machine, all of it under load: a CI run's head failed five attempts).
     """
     path = root / field.name
     env = FieldEnv(field, path)
     for argv in ([_uv(), "venv", "--quiet", "--seed", "--python", sys.executable, str(path)],
-                 [_uv(), "pip", "install", "--quiet", "--python", str(env.bin / "python"),
-                  *(field.pins or core_floors())]):
+                 [_uv(), "pip", "install", "--quiet", "--compile-bytecode", "--python",
+                  str(env.bin / "python"), *(field.pins or core_floors())]):
         result = env.run(argv)
         if result.returncode:
             raise CommandFailed(f"{field.name}: {' '.join(argv[:3])} exited "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from typing import BinaryIO
 
 from tests.harness.pods import DnsServer, Pod, wait_for
 
+OWN_LINE = re.compile(r"\[[a-z][\w-]*\] ")  # podagent's lines start with its role
 # Variables a test must not inherit from the machine it runs on.
 _SCRUB_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
 _SCRUB_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "NODE_ADDR",
@@ -78,13 +80,20 @@ class Agent:
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
 
+    def said(self, limit: int = 3000) -> str:
+        """podagent's own lines (`[<role>] ...`), then the output's tail: a failure's line
+        is not lost behind the many lines a Ray or a job printed after it."""
+        output = self.output
+        own = [line for line in output.splitlines() if OWN_LINE.match(line)]
+        return ("\n".join(own)[-limit:] + f"\n--- last of the output ---\n{output[-limit:]}")
+
     def wait_output(self, text: str, timeout: float) -> None:
         def seen() -> bool:
             if text in self.output:
                 return True
             if self.proc and self.proc.poll() is not None:
                 raise AssertionError(f"{self.pod.name} exited {self.proc.returncode} before "
-                                     f"printing {text!r}:\n{self.output[-3000:]}")
+                                     f"printing {text!r}:\n{self.said()}")
             return False
 
         wait_for(seen, timeout=timeout, interval=0.2,
