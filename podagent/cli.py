@@ -19,6 +19,7 @@ from podagent import __version__, config, errors, extras
 from podagent.choices import LAUNCHERS, RAY_LAUNCHER
 from podagent.platform.roles import Role, detect_role
 from podagent.ray_access import ray_compat
+from podagent.run.ledger import SUCCEEDED
 from podagent.waiting import Signals
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def _run_role(flags: dict[str, str | None], explicit: Role | None,
 
 # How each way a start of the run can end (the lifecycle's outcome: the error's class name, or
 # one of these) maps onto the exit code; a restarted head repeats a finished run's code.
-OK_OUTCOMES = ("succeeded", "left", "StopRequested")
+OK_OUTCOMES = (SUCCEEDED, "left", "StopRequested")
 
 
 def code_for_outcome(outcome: str) -> int | None:

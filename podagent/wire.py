@@ -118,6 +118,16 @@ class GangPhase(Named):
     DONE = "done"
 
 
+class Ending(Named):
+    """How a run ended (or what would end it), strongest last: the kernel's `Cause`
+    (run/policy.py), in a run without Ray's end message and its ENDING state."""
+    SUCCEEDED = "succeeded"
+    STOPPED = "stopped"  # by `podagent stop`, or by someone else through Ray
+    OVERLAP = "overlap"  # the data check found ranks seeing the same samples
+    FAILED = "failed"  # the training (the job) failed by itself
+    LOST = "lost"  # a pod was lost, cut off or stopped
+
+
 class MemberState(Named):
     """A worker of a run without Ray as its head sees it."""
     JOINED = "joined"  # said hello in the rendezvous

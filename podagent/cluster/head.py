@@ -28,7 +28,7 @@ from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access.gcs import GcsClient
 from podagent.report import Progress, Reporter
 from podagent.run import ledger as ledger_mod
-from podagent.run.ledger import Ledger, record_or_warn
+from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
 from podagent.run.lifecycle import Lifecycle
 from podagent.waiting import Backoff, Deadline, Expired, Signals, retry
 from podagent.wire import Event, HeadState
@@ -135,7 +135,7 @@ class Head(Lifecycle[HeadState]):
     """The head's lifecycle: recall the run, start Ray and the reward server, gather the
     workers, run and follow the job (restarting it as the policy says), and end in order."""
 
-    FIRST, LAST, SUCCESS = HeadState.RECALLING, HeadState.DONE, "succeeded"
+    FIRST, LAST, SUCCESS = HeadState.RECALLING, HeadState.DONE, SUCCEEDED
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):

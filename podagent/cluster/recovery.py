@@ -1,5 +1,5 @@
 """Restarts of the job after a lost node (PODAGENT_ON_NODE_LOSS) or a failed job
-(PODAGENT_RETRY_FAILED_JOB) on the Ray path: the kernel's policy (run/restarts.py) carried
+(PODAGENT_RETRY_FAILED_JOB) on the Ray path: the kernel's policy (run/policy.py) carried
 out, kept apart from the head's states as torch's elastic agent keeps its restart loop apart
 from starting and watching its workers.
 
@@ -21,7 +21,7 @@ from podagent.cluster.job_spec import JobAttempt
 from podagent.config import Settings
 from podagent.ray_access.gcs import NodeInfo
 from podagent.report import Reporter
-from podagent.run import restarts
+from podagent.run import policy
 from podagent.run.ledger import Ledger, record_or_warn
 from podagent.waiting import Backoff, Expired, Signals, retry
 from podagent.wire import Event
@@ -80,7 +80,8 @@ class Recovery:
         return lost
 
     def restart_reason(self, job_status: str | None, lost: list[NodeInfo]) -> str | None:
-        return restarts.restart_reason(self.settings, job_status, [w.ip for w in lost])
+        return policy.restart_reason(self.settings,
+                                     policy.Cause.of_job(job_status, [w.ip for w in lost]))
 
     # --- a restart ----------------------------------------------------------------------------
 
@@ -88,7 +89,7 @@ class Recovery:
         """Counts the restart against PODAGENT_RESTARTS (across container restarts: the ledger
         keeps them), says it loudly and records it."""
         settings = self.settings
-        number, now = restarts.admit(settings, len(self.ledger.restarts), why), time.time()
+        number, now = policy.admit(settings, len(self.ledger.restarts), why), time.time()
         # The run stopped making progress when the job ended or the loss was seen, if earlier.
         noticed = min(t for t in (self.census.first_noticed(), job.ended_at, now)
                       if t is not None)
@@ -99,7 +100,7 @@ class Recovery:
                            f"{ended}; waiting for {settings.expected_workers} worker(s) (a "
                            f"replacement pod counts), then the job is submitted again, "
                            f"resuming from the newest checkpoint")
-        backoff = restarts.backoff(settings, number)
+        backoff = policy.backoff(settings, number)
         self.under_way = Restart(number, noticed, now, time.monotonic() + backoff)
         ips = [w.ip for w in lost]
         entry = {"n": number, "reason": why, "lost": ips, "job": submission,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from podagent import __version__, process
-from podagent.choices import AfterRun, OnNodeLoss
+from podagent.choices import AfterRun
 from podagent.config import AFTER_RUN, Settings
 from podagent.errors import HeadUnreachable, PodagentError
 from podagent.gang import mesh
@@ -23,18 +23,18 @@ from podagent.gang.launchers import (
     rendezvous_id,
     wait_limit,
 )
-from podagent.gang.supervisor import Cause, HeadSupervisor, Plan, WorkerSupervisor
+from podagent.gang.supervisor import HeadSupervisor, Plan, WorkerSupervisor
 from podagent.gang.supervisor import run as supervise
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.report import Reporter
-from podagent.run import beacon, restarts
-from podagent.run.ledger import INTERNAL_ERROR, Ledger, recall, record_or_warn
+from podagent.run import beacon, policy
+from podagent.run.ledger import INTERNAL_ERROR, SUCCEEDED, Ledger, recall, record_or_warn
+from podagent.run.policy import Cause
 from podagent.waiting import Signals
 from podagent.wire import Event
 
 LAUNCHERS: dict[str, type[Torchrun] | type[Accelerate]] = {"torchrun": Torchrun,
                                                            "accelerate": Accelerate}
-SUCCESS = 0
 
 
 def launcher_for(name: str, user_args: Sequence[str]) -> Launcher:
@@ -48,7 +48,7 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
         outcome_code: Callable[[str], int],
         restartable: Callable[[int], bool] = lambda code: False) -> int:
     from podagent.run import after_run
-    from podagent.run.shell import install_signals, report_end, reporter_for, settle
+    from podagent.run.shell import SUCCESS, install_signals, report_end, reporter_for, settle
 
     decision = detect_role(settings)
     role = decision.role
@@ -72,14 +72,14 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
     if finished:
         code = outcome_code(finished["outcome"])
     else:
-        outcome = "succeeded"
+        outcome = SUCCEEDED
         try:
             number = check_restarts(settings, ledger)
             if number:
                 _back_off(settings, number, reporter, signals)
             cause, me, head_addr = _supervised(settings, launcher, decision, reporter, signals,
                                                data_check, loader, asked_rank)
-            error = cause.error(me, launcher.name, settings.on_node_loss == OnNodeLoss.FAIL)
+            error = cause.error(me, launcher.name, settings)
             if error is not None:
                 raise error
         except mesh.HeadSaysOver as said:
@@ -123,13 +123,13 @@ def check_restarts(settings: Settings, ledger: Ledger) -> int:
     losses = sum(1 for start in ledger.data["starts"][:-1] if start.get("outcome") in LOSSES)
     if not losses:
         return 0
-    return restarts.admit(settings, losses - 1,
+    return policy.admit(settings, losses - 1,
                           f"run {settings.run_name}: a pod was lost or missing {losses} times, "
                           f"more than PODAGENT_RESTARTS={settings.restarts} allows")
 
 
 def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Signals) -> None:
-    wait = restarts.backoff(settings, number)
+    wait = policy.backoff(settings, number)
     reporter.warn(f"RESTART {number}/{settings.restarts}: a pod of the run was lost; starting "
                   f"it again" + (f" after {wait:g} s (PODAGENT_RESTART_BACKOFF)" if wait else ""))
     reporter.event(Event.RESTART, n=number, of=settings.restarts, backoff_s=wait)

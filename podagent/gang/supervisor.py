@@ -1,9 +1,9 @@
 """A run without Ray, supervised on every pod: podagent's rendezvous, then each step (the data
 check, the training) launched on every pod at once, and the run's end decided in one place.
 
-Policy apart from mechanism: `Cause` and `stronger` say which of several things that went wrong
-ends the run and how each pod exits (`Cause.error`); the `Supervisor` moves through its
-phases, watches its launcher and its peers, and acts.
+Policy apart from mechanism: the kernel's policy (run/policy.py: `Cause`, `stronger`) says which
+of several things that went wrong ends the run and how each pod exits (`Cause.error`); the
+`Supervisor` moves through its phases, watches its launcher and its peers, and acts.
 
 The head decides for everyone. A worker reports its step's end to the head and waits for the
 head's word; only a head that is gone is decided by the worker itself. When several things go
@@ -19,90 +19,32 @@ import shlex
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from podagent import process
-from podagent.choices import OnNodeLoss
 from podagent.config import CLUSTER_TOKEN, Settings, child_environ
 from podagent.errors import (
-    DataOverlap,
     InputError,
     Interrupted,
-    JobFailed,
-    JobStopped,
-    PeerLost,
     PodagentError,
 )
 from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
+from podagent.run.ledger import SUCCEEDED
 from podagent.run.lifecycle import Lifecycle
+from podagent.run.policy import Cause, stronger
 from podagent.waiting import Deadline, Signals
-from podagent.wire import Event, GangPhase
+from podagent.wire import Ending, Event, GangPhase
 
 SETTLE = 1.0  # seconds a first failure waits for a stronger cause (a lost pod) to show
 POLL = 0.1  # how often the launcher's exit is looked at between events
 LOG_CHUNK = 1 << 18  # bytes of the training log per `podagent logs` answer
 TRAINING_LOG = "training.log"
 END_WAIT = 5.0  # seconds beyond the stop timeout the head waits for its workers to be out
-
-
-# --- policy ------------------------------------------------------------------------------
-
-# Which cause ends the run when several show: a pod gone explains the failures after it.
-_STRENGTH = {"lost": 3, "failed": 2, "overlap": 1, "stopped": 1, "succeeded": 0}
-
-
-@dataclass(frozen=True)
-class Cause:
-    kind: str  # lost | failed | overlap | stopped | succeeded
-    pod: str = ""  # the pod it happened on (as `str(Peer)`), or who asked to stop
-    detail: str = ""  # why it was lost; the data check's line
-    step: str = ""
-    rc: int | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> Cause:
-        rc = body.get("rc")
-        return cls(str(body.get("kind", "lost")), str(body.get("pod", "")),
-                   str(body.get("detail", ""))[:2000], str(body.get("step", "")),
-                   rc if isinstance(rc, int) else None)
-
-    def error(self, me: str, launcher: str, lost_is_final: bool = False
-              ) -> PodagentError | None:
-        """What this pod exits with (None: success). `lost_is_final`
-        (PODAGENT_ON_NODE_LOSS=fail): a lost pod fails the run, as on the Ray path, where the
-        training decides and a lost pod breaks it; nothing starts it again."""
-        if self.kind == "succeeded":
-            return None
-        if self.kind == "stopped":
-            return JobStopped(f"the run was stopped by `podagent stop` from {self.pod}")
-        if self.kind == "overlap":
-            return DataOverlap(self.detail)
-        if self.kind == "failed" and self.pod == me:
-            return JobFailed(f"the {self.step} ({launcher}) exited {self.rc} on this pod; "
-                             f"stopped it on every pod")
-        if self.kind == "failed":  # the run failed, on every pod alike: none starts it again
-            return JobFailed(f"the {self.step} failed on pod {self.pod} ({launcher} exited "
-                             f"{self.rc}); stopped this pod's training")
-        lost = PeerLost(f"pod {self.pod} was lost: {self.detail}; stopped this pod's training",
-                        self.pod)
-        if lost_is_final:
-            return JobFailed(f"{lost}; PODAGENT_ON_NODE_LOSS=fail: the run is not started "
-                             f"again")
-        return lost
-
-
-def stronger(current: Cause | None, new: Cause) -> Cause:
-    if current is None or _STRENGTH[new.kind] > _STRENGTH[current.kind]:
-        return new
-    return current
 
 
 # --- mechanism ---------------------------------------------------------------------------
@@ -126,7 +68,7 @@ class Supervisor(Lifecycle[GangPhase]):
     the handlers watch for it and end the run in order (the head tells every worker first),
     and `run()` below raises Interrupted once the run is over."""
 
-    FIRST, LAST, SUCCESS = GangPhase.RENDEZVOUS, GangPhase.DONE, "succeeded"
+    FIRST, LAST, SUCCESS = GangPhase.RENDEZVOUS, GangPhase.DONE, SUCCEEDED
 
     def __init__(self, settings: Settings, decision: RoleDecision, plan: Plan, me: mesh.Peer,
                  rv: mesh.Rendezvous, reporter: Reporter, signals: Signals, run_dir: Path,
@@ -173,8 +115,7 @@ class Supervisor(Lifecycle[GangPhase]):
     def error(self) -> PodagentError | None:
         """What this pod exits with once the run ended (None: success)."""
         assert self.cause is not None
-        return self.cause.error(str(self.me), self.plan.launcher.name,
-                                self.settings.on_node_loss == OnNodeLoss.FAIL)
+        return self.cause.error(str(self.me), self.plan.launcher.name, self.settings)
 
     def _finished_outcome(self) -> str:
         if self.signals.received is not None and self.cause is not None \
@@ -253,7 +194,7 @@ class Supervisor(Lifecycle[GangPhase]):
         if self.signals.received is None:
             return None
         name = signal.Signals(self.signals.received).name
-        return Cause("lost", str(self.me), f"its podagent was stopped by {name}")
+        return Cause(Ending.LOST, str(self.me), f"its podagent was stopped by {name}")
 
 
 
@@ -283,7 +224,7 @@ class HeadSupervisor(Supervisor):
         if index + 1 < len(self._steps):
             self._next = self._steps[index + 1]
             return GangPhase.RUNNING
-        return self._ending(Cause("succeeded"))
+        return self._ending(Cause(Ending.SUCCEEDED))
 
     def _running(self) -> GangPhase:
         hub, step = self._hub, self._next
@@ -328,7 +269,8 @@ class HeadSupervisor(Supervisor):
                 own_rc = rc
                 training.finish_output()
                 if rc:
-                    cause = stronger(cause, Cause("failed", str(self.me), step=step.name, rc=rc))
+                    cause = stronger(cause, Cause(Ending.FAILED, str(self.me), step=step.name,
+                                                  rc=rc))
                 elif step.name == "data check":
                     reports.extend(self._reports())
             try:
@@ -336,17 +278,17 @@ class HeadSupervisor(Supervisor):
             except queue.Empty:
                 event = None
             if isinstance(event, mesh.Lost):
-                cause = stronger(cause, Cause("lost", str(event.peer), event.why))
+                cause = stronger(cause, Cause(Ending.LOST, str(event.peer), event.why))
             elif isinstance(event, mesh.StopAsked):
-                cause = stronger(cause, Cause("stopped", event.by))
+                cause = stronger(cause, Cause(Ending.STOPPED, event.by))
             elif isinstance(event, mesh.Done) and event.step == step.name:
                 waiting.discard(str(event.peer))
                 if event.rc:
-                    cause = stronger(cause, Cause("failed", str(event.peer), step=step.name,
+                    cause = stronger(cause, Cause(Ending.FAILED, str(event.peer), step=step.name,
                                                   rc=event.rc))
                 reports.extend(event.reports)
             if cause is not None:
-                if cause.kind in ("lost", "stopped"):
+                if cause.kind in (Ending.LOST, Ending.STOPPED):
                     return cause
                 settle_until = settle_until or time.monotonic() + SETTLE
                 if time.monotonic() >= settle_until:
@@ -364,13 +306,13 @@ class HeadSupervisor(Supervisor):
         self.reporter.event(Event.DATA_CHECK, ok=verdict.ok, line=verdict.line,
                             **dict(verdict.figures))
         if not verdict.ok:
-            return Cause("overlap", str(self.me), verdict.line)
+            return Cause(Ending.OVERLAP, str(self.me), verdict.line)
         self.reporter.say(verdict.line)
         self.check_line = verdict.line
         return None
 
     def _head_end(self, hub: mesh.Hub, cause: Cause) -> None:
-        if cause.kind != "succeeded":
+        if cause.kind is not Ending.SUCCEEDED:
             self.reporter.say(f"ending the run on every pod: {self._describe(cause)}")
         hub.end(cause.to_wire())
         self._stop_training(hurried=self.signals.received is not None)
@@ -442,7 +384,7 @@ class WorkerSupervisor(Supervisor):
         if cause is not None:
             return self._ending(cause)
         if not next_name:
-            return self._ending(Cause("succeeded"))
+            return self._ending(Cause(Ending.SUCCEEDED))
         self._next = self._step_named(self._by_name, next_name)
         return GangPhase.RUNNING
 
@@ -484,7 +426,7 @@ class WorkerSupervisor(Supervisor):
             except queue.Empty:
                 continue
             if isinstance(event, mesh.Lost):
-                return Cause("lost", str(link.head), event.why), None
+                return Cause(Ending.LOST, str(link.head), event.why), None
             if isinstance(event, mesh.FromHead) and event.kind == "end":
                 return Cause.from_wire(event.body), None
             if isinstance(event, mesh.FromHead) and event.kind == "go" and reported:

@@ -19,14 +19,16 @@ from typing import Any
 
 from podagent.errors import LedgerError
 from podagent.report import Reporter
-from podagent.wire import Event
+from podagent.wire import Ending, Event
 
 LEDGER = "ledger.json"
+# The outcome of a run that succeeded (the others are an error's class name, or left).
+SUCCEEDED = Ending.SUCCEEDED.value
 # The outcome of a start that ended in a bug of podagent's (the CLI's exit 70).
 INTERNAL_ERROR = "InternalError"
 # The run ended for good: the job reached an end of its own, or someone asked for the end.
 # Anything else (a signal, a lost Ray, workers that never came) leaves the run to a restart.
-FINISHED = ("succeeded", "JobFailed", "JobStopped", "StopRequested", "RestartsExhausted",
+FINISHED = (SUCCEEDED, "JobFailed", "JobStopped", "StopRequested", "RestartsExhausted",
             "DataOverlap")
 # So many starts in a row ending in an internal error end the run for good: the same bug
 # would meet every restarted container, billing GPUs in a loop.

@@ -24,6 +24,7 @@ from podagent.choices import AfterRun
 from podagent.errors import Interrupted
 from podagent.report import Reporter
 from podagent.run import after_run
+from podagent.run.ledger import SUCCEEDED
 from podagent.waiting import Backoff, Expired, Signals, retry
 from podagent.wire import Event
 
@@ -130,7 +131,7 @@ def _say_over(settings: config.Settings, reporter: Reporter, signals: Signals,
     most)."""
     from podagent.run import beacon
 
-    word = beacon.Over(settings.run_name, "succeeded" if end.code == 0 else "ended",
+    word = beacon.Over(settings.run_name, SUCCEEDED if end.code == 0 else "ended",
                        end.code, policy.value)
     told = beacon.Beacon(word, addr, settings.supervisor_port, settings.auth_token).start()
     if told is None:

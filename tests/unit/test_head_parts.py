@@ -23,7 +23,6 @@ from podagent.errors import RayDied, RayStartError, WorkersTimeout
 from podagent.ray_access.gcs import GcsUnavailable, NodeInfo
 from podagent.report import Reporter
 from podagent.run.lifecycle import EndRequested
-from podagent.run.restarts import restart_reason
 
 
 class Heard:
@@ -266,24 +265,6 @@ def test_stop_watch_reads_at_most_once_a_second_and_ends_the_run_on_a_request():
     now[0] += 5.0
     watch.look()  # seen once: the run is already ending
     assert kv.reads == 3
-
-
-# --- restarts -----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("env", "status", "lost", "why"), [
-    ({}, "SUCCEEDED", ["10.0.0.2"], None),  # it finished anyway
-    ({}, "FAILED", ["10.0.0.2"], "lost 10.0.0.2"),
-    ({}, None, ["10.0.0.2", "10.0.0.3"], "lost 10.0.0.2, 10.0.0.3"),  # stopped, unconfirmed
-    ({"PODAGENT_ON_NODE_LOSS": "wait"}, "FAILED", ["10.0.0.2"], "lost 10.0.0.2"),
-    ({"PODAGENT_ON_NODE_LOSS": "fail"}, "FAILED", ["10.0.0.2"], None),
-    ({}, "FAILED", [], None),  # failed by itself
-    ({}, "STOPPED", [], None),  # someone else stopped it
-    ({"PODAGENT_RETRY_FAILED_JOB": "1"}, "FAILED", [],
-     "the job failed (PODAGENT_RETRY_FAILED_JOB=1)"),
-    ({"PODAGENT_RETRY_FAILED_JOB": "1"}, "STOPPED", [], None),
-])
-def test_restart_reason(env, status, lost, why):
-    assert restart_reason(config.build({}, env), status, lost) == why
 
 
 # --- the job's spec ------------------------------------------------------------------------------

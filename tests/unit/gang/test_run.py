@@ -14,7 +14,7 @@ import pytest
 
 from podagent import cli, config, errors
 from podagent.gang.run import check_restarts
-from podagent.run import restarts
+from podagent.run import policy
 from podagent.run.ledger import Ledger
 from tests.harness.agents import clean_environ
 
@@ -131,7 +131,7 @@ def test_a_first_start_is_no_restart_and_the_backoff_doubles(tmp_path):
     ledger.ended("JobFailed", None)  # a finished run is never a restart
     ledger.started("pod")
     assert check_restarts(settings, ledger) == 0
-    assert [restarts.backoff(settings, n) for n in (1, 2, 3, 8)] == [4.0, 8.0, 16.0, 300.0]
+    assert [policy.backoff(settings, n) for n in (1, 2, 3, 8)] == [4.0, 8.0, 16.0, 300.0]
 
 
 def test_every_launcher_the_settings_take_has_its_class():
