@@ -325,6 +325,23 @@ class ManagedProcess:
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
 
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code, or None while it still runs after `timeout` seconds."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL to this process alone, reaped: what it started is its caller's to stop (in
+        the order that caller knows)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+            self.proc.wait()
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None

@@ -7,7 +7,6 @@ import errno
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -148,18 +147,13 @@ class RayNode:
         while it runs; whatever it raises stops the attempt at once (the caller then stops
         what Ray had started) and is raised again."""
         env = {**config.child_environ(os.environ), **self.plan.env_overrides}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(list(self.plan.argv), env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT)
-            try:
-                code = self._await(proc, started, watch)
-            finally:
-                if proc.poll() is None:  # given up on (timeout, or the watch said so)
-                    with contextlib.suppress(OSError):
-                        proc.kill()
-                    proc.wait()
+        ray_start = process.ManagedProcess("ray-start", self.plan.argv, env, self.log_path)
+        ray_start.start()
+        try:
+            code = self._await(ray_start, started, watch)
+        finally:
+            ray_start.kill()  # given up on (timeout, or the watch said so); else a no-op
         if code is None:
             raise RayStartError(
                 f"`ray start` did not finish in {self.start_timeout:g} s; "
@@ -167,18 +161,18 @@ class RayNode:
         if code:
             raise RayStartError(f"`ray start` exited {code}; last output:\n{self.tail()}")
 
-    def _await(self, proc: subprocess.Popen[bytes], started: float,
+    def _await(self, ray_start: process.ManagedProcess, started: float,
                watch: Callable[[float], None] | None) -> int | None:
         """The exit code, or None when the start timeout ran out."""
         while True:
             elapsed = time.monotonic() - started
             if elapsed >= self.start_timeout:
                 return None
-            try:
-                return proc.wait(timeout=min(WATCH_EVERY, self.start_timeout - elapsed))
-            except subprocess.TimeoutExpired:
-                if watch is not None:
-                    watch(time.monotonic() - started)
+            code = ray_start.wait(min(WATCH_EVERY, self.start_timeout - elapsed))
+            if code is not None:
+                return code
+            if watch is not None:
+                watch(time.monotonic() - started)
 
     def tail(self, lines: int = 15) -> str:
         return process.log_tail(self.log_path, lines)
