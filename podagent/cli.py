@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 
 from podagent import __version__, config, errors, extras
-from podagent.choices import LAUNCHERS, RAY_LAUNCHER
+from podagent.choices import RAY_LAUNCHER
 from podagent.platform.roles import Role, detect_role
 from podagent.ray_access import ray_compat
 from podagent.run.ledger import SUCCEEDED
@@ -538,53 +538,25 @@ key_file_option = click.option(
          "never the key itself on the command line.")
 
 
+def _up_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`up`'s options as launch/options.py declares them."""
+    from podagent.launch.options import UP_OPTIONS
+
+    for option in reversed(UP_OPTIONS):
+        kind = option.kind
+        extra: dict[str, Any] = (
+            {"is_flag": True} if kind is bool else
+            {"type": click.Choice(kind)} if isinstance(kind, tuple) else {"type": kind})
+        if option.default not in (None, (), False, ""):
+            extra["show_default"] = True
+        command = click.option(*option.flags, option.attr, default=option.default,
+                               metavar=option.metavar, multiple=option.multiple,
+                               help=option.help, **extra)(command)
+    return command
+
+
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
-@click.option("--name", "run", default=None, metavar="RUN",
-              help="The run's name (its pods are podagent-RUN-head, -w1, ...); again with the "
-                   "same name re-attaches. Default: up-YYYYmmdd-HHMMSS.")
-@click.option("--image", default=None, help="The container image of every pod (your trainer's "
-                                            "image with podagent).")
-@click.option("--template", default=None, metavar="TEMPLATE_ID",
-              help="A RunPod pod template instead of --image.")
-@click.option("--gpu", "gpu_type", default="", metavar="TYPE",
-              help="RunPod's GPU type id, e.g. 'NVIDIA H100 80GB HBM3' (--list-gpus).")
-@click.option("--gpus", "gpus_per_pod", type=int, default=1, show_default=True,
-              help="GPUs per pod.")
-@click.option("--pods", type=int, default=2, show_default=True,
-              help="Pods in all: the head and pods-1 workers.")
-@click.option("--cluster", is_flag=True, help="One RunPod Instant Cluster (fast interconnect, "
-                                              "one data center) instead of pods on Global "
-                                              "Networking.")
-@click.option("--cloud", default="SECURE", show_default=True, help="SECURE or COMMUNITY.")
-@click.option("--data-center", "data_centers", multiple=True, metavar="ID",
-              help="A data center to place the pods in (repeat for several; default any).")
-@click.option("--volume", "volume_gb", type=int, default=None, metavar="GB",
-              help="A volume of this size on each pod at /workspace (logs, checkpoints).")
-@click.option("--network-volume", default=None, metavar="ID",
-              help="A network volume mounted at /workspace instead.")
-@click.option("--disk", "disk_gb", type=int, default=None, metavar="GB",
-              help="Container disk per pod.")
-@click.option("-e", "--env", "env", multiple=True, metavar="NAME=VALUE",
-              help="A variable for every pod (repeat). Secrets only with --secret.")
-@click.option("--secret", "secrets", multiple=True, metavar="NAME=SECRET",
-              help="Variable NAME from the RunPod secret SECRET (RunPod puts the value in).")
-@click.option("--launcher", type=click.Choice(LAUNCHERS), default=RAY_LAUNCHER,
-              show_default=True,
-              help="What runs the job: a Ray cluster, or torchrun / accelerate on every pod "
-                   "without Ray (the job after -- is then the launcher's [OPTIONS] [--] SCRIPT "
-                   "ARGS).")
-@click.option("--keep", is_flag=True, help="Leave the pods up after the run (they bill).")
-@click.option("--detach", is_flag=True,
-              help="Leave once every pod runs: the run goes on, each pod stops itself when it "
-                   "is over (GPU billing ends); `podagent up --name RUN` follows it again.")
-@click.option("--registry-auth", "registry_auth", default=None, metavar="ID|NAME",
-              help="The RunPod registry credential (its id or name) that pulls a private "
-                   "--image (not with --cluster: RunPod takes none there).")
-@click.option("--timeout", type=float, default=900.0, show_default=True, metavar="SECONDS",
-              help="Every pod must be RUNNING within this.")
-@click.option("--api-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
-              help="How long one RunPod API call may take, its retries (429, 5xx, no "
-                   "connection) included.")
+@_up_options
 @click.option("--list-gpus", is_flag=True, help="List RunPod's GPU types and exit.")
 @key_file_option
 @click.argument("job", nargs=-1, type=click.UNPROCESSED)

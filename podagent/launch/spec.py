@@ -21,6 +21,7 @@ from typing import Any
 from podagent import config
 from podagent.choices import LAUNCHERS, RAY_LAUNCHER, AfterRun
 from podagent.errors import ConfigError, InputError
+from podagent.launch.options import default, flag
 
 PREFIX = "podagent"
 LABEL = config.UP_RUN_LABEL  # the env label every pod of a run carries
@@ -156,53 +157,56 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           volume_gb: int | None, network_volume: str | None, disk_gb: int | None,
           env: tuple[str, ...], secrets: tuple[str, ...], job: tuple[str, ...], keep: bool,
           timeout: float, api_url: str, state_dir: Path | None,
-          api_timeout: float = 60.0, detach: bool = False,
-          registry_auth: str | None = None, launcher: str = RAY_LAUNCHER) -> UpSpec:
-    """The spec from the command line, or one line naming what is wrong (ConfigError)."""
+          api_timeout: float = default("api_timeout"), detach: bool = default("detach"),
+          registry_auth: str | None = default("registry_auth"),
+          launcher: str = default("launcher")) -> UpSpec:
+    """The spec from the command line (options.UP_OPTIONS), or one line naming the flag, the
+    value and the rule that is broken (ConfigError)."""
     run = run or default_run_name()
     try:
         config.run_name(run)
     except ValueError as exc:
-        raise _fail("--name", run, str(exc)) from None
+        raise _fail(flag("run"), run, str(exc)) from None
     if pods < 1:
-        raise _fail("--pods", pods, "must be at least 1 (the head; the rest are workers)")
+        raise _fail(flag("pods"), pods, "must be at least 1 (the head; the rest are workers)")
     if pods > MAX_PODS:
-        raise _fail("--pods", pods, f"must be at most {MAX_PODS} (RunPod's limit)")
+        raise _fail(flag("pods"), pods, f"must be at most {MAX_PODS} (RunPod's limit)")
     if cluster and pods < 2:
-        raise _fail("--pods", pods, "must be at least 2 with --cluster (an Instant Cluster "
-                                    "has 2 to 250 pods)")
+        raise _fail(flag("pods"), pods, "must be at least 2 with --cluster (an Instant Cluster "
+                                        "has 2 to 250 pods)")
     if gpus_per_pod < 1:
-        raise _fail("--gpus", gpus_per_pod, "must be at least 1 (GPUs per pod)")
+        raise _fail(flag("gpus_per_pod"), gpus_per_pod, "must be at least 1 (GPUs per pod)")
     if not gpu_type.strip():
-        raise _fail("--gpu", gpu_type, "must name a RunPod GPU type, e.g. 'NVIDIA H100 80GB "
-                                       "HBM3' (see `podagent up --list-gpus`)")
+        raise _fail(flag("gpu_type"), gpu_type, "must name a RunPod GPU type, e.g. 'NVIDIA "
+                                                "H100 80GB HBM3' (see `podagent up "
+                                                "--list-gpus`)")
     if bool(image) == bool(template):
         raise InputError("give exactly one of --image IMAGE or --template TEMPLATE_ID "
                           "(the image podagent runs in, on every pod)")
     if image and (len(image) > 255 or not _IMAGE.fullmatch(image)):
-        raise _fail("--image", image, "is not a container image reference such as "
-                                      "registry.example.com/team/trainer:1.2 (lowercase "
-                                      "name, optional :tag or @sha256:digest)")
+        raise _fail(flag("image"), image, "is not a container image reference such as "
+                                          "registry.example.com/team/trainer:1.2 (lowercase "
+                                          "name, optional :tag or @sha256:digest)")
     if template and cluster:
-        raise _fail("--template", template, "cannot be used with --cluster: RunPod's cluster "
-                                            "create takes an image, not a template")
+        raise _fail(flag("template"), template, "cannot be used with --cluster: RunPod's cluster "
+                                                "create takes an image, not a template")
     if cloud.upper() not in CLOUDS:
-        raise _fail("--cloud", cloud, f"must be one of {', '.join(CLOUDS)}")
+        raise _fail(flag("cloud"), cloud, f"must be one of {', '.join(CLOUDS)}")
     if cloud.upper() != "SECURE":
         # RunPod's document (CreatePodRequest.globalNetworking) and runpodctl's page: Global
         # Networking is Secure Cloud only; an Instant Cluster is Secure Cloud too.
-        raise _fail("--cloud", cloud, "cannot be used: a run's pods reach each other over "
-                                      "RunPod's Global Networking or an Instant Cluster, both "
-                                      "Secure Cloud only (--cloud SECURE)")
+        raise _fail(flag("cloud"), cloud, "cannot be used: a run's pods reach each other over "
+                                          "RunPod's Global Networking or an Instant Cluster, both "
+                                          "Secure Cloud only (--cloud SECURE)")
     if registry_auth is not None and not registry_auth.strip():
-        raise _fail("--registry-auth", registry_auth, "must name a registry credential (its "
-                                                      "id or name at RunPod)")
+        raise _fail(flag("registry_auth"), registry_auth, "must name a registry credential (its "
+                                                          "id or name at RunPod)")
     if registry_auth and cluster:
         raise InputError("--registry-auth cannot be used with --cluster: RunPod's cluster "
                          "create takes no registry credential (private images are not yet "
                          "supported for clusters); use pods (no --cluster), or a public image")
     if launcher not in LAUNCHERS:
-        raise _fail("--launcher", launcher, f"must be one of {', '.join(LAUNCHERS)}")
+        raise _fail(flag("launcher"), launcher, f"must be one of {', '.join(LAUNCHERS)}")
     if launcher != RAY_LAUNCHER and not job:
         raise InputError(f"--launcher {launcher} needs the training script: podagent up ... "
                          f"--launcher {launcher} -- [{launcher.upper()} OPTIONS] [--] SCRIPT "
@@ -211,16 +215,16 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
         raise InputError("give at most one of --detach and --keep (a detached run's pods stop "
                          "themselves at its end; --keep leaves them running)")
     if volume_gb is not None and volume_gb < 10:
-        raise _fail("--volume", volume_gb, "must be at least 10 (GB; RunPod's floor)")
+        raise _fail(flag("volume_gb"), volume_gb, "must be at least 10 (GB; RunPod's floor)")
     if volume_gb is not None and network_volume:
         raise InputError("give at most one of --volume GB and --network-volume ID (RunPod "
                           "mounts one volume at /workspace)")
     if disk_gb is not None and disk_gb < 1:
-        raise _fail("--disk", disk_gb, "must be at least 1 (GB of container disk)")
+        raise _fail(flag("disk_gb"), disk_gb, "must be at least 1 (GB of container disk)")
     if timeout <= 0:
-        raise _fail("--timeout", timeout, "must be a positive number of seconds")
+        raise _fail(flag("timeout"), timeout, "must be a positive number of seconds")
     if api_timeout <= 0:
-        raise _fail("--api-timeout", api_timeout, "must be a positive number of seconds")
+        raise _fail(flag("api_timeout"), api_timeout, "must be a positive number of seconds")
     try:
         config.http_url(api_url)
     except ValueError as exc:
@@ -244,10 +248,10 @@ def _environment(pairs: tuple[str, ...], secrets: tuple[str, ...]) -> tuple[tupl
     for raw in pairs:
         name, eq, value = raw.partition("=")
         if not eq or not _ENV_NAME.fullmatch(name):
-            raise _fail("--env", raw, "must be NAME=VALUE with NAME of letters, digits and _")
+            raise _fail(flag("env"), raw, "must be NAME=VALUE with NAME of letters, digits and _")
         if name in OWN_VARIABLES:
-            raise _fail("--env", name, "is set by `podagent up` itself (give the job after "
-                                       "--, the run's name with --name)")
+            raise _fail(flag("env"), name, "is set by `podagent up` itself (give the job after "
+                                           "--, the run's name with --name)")
         if config.is_secret(name) and not _SECRET_REF.fullmatch(value.strip()):
             # The value is not echoed: it may be the secret itself.
             raise InputError(f"--env {name}=...: a secret is passed by RunPod secret "
@@ -258,10 +262,10 @@ def _environment(pairs: tuple[str, ...], secrets: tuple[str, ...]) -> tuple[tupl
         name, eq, ref = raw.partition("=")
         if not eq or not _ENV_NAME.fullmatch(name) or not re.fullmatch(r"[A-Za-z0-9_.-]+",
                                                                          ref):
-            raise _fail("--secret", raw, "must be NAME=SECRET, SECRET being the name of a "
-                                         "secret in your RunPod account")
+            raise _fail(flag("secrets"), raw, "must be NAME=SECRET, SECRET being the name of a "
+                                              "secret in your RunPod account")
         if name in OWN_VARIABLES:
-            raise _fail("--secret", name, "is set by `podagent up` itself")
+            raise _fail(flag("secrets"), name, "is set by `podagent up` itself")
         found[name] = f"{{{{ RUNPOD_SECRET_{ref} }}}}"
     return tuple(sorted(found.items()))
 
@@ -280,16 +284,16 @@ def check_gpu(spec: UpSpec, catalog: list[Mapping[str, Any]]) -> Mapping[str, An
         close = difflib.get_close_matches(spec.gpu_type, list(by_id), n=3, cutoff=0.4)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
             "; `podagent up --list-gpus` lists them")
-        raise _fail("--gpu", spec.gpu_type, f"is not a GPU type RunPod offers{hint}")
+        raise _fail(flag("gpu_type"), spec.gpu_type, f"is not a GPU type RunPod offers{hint}")
     cloud = spec.cloud.lower()
     most = (gpu.get("maxCount") or {}).get(cloud)
     if isinstance(most, int) and spec.gpus_per_pod > most:
-        raise _fail("--gpus", spec.gpus_per_pod,
+        raise _fail(flag("gpus_per_pod"), spec.gpus_per_pod,
                     f"is more than a {gpu['id']} pod has in the {spec.cloud} cloud ({most})")
     if not spec.cluster and gpu.get("manufacturer") not in (None, "NVIDIA"):
-        raise _fail("--gpu", spec.gpu_type, f"is a {gpu.get('manufacturer')} GPU: RunPod's "
-                                            f"Global Networking needs an NVIDIA GPU (use "
-                                            f"--cluster, or an NVIDIA type)")
+        raise _fail(flag("gpu_type"), spec.gpu_type,
+                    f"is a {gpu.get('manufacturer')} GPU: RunPod's Global Networking needs an "
+                    f"NVIDIA GPU (use --cluster, or an NVIDIA type)")
     return gpu
 
 
@@ -300,17 +304,17 @@ def check_data_centers(spec: UpSpec, catalog: list[Mapping[str, Any]]) -> tuple[
     known = {str(dc.get("id")): dc for dc in catalog}
     for asked in spec.data_centers:
         if asked not in known:
-            raise _fail("--data-center", asked, f"is not a RunPod data center (the catalog "
-                                                f"has {', '.join(sorted(known)) or 'none'})")
+            raise _fail(flag("data_centers"), asked, f"is not a RunPod data center (the catalog "
+                                                     f"has {', '.join(sorted(known)) or 'none'})")
     if spec.cluster:
         return spec.data_centers
     networked = sorted(i for i, dc in known.items() if dc.get("globalNetwork") is True)
     for asked in spec.data_centers:
         if asked not in networked:
-            raise _fail("--data-center", asked,
-                        f"does not support Global Networking, which a run's pods need to "
-                        f"reach each other (those that do: {', '.join(networked) or 'none'}; "
-                        f"or use --cluster)")
+            raise _fail(flag("data_centers"), asked,
+                             f"does not support Global Networking, which a run's pods need to "
+                             f"reach each other (those that do: {', '.join(networked) or 'none'}; "
+                             f"or use --cluster)")
     if not networked:
         raise InputError("no RunPod data center supports Global Networking now (RunPod's "
                          "catalog): use --cluster")
@@ -325,9 +329,9 @@ def check_registry(spec: UpSpec, registries: list[Mapping[str, Any]]) -> str | N
         if spec.registry_auth in (entry.get("id"), entry.get("name")):
             return str(entry["id"])
     names = ", ".join(f"{r.get('name')} ({r.get('id')})" for r in registries) or "none"
-    raise _fail("--registry-auth", spec.registry_auth,
-                f"is not a registry credential of this RunPod account (it has: {names}; "
-                f"create one under Settings, Container Registry Auth)")
+    raise _fail(flag("registry_auth"), spec.registry_auth,
+                    f"is not a registry credential of this RunPod account (it has: {names}; "
+                    f"create one under Settings, Container Registry Auth)")
 
 
 def price_per_hour(spec: UpSpec, gpu: Mapping[str, Any]) -> float | None:

@@ -18,6 +18,13 @@ def test_readme_settings_table_matches_the_code():
     assert config.settings_table() in README, "regenerate with: python -m podagent.config"
 
 
+def test_up_options_table_matches_the_code():
+    from podagent.launch import options
+
+    assert options.markdown_table() in (ROOT / "docs" / "up.md").read_text(), \
+        "regenerate with: python -m podagent.launch.options"
+
+
 def test_readme_exit_code_table_matches_the_code():
     assert cli.exit_code_table() in README
 

@@ -10,8 +10,10 @@ import os
 import subprocess
 import sys
 
+import click
 import pytest
 
+from podagent import cli
 from podagent.errors import ConfigError
 from podagent.launch import spec as specs
 from podagent.launch import state
@@ -390,3 +392,20 @@ def test_a_run_without_ray_gives_every_pod_the_launcher_and_the_job():
         assert env["EXPECTED_WORKERS"] == "2"
     ray = specs.pod_env(build(job=("python", "train.py")), 1, head_id="h1")
     assert "PODAGENT_LAUNCHER" not in ray and "PODAGENT_JOB" not in ray
+
+
+def test_up_takes_exactly_the_declared_options_and_errors_name_their_flag():
+    """launch/options.py declares each option once: `up`'s command line is made from it, and
+    an error about a value names the flag the declaration gives."""
+    from podagent.launch import options
+
+    up = cli.main.commands["up"]
+    made = {opt.name: tuple(opt.opts) for opt in up.params if isinstance(opt, click.Option)}
+    declared = {o.attr: o.flags for o in options.UP_OPTIONS}
+    assert {k: v for k, v in made.items() if k in declared} == declared
+    assert set(made) - set(declared) == {"list_gpus", "key_file"}  # actions, not the spec
+    defaults = {opt.name: opt.default for opt in up.params if opt.name in declared}
+    assert defaults == {o.attr: o.default for o in options.UP_OPTIONS}
+    with pytest.raises(ConfigError) as caught:
+        build(pods=0)
+    assert caught.value.name == options.flag("pods") == "--pods"
