@@ -174,15 +174,78 @@ def _dry_run_asked() -> bool:
 
 
 def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """One option per setting, generated from config.FIELDS (strings; parsed by config)."""
+    """One option per setting, generated from config.FIELDS (strings; parsed by config). Help
+    shows the ones a first run needs (config.FIRST_RUN); every one is taken, and `podagent
+    help settings` lists them all."""
     for field in reversed(config.FIELDS):
+        shown = {"hidden": field.attr not in config.FIRST_RUN,
+                 "help": f"{field.help} [env: {field.env}]"}
         if field.is_flag:
             func = click.option(field.flag, field.attr, is_flag=True, flag_value="1",
-                                default=None, help=f"{field.help} [env: {field.env}]")(func)
+                                default=None, **shown)(func)
             continue
         func = click.option(field.flag, field.attr, default=None, metavar="VALUE",
-                            help=f"{field.help} [env: {field.env}]")(func)
+                            **shown)(func)
     return func
+
+
+def _settings_pointer() -> str:
+    groups = "|".join(group.name for group in (*config.GROUPS, config.REWARD_SERVER_GROUP))
+    return (f"Every setting ({len(config.FIELDS)}), each a flag and a variable: podagent help "
+            f"settings [{groups}]")
+
+
+class _Command(click.Command):
+    """A command whose help says where the settings it takes but does not show are."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_epilog(ctx, formatter)
+        if any(getattr(param, "hidden", False) and param.name in config.FIELD_BY_ATTR
+               for param in self.params):
+            formatter.write_paragraph()
+            formatter.write_text(_settings_pointer())
+
+
+class _Face(click.Group):
+    """podagent's own help, one screen: what it does, its commands, the settings a first run
+    needs, and where the rest are."""
+
+    command_class = _Command
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self.format_commands(ctx, formatter)
+        records = [record for param in self.get_params(ctx)
+                   if (record := param.get_help_record(ctx)) is not None]
+        with formatter.section("Options, and the settings a first run needs"):
+            formatter.write_dl(records)
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        formatter.write_paragraph()
+        formatter.write_text(_settings_pointer() + "; a command's own: podagent COMMAND --help.")
+
+
+def settings_help(group: str | None) -> str:
+    """`podagent help settings [GROUP]`: every setting of the group (all groups without one),
+    its flag, variable, default and meaning."""
+    server = config.REWARD_SERVER_GROUP
+    tables = {**{each.name: (each, [f for f in config.FIELDS if f.group == each.name])
+                 for each in config.GROUPS},
+              server.name: (server, list(config.REWARD_FIELDS))}
+    if group is not None and group not in tables:
+        raise errors.ConfigError("GROUP", group, f"is not a group of settings: one of "
+                                                 f"{', '.join(tables)}")
+    formatter = click.HelpFormatter(max_width=CONTEXT["max_content_width"])
+    for name, (each, fields) in tables.items():
+        if group not in (None, name):
+            continue
+        rows = []
+        for field in fields:
+            default = config.default_text(field)
+            rows.append((f"{field.flag} / {field.env}",
+                         field.help + (f" [default: {default}]" if default else "")))
+        with formatter.section(f"{each.title} (podagent help settings {name})"):
+            formatter.write_dl(rows)
+    return formatter.getvalue()
 
 
 def _flags(ctx: click.Context, own: dict[str, Any]) -> dict[str, str | None]:
@@ -251,7 +314,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     ctx.exit()
 
 
-@click.group(invoke_without_command=True, context_settings=CONTEXT)
+@click.group(cls=_Face, invoke_without_command=True, context_settings=CONTEXT)
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_version, help="Show podagent's version and the image's Ray.")
 @settings_options
@@ -259,9 +322,12 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 @click.pass_context
 @_boundary(pod=True)
 def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
-    """Bring a multi-node Ray cluster up on GPU pods: run the same command on every pod.
+    """Multi-pod training on RunPod: the same image and command on every pod brings up a Ray
+    cluster (or runs torchrun / accelerate on every pod), runs the job, restarts it from its
+    checkpoint when a pod is lost, and stops the pods when it is over. From a laptop, `podagent
+    up` creates the pods, follows the run and terminates them.
 
-    With no subcommand, podagent works out this pod's role (see `podagent env`) and acts.
+    With no command, podagent works out this pod's role (see `podagent env`) and acts.
     """
     if ctx.invoked_subcommand is None:
         settings = _build(_flags(ctx, flags))
@@ -273,6 +339,28 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
             _run_without_ray(settings, settings.launcher, settings.job, bool(dry_run),
                              data_check=False, loader=None)
         _run_role(_flags(ctx, flags), explicit=None, dry_run=bool(dry_run))
+
+
+@main.command("help", context_settings=CONTEXT)
+@click.argument("topic", nargs=-1)
+@click.pass_context
+@_boundary
+def help_command(ctx: click.Context, topic: tuple[str, ...]) -> None:
+    """This help; `help settings [GROUP]`: every setting, by group; `help COMMAND`: that
+    command's help."""
+    root = ctx.find_root()
+    if not topic:
+        click.echo(root.get_help())
+    elif topic[0] == "settings" and len(topic) <= 2:
+        click.echo(settings_help(topic[1] if len(topic) == 2 else None), nl=False)
+    elif len(topic) == 1 and topic[0] in main.commands:
+        command = main.commands[topic[0]]
+        with click.Context(command, info_name=topic[0], parent=root) as sub:
+            click.echo(command.get_help(sub))
+    else:
+        raise errors.ConfigError("TOPIC", " ".join(topic),
+                                 f"is not a help topic: settings [GROUP] or a command "
+                                 f"({', '.join(sorted(main.commands))})")
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True})

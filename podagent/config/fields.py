@@ -12,6 +12,7 @@ PODAGENT_REWARD_* variable without importing the reward server.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -153,6 +154,9 @@ REWARD_FIELDS: tuple[RewardField, ...] = (
 )
 
 REWARD_FIELD_BY_ATTR = {f.attr: f for f in REWARD_FIELDS}
+# The reward server's settings its --help shows (the rest: `podagent help settings
+# reward-server`).
+REWARD_FIRST = ("scoring", "func", "dataset", "host", "port")
 
 
 # --- podagent's table ---------------------------------------------------------------------------
@@ -176,6 +180,7 @@ class Field:
     # The reward server's setting this field is (reward_setting made it): the head forwards
     # the value to the server by this field's variable.
     server: RewardField | None = None
+    group: str = ""  # the name of its group in GROUPS (`_in` sets it)
 
 
 def reward_setting(attr: str, help: str) -> Field:
@@ -188,164 +193,205 @@ def reward_setting(attr: str, help: str) -> Field:
                  server=server)
 
 
+@dataclass(frozen=True)
+class Group:
+    """Settings that belong together: what `podagent help settings NAME` lists, and one table
+    of docs/settings.md."""
+    name: str
+    title: str
+
+
+GROUPS: tuple[Group, ...] = (
+    Group("roles", "Roles and discovery"),
+    Group("ray", "Ray and the pod's network"),
+    Group("run", "The run and its job"),
+    Group("restarts", "Restarts and checkpoints"),
+    Group("reward", "The reward server"),
+    Group("output", "Output"),
+)
+GROUP_BY_NAME = {group.name: group for group in GROUPS}
+# `podagent help settings reward-server`: the settings of `podagent reward-server` itself (on
+# the head, those it takes too are in the reward group: reward_setting()).
+REWARD_SERVER_GROUP = Group("reward-server", "`podagent reward-server` itself")
+# The settings a first run needs: what `podagent --help` shows (the rest: `podagent help
+# settings`).
+FIRST_RUN = ("head_pod_id", "expected_workers", "job", "checkpoint_dir", "reward")
+
+
+def _in(group: str, *fields: Field) -> tuple[Field, ...]:
+    return tuple(dataclasses.replace(field, group=GROUP_BY_NAME[group].name) for field in fields)
+
+
 FIELDS: tuple[Field, ...] = (
-    # Role and discovery (the seed's and RunPod's own names stay as they are).
-    Field("ray_worker", "RAY_WORKER", "--ray-worker", zero_one,
-          "1 makes this pod a worker, 0 the head (unset: decided by the rules below)."),
-    Field("head_pod_id", "HEAD_POD_ID", "--head-pod-id", pod_id,
-          "RunPod id of the head pod; workers resolve HEAD_POD_ID.DNS_SUFFIX."),
-    Field("pod_id", "RUNPOD_POD_ID", "--pod-id", pod_id,
-          "This pod's own id (RunPod sets it); compared with HEAD_POD_ID."),
-    Field("node_rank", "NODE_RANK", "--node-rank", whole(0),
-          "Instant Cluster rank of this node (RunPod sets it; 0 is the head)."),
-    Field("primary_addr", "PRIMARY_ADDR", "--primary-addr", host,
-          "Instant Cluster head address (RunPod sets it)."),
-    Field("num_nodes", "NUM_NODES", "--num-nodes", whole(1),
-          "Instant Cluster size (RunPod sets it)."),
-    Field("node_addr", "NODE_ADDR", "--node-addr", ipv4,
-          "Instant Cluster address of this node (RunPod sets it)."),
-    Field("expected_workers", "EXPECTED_WORKERS", "--expected-workers", whole(0),
-          "Worker nodes the head waits for.", default=0,
-          default_doc="1 with HEAD_POD_ID, NUM_NODES-1 on an Instant Cluster, else 0"),
-    Field("min_workers", "PODAGENT_MIN_WORKERS", "--min-workers", whole(0),
-          "Go on after the worker wait times out if at least this many joined.",
-          default_doc="unset: all expected workers are required"),
-    Field("head_addr", "PODAGENT_HEAD_ADDR", "--head-addr", host,
-          "Head address for workers; skips DNS."),
-    Field("dns_suffix", "PODAGENT_DNS_SUFFIX", "--dns-suffix", dns_suffix,
-          "Domain after HEAD_POD_ID in the head's DNS name.", default="runpod.internal"),
-    Field("dns_server", "PODAGENT_DNS_SERVER", "--dns-server", host_port,
-          "DNS server HOST[:PORT] to ask instead of the system resolver.",
-          default_doc="system resolver"),
-    Field("ray_port", "PODAGENT_RAY_PORT", "--ray-port", port,
-          "Ray GCS port on the head.", default=6379),
-    Field("dashboard_port", "PODAGENT_DASHBOARD_PORT", "--dashboard-port", port,
-          "Ray dashboard and Jobs API port on the head.", default=8265),
-    Field("node_ip", "PODAGENT_NODE_IP", "--node-ip", ipv4,
-          "This pod's cluster-private address.",
-          default_doc="detected (NODE_ADDR, the preset's interface, the route to the head)"),
-    Field("num_gpus", "PODAGENT_NUM_GPUS", "--num-gpus", whole(0, 1024),
-          "GPUs this node offers to Ray.", default_doc="detected"),
-    Field("worker_timeout", "PODAGENT_WORKER_TIMEOUT", "--worker-timeout", seconds,
-          "Seconds the head waits for the expected workers.", default=600.0),
-    Field("head_timeout", "PODAGENT_HEAD_TIMEOUT", "--head-timeout", seconds,
-          "Seconds a worker waits to find the head and join it.", default=600.0),
-    Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
-          "Seconds a joined worker tolerates an unreachable head before it leaves.",
-          default=8.0),
-    Field("rejoin", "PODAGENT_REJOIN", "--rejoin", zero_one,
-          "1: a worker whose head is gone goes back to finding it (a restarted head is joined "
-          "again) instead of exiting; 0: it exits.", default=True),
-    Field("on_node_loss", "PODAGENT_ON_NODE_LOSS", "--on-node-loss", choice(*ON_NODE_LOSS),
-          "What the head does when a node of the running job is lost: restart (stop the job at "
-          "once, wait until the cluster is whole again, a replacement pod counting, and submit "
-          "it again resuming from the newest checkpoint), wait (leave the job to decide; if it "
-          "fails, restart it as above) or fail (leave the job to decide, never restart).",
-          default=OnNodeLoss.RESTART.value,
-          default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
-    Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
-          "How many times a run may be restarted after a lost node (or a failed job with "
-          "PODAGENT_RETRY_FAILED_JOB=1); then the run ends with exit code 16.", default=3),
-    Field("retry_failed_job", "PODAGENT_RETRY_FAILED_JOB", "--retry-failed-job", zero_one,
-          "1: a job that fails with no node lost is restarted too (within PODAGENT_RESTARTS).",
-          default=False),
-    Field("restart_backoff", "PODAGENT_RESTART_BACKOFF", "--restart-backoff", seconds_or_zero,
-          "Seconds before the first restart's submission, doubled for each later one (at most "
-          "300 s); the wait for the cluster runs meanwhile.", default=5.0),
-    Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
-          "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
-    Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
-          "What podagent does when the run is over, or after an exit a new start cannot mend "
-          "(bad input, a refused token, restarts used up, a crash loop): "
-          + one_of([f"{policy} ({policy.meaning})" for policy in AfterRun]) + ".",
-          default=AfterRun.EXIT.value,
-          default_doc="stop-pod on RunPod (RUNPOD_POD_ID and its RUNPOD_API_KEY set; stay "
-                      "without the key), else exit"),
-    Field("runpod_api_url", RUNPOD_API_URL, "--runpod-api-url", http_url,
-          "Base URL of RunPod's REST API v2 (paths /v2/... follow it), for a pod stopping "
-          "itself and for `podagent up/down/ls`.", default="https://api.runpod.io"),
-    Field("over_linger", "PODAGENT_OVER_LINGER", "--over-linger", seconds_or_zero,
-          "Seconds a head whose run is over stays to tell workers that did not leave with it "
-          "(their containers were being started again) that the run is over, before its "
-          "pod stops; 0: no wait.", default=120.0),
-    Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
-          "NCCL preset from env/ (auto picks by evidence).", default="auto"),
-    Field("run_name", "PODAGENT_RUN_NAME", "--run-name", run_name,
-          "Name of this run: its log directory and the job's submission id. The default is "
-          "the same after a container restart, so a restarted pod finds its run again.",
-          default="podagent",
-          default_doc="podagent-HEAD_POD_ID, else podagent-PRIMARY_ADDR-NUM_NODESn (Instant "
-                      "Cluster), else podagent-RUNPOD_POD_ID, else podagent-YYYYmmdd-HHMMSS "
-                      "(UTC, at start)"),
-    Field("log_dir", "PODAGENT_LOG_DIR", "--log-dir", path,
-          "Parent of the per-run log directories.", default="podagent-logs",
-          default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
-    Field("job", "PODAGENT_JOB", "--job", command_line,
-          "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it. With "
-          "PODAGENT_LAUNCHER=torchrun or accelerate: the launcher's [OPTIONS] [--] SCRIPT ARGS.",
-          default_doc="the built-in cluster check"),
-    Field("launcher", "PODAGENT_LAUNCHER", "--launcher", choice(*LAUNCHERS),
-          "What runs the job when `podagent` runs with no command: ray (a Ray cluster, the job "
-          "submitted to it), or torchrun / accelerate on every pod without Ray, as `podagent "
-          "torchrun` does (what `podagent up --launcher` sets).", default=RAY_LAUNCHER),
-    Field("working_dir", "PODAGENT_WORKING_DIR", "--working-dir", directory,
-          "Directory uploaded as the job's working dir."),
-    Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,
-          "Ray's temp dir on this pod.", default_doc="Ray's default (/tmp/ray)"),
-    Field("reward", "PODAGENT_REWARD", "--reward", choice(*REWARD_KINDS),
-          "Reward server the head runs: builtin (scoring by PODAGENT_REWARD_SCORING), func "
-          "(the built-in server serving PODAGENT_REWARD_FUNC), cmd (PODAGENT_REWARD_CMD) or "
-          "none.", default="builtin"),
-    reward_setting("func", "PODAGENT_REWARD=func: a Python file defining reward_func(queries, "
-                   "prompts, labels) as upstream OpenRLHF's --remote_rm_url takes; served "
-                   "with pooled CPUs and a per-item timeout."),
-    Field("reward_cmd", "PODAGENT_REWARD_CMD", "--reward-cmd", command_line,
-          "Reward server command line for PODAGENT_REWARD=cmd (split without a shell); it "
-          "must listen on PODAGENT_REWARD_HOST:PODAGENT_REWARD_PORT, which podagent sets."),
-    reward_setting("port", "Reward server port on the head."),
-    Field("reward_timeout", "PODAGENT_REWARD_TIMEOUT", "--reward-timeout", seconds,
-          "Seconds the reward server gets to answer a real request at start.", default=600.0),
-    Field("reward_restarts", "PODAGENT_REWARD_RESTARTS", "--reward-restarts", whole(0, 100),
-          "Restarts of a reward server that dies or stops answering during the job.",
-          default=3),
-    reward_setting("scoring", "Built-in reward server's scoring: openrlhf-m (OpenRLHF-M's reward "
-                   "server, item for item), boxed or openrlhf-boxed (upstream OpenRLHF's math "
-                   "reward function); see Reward server."),
-    reward_setting("template", "openrlhf-m: the chat template of the trainer's queries (chatml, "
-                   "qwen1 or base, as OpenRLHF-M's --prompt-template)."),
-    reward_setting("strict", "openrlhf-m: 1 scores an unparseable gold answer accuracy 0 "
-                   "instead of OpenRLHF-M's 1."),
-    Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
-          "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
-    Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
-          "Directory the job writes checkpoints to; podagent checks its free space and "
-          "resumes from it (PODAGENT_RESUME).",
-          default_doc="/workspace/checkpoints if /workspace exists, else unset"),
-    Field("resume", "PODAGENT_RESUME", "--resume", choice("auto", "never"),
-          "auto: when PODAGENT_CHECKPOINT_DIR already holds a checkpoint, append "
-          "PODAGENT_RESUME_FLAG to the job; never: do not.", default="auto"),
-    Field("resume_flag", "PODAGENT_RESUME_FLAG", "--resume-flag", command_line,
-          "Arguments appended to the job to resume from a checkpoint.",
-          default=("--load_checkpoint",), default_doc="--load_checkpoint"),
-    Field("rendezvous_port", "PODAGENT_RENDEZVOUS_PORT", "--rendezvous-port", port,
-          "Port of torch's rendezvous on the head (`podagent torchrun`; accelerate's main "
-          "process port with `podagent accelerate`).", default=29500),
-    Field("supervisor_port", "PODAGENT_SUPERVISOR_PORT", "--supervisor-port", port,
-          "Port of the head's podagent in a run without Ray (`podagent torchrun/accelerate`): "
-          "podagent's own rendezvous, heartbeats, status, stop and logs.", default=29510),
-    Field("peer_grace", "PODAGENT_PEER_GRACE", "--peer-grace", seconds,
-          "Seconds a run without Ray tolerates a silent pod (heartbeats every second) before "
-          "it stops the training on every pod.", default=5.0),
-    Field("log_format", "PODAGENT_LOG_FORMAT", "--log-format", choice("text", "json"),
-          "Screen output: text, or json (one object per line, for log collectors); the pod's "
-          "log file stays text.", default="text"),
-    Field("quiet", "PODAGENT_QUIET", "--quiet", zero_one,
-          "Show only warnings, errors and the job's own output (the variable: 1).",
-          default=False, is_flag=True),
-    Field("listen", "PODAGENT_LISTEN", "--listen", choice("private", "all"),
-          "Where the head's dashboard (Jobs API) and reward server listen: private (this "
-          "pod's cluster address) or all (0.0.0.0: every interface; use a cluster token).",
-          default="private"),
+    *_in("roles",  # the seed's and RunPod's own names stay as they are
+        Field("ray_worker", "RAY_WORKER", "--ray-worker", zero_one,
+              "1 makes this pod a worker, 0 the head (unset: decided by the rules below)."),
+        Field("head_pod_id", "HEAD_POD_ID", "--head-pod-id", pod_id,
+              "RunPod id of the head pod; workers resolve HEAD_POD_ID.DNS_SUFFIX."),
+        Field("pod_id", "RUNPOD_POD_ID", "--pod-id", pod_id,
+              "This pod's own id (RunPod sets it); compared with HEAD_POD_ID."),
+        Field("node_rank", "NODE_RANK", "--node-rank", whole(0),
+              "Instant Cluster rank of this node (RunPod sets it; 0 is the head)."),
+        Field("primary_addr", "PRIMARY_ADDR", "--primary-addr", host,
+              "Instant Cluster head address (RunPod sets it)."),
+        Field("num_nodes", "NUM_NODES", "--num-nodes", whole(1),
+              "Instant Cluster size (RunPod sets it)."),
+        Field("node_addr", "NODE_ADDR", "--node-addr", ipv4,
+              "Instant Cluster address of this node (RunPod sets it)."),
+        Field("expected_workers", "EXPECTED_WORKERS", "--expected-workers", whole(0),
+              "Worker nodes the head waits for.", default=0,
+              default_doc="1 with HEAD_POD_ID, NUM_NODES-1 on an Instant Cluster, else 0"),
+        Field("min_workers", "PODAGENT_MIN_WORKERS", "--min-workers", whole(0),
+              "Go on after the worker wait times out if at least this many joined.",
+              default_doc="unset: all expected workers are required"),
+        Field("head_addr", "PODAGENT_HEAD_ADDR", "--head-addr", host,
+              "Head address for workers; skips DNS."),
+        Field("dns_suffix", "PODAGENT_DNS_SUFFIX", "--dns-suffix", dns_suffix,
+              "Domain after HEAD_POD_ID in the head's DNS name.", default="runpod.internal"),
+        Field("dns_server", "PODAGENT_DNS_SERVER", "--dns-server", host_port,
+              "DNS server HOST[:PORT] to ask instead of the system resolver.",
+              default_doc="system resolver"),
+        Field("worker_timeout", "PODAGENT_WORKER_TIMEOUT", "--worker-timeout", seconds,
+              "Seconds the head waits for the expected workers.", default=600.0),
+        Field("head_timeout", "PODAGENT_HEAD_TIMEOUT", "--head-timeout", seconds,
+              "Seconds a worker waits to find the head and join it.", default=600.0),
+        Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
+              "Seconds a joined worker tolerates an unreachable head before it leaves.",
+              default=8.0),
+        Field("rejoin", "PODAGENT_REJOIN", "--rejoin", zero_one,
+              "1: a worker whose head is gone goes back to finding it (a restarted head is joined "
+              "again) instead of exiting; 0: it exits.", default=True),
+    ),
+    *_in("ray",
+        Field("ray_port", "PODAGENT_RAY_PORT", "--ray-port", port,
+              "Ray GCS port on the head.", default=6379),
+        Field("dashboard_port", "PODAGENT_DASHBOARD_PORT", "--dashboard-port", port,
+              "Ray dashboard and Jobs API port on the head.", default=8265),
+        Field("node_ip", "PODAGENT_NODE_IP", "--node-ip", ipv4,
+              "This pod's cluster-private address.",
+              default_doc="detected (NODE_ADDR, the preset's interface, the route to the head)"),
+        Field("num_gpus", "PODAGENT_NUM_GPUS", "--num-gpus", whole(0, 1024),
+              "GPUs this node offers to Ray.", default_doc="detected"),
+        Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
+              "NCCL preset from env/ (auto picks by evidence).", default="auto"),
+        Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,
+              "Ray's temp dir on this pod.", default_doc="Ray's default (/tmp/ray)"),
+        Field("debug_ray", "DEBUG_RAY", "--debug-ray", zero_one,
+              "1 starts Ray with RAY_DEBUG=legacy and --ray-debugger-external.", default=False),
+        Field("listen", "PODAGENT_LISTEN", "--listen", choice("private", "all"),
+              "Where the head's dashboard (Jobs API) and reward server listen: private (this "
+              "pod's cluster address) or all (0.0.0.0: every interface; use a cluster token).",
+              default="private"),
+    ),
+    *_in("run",
+        Field("run_name", "PODAGENT_RUN_NAME", "--run-name", run_name,
+              "Name of this run: its log directory and the job's submission id. The default is "
+              "the same after a container restart, so a restarted pod finds its run again.",
+              default="podagent",
+              default_doc="podagent-HEAD_POD_ID, else podagent-PRIMARY_ADDR-NUM_NODESn (Instant "
+                          "Cluster), else podagent-RUNPOD_POD_ID, else podagent-YYYYmmdd-HHMMSS "
+                          "(UTC, at start)"),
+        Field("log_dir", "PODAGENT_LOG_DIR", "--log-dir", path,
+              "Parent of the per-run log directories.", default="podagent-logs",
+              default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
+        Field("job", "PODAGENT_JOB", "--job", command_line,
+              "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it. With "
+              "PODAGENT_LAUNCHER=torchrun or accelerate: the launcher's [OPTIONS] [--] SCRIPT "
+              "ARGS.",
+              default_doc="the built-in cluster check"),
+        Field("launcher", "PODAGENT_LAUNCHER", "--launcher", choice(*LAUNCHERS),
+              "What runs the job when `podagent` runs with no command: ray (a Ray cluster, the job "
+              "submitted to it), or torchrun / accelerate on every pod without Ray, as `podagent "
+              "torchrun` does (what `podagent up --launcher` sets).", default=RAY_LAUNCHER),
+        Field("working_dir", "PODAGENT_WORKING_DIR", "--working-dir", directory,
+              "Directory uploaded as the job's working dir."),
+        Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
+              "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
+        Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
+              "What podagent does when the run is over, or after an exit a new start cannot mend "
+              "(bad input, a refused token, restarts used up, a crash loop): "
+              + one_of([f"{policy} ({policy.meaning})" for policy in AfterRun]) + ".",
+              default=AfterRun.EXIT.value,
+              default_doc="stop-pod on RunPod (RUNPOD_POD_ID and its RUNPOD_API_KEY set; stay "
+                          "without the key), else exit"),
+        Field("runpod_api_url", RUNPOD_API_URL, "--runpod-api-url", http_url,
+              "Base URL of RunPod's REST API v2 (paths /v2/... follow it), for a pod stopping "
+              "itself and for `podagent up/down/ls`.", default="https://api.runpod.io"),
+        Field("over_linger", "PODAGENT_OVER_LINGER", "--over-linger", seconds_or_zero,
+              "Seconds a head whose run is over stays to tell workers that did not leave with it "
+              "(their containers were being started again) that the run is over, before its "
+              "pod stops; 0: no wait.", default=120.0),
+        Field("rendezvous_port", "PODAGENT_RENDEZVOUS_PORT", "--rendezvous-port", port,
+              "Port of torch's rendezvous on the head (`podagent torchrun`; accelerate's main "
+              "process port with `podagent accelerate`).", default=29500),
+        Field("supervisor_port", "PODAGENT_SUPERVISOR_PORT", "--supervisor-port", port,
+              "Port of the head's podagent in a run without Ray (`podagent torchrun/accelerate`): "
+              "podagent's own rendezvous, heartbeats, status, stop and logs.", default=29510),
+        Field("peer_grace", "PODAGENT_PEER_GRACE", "--peer-grace", seconds,
+              "Seconds a run without Ray tolerates a silent pod (heartbeats every second) before "
+              "it stops the training on every pod.", default=5.0),
+    ),
+    *_in("restarts",
+        Field("on_node_loss", "PODAGENT_ON_NODE_LOSS", "--on-node-loss", choice(*ON_NODE_LOSS),
+              "What the head does when a node of the running job is lost: restart (stop the job at "
+              "once, wait until the cluster is whole again, a replacement pod counting, and submit "
+              "it again resuming from the newest checkpoint), wait (leave the job to decide; if it "
+              "fails, restart it as above) or fail (leave the job to decide, never restart).",
+              default=OnNodeLoss.RESTART.value,
+              default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
+        Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
+              "How many times a run may be restarted after a lost node (or a failed job with "
+              "PODAGENT_RETRY_FAILED_JOB=1); then the run ends with exit code 16.", default=3),
+        Field("retry_failed_job", "PODAGENT_RETRY_FAILED_JOB", "--retry-failed-job", zero_one,
+              "1: a job that fails with no node lost is restarted too (within PODAGENT_RESTARTS).",
+              default=False),
+        Field("restart_backoff", "PODAGENT_RESTART_BACKOFF", "--restart-backoff", seconds_or_zero,
+              "Seconds before the first restart's submission, doubled for each later one (at most "
+              "300 s); the wait for the cluster runs meanwhile.", default=5.0),
+        Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
+              "Directory the job writes checkpoints to; podagent checks its free space and "
+              "resumes from it (PODAGENT_RESUME).",
+              default_doc="/workspace/checkpoints if /workspace exists, else unset"),
+        Field("resume", "PODAGENT_RESUME", "--resume", choice("auto", "never"),
+              "auto: when PODAGENT_CHECKPOINT_DIR already holds a checkpoint, append "
+              "PODAGENT_RESUME_FLAG to the job; never: do not.", default="auto"),
+        Field("resume_flag", "PODAGENT_RESUME_FLAG", "--resume-flag", command_line,
+              "Arguments appended to the job to resume from a checkpoint.",
+              default=("--load_checkpoint",), default_doc="--load_checkpoint"),
+    ),
+    *_in("reward",
+        Field("reward", "PODAGENT_REWARD", "--reward", choice(*REWARD_KINDS),
+              "Reward server the head runs: builtin (scoring by PODAGENT_REWARD_SCORING), func "
+              "(the built-in server serving PODAGENT_REWARD_FUNC), cmd (PODAGENT_REWARD_CMD) or "
+              "none.", default="builtin"),
+        reward_setting("func", "PODAGENT_REWARD=func: a Python file defining reward_func(queries, "
+                       "prompts, labels) as upstream OpenRLHF's --remote_rm_url takes; served "
+                       "with pooled CPUs and a per-item timeout."),
+        Field("reward_cmd", "PODAGENT_REWARD_CMD", "--reward-cmd", command_line,
+              "Reward server command line for PODAGENT_REWARD=cmd (split without a shell); it "
+              "must listen on PODAGENT_REWARD_HOST:PODAGENT_REWARD_PORT, which podagent sets."),
+        reward_setting("port", "Reward server port on the head."),
+        Field("reward_timeout", "PODAGENT_REWARD_TIMEOUT", "--reward-timeout", seconds,
+              "Seconds the reward server gets to answer a real request at start.", default=600.0),
+        Field("reward_restarts", "PODAGENT_REWARD_RESTARTS", "--reward-restarts", whole(0, 100),
+              "Restarts of a reward server that dies or stops answering during the job.",
+              default=3),
+        reward_setting("scoring", "Built-in reward server's scoring: openrlhf-m (OpenRLHF-M's "
+                       "reward server, item for item), boxed or openrlhf-boxed (upstream "
+                       "OpenRLHF's math reward function); see Reward server."),
+        reward_setting("template", "openrlhf-m: the chat template of the trainer's queries "
+                       "(chatml, qwen1 or base, as OpenRLHF-M's --prompt-template)."),
+        reward_setting("strict", "openrlhf-m: 1 scores an unparseable gold answer accuracy 0 "
+                       "instead of OpenRLHF-M's 1."),
+    ),
+    *_in("output",
+        Field("log_format", "PODAGENT_LOG_FORMAT", "--log-format", choice("text", "json"),
+              "Screen output: text, or json (one object per line, for log collectors); the pod's "
+              "log file stays text.", default="text"),
+        Field("quiet", "PODAGENT_QUIET", "--quiet", zero_one,
+              "Show only warnings, errors and the job's own output (the variable: 1).",
+              default=False, is_flag=True),
+    ),
 )
 
 FIELD_BY_ATTR = {f.attr: f for f in FIELDS}
@@ -443,20 +489,37 @@ class Settings:
         return f.flag if self.sources.get(attr) == "flag" and f.flag else f.env
 
 
+def default_text(f: Any) -> str:
+    """A field's default as the docs and the help say it ("" when it has none)."""
+    if f.default_doc:
+        return str(f.default_doc)
+    if isinstance(f.default, bool):
+        return str(int(f.default))
+    if isinstance(f.default, float):
+        return f"{f.default:g}"
+    if isinstance(f.default, tuple):
+        return " ".join(f.default)
+    return "" if f.default is None else str(f.default)
+
+
 def markdown_table(table: Iterable[Any]) -> str:
-    """flag | variable | default | meaning, one row per field (for the README)."""
+    """flag | variable | default | meaning, one row per field (for the docs)."""
     rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
     for f in table:
-        default = f.default_doc or ("" if f.default is None else str(f.default))
-        if isinstance(f.default, bool):
-            default = str(int(f.default))
-        elif isinstance(f.default, float):
-            default = f"{f.default:g}"
-        rows.append(f"| `{f.flag}` | `{f.env}` | {default or '—'} | {f.help} |")
+        rows.append(f"| `{f.flag}` | `{f.env}` | {default_text(f) or '—'} | {f.help} |")
     return "\n".join(rows)
 
 
 
-def settings_table() -> str:
-    """The README's settings table, generated from FIELDS."""
-    return markdown_table(FIELDS)
+def first_run_table() -> str:
+    """The README's table: the settings a first run needs (FIRST_RUN)."""
+    return markdown_table(FIELD_BY_ATTR[attr] for attr in FIRST_RUN)
+
+
+def settings_page() -> str:
+    """docs/settings.md's tables, one per group, generated from FIELDS."""
+    parts = []
+    for group in GROUPS:
+        parts.append(f"## {group.title}\n\n`podagent help settings {group.name}`\n\n"
+                     + markdown_table(f for f in FIELDS if f.group == group.name))
+    return "\n\n".join(parts)

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from podagent import config
 from podagent.errors import ConfigError, PodagentError, PortInUse
 from podagent.rewards import settings as reward_settings
 from podagent.rewards.dataset import DatasetError
@@ -26,28 +27,24 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _default(field: reward_settings.Field) -> str:
-    if field.default_doc:
-        return field.default_doc
-    if field.default is None:
-        return "unset"
-    if isinstance(field.default, bool):
-        return str(int(field.default))
-    return f"{field.default:g}" if isinstance(field.default, float) else str(field.default)
-
-
 def reward_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """One option per setting, from settings.FIELDS (strings; parsed and checked by build)."""
+    """One option per setting, from settings.FIELDS (strings; parsed and checked by build);
+    help shows those a first use needs (config.REWARD_FIRST), `podagent help settings
+    reward-server` every one."""
     for field in reversed(reward_settings.FIELDS):
+        default = config.default_text(field) or "unset"
         func = click.option(
             field.flag, field.attr, default=None, metavar="VALUE",
-            help=f"{field.help} [env: {field.env}; default: {_default(field)}]")(func)
+            hidden=field.attr not in config.REWARD_FIRST,
+            help=f"{field.help} [env: {field.env}; default: {default}]")(func)
     return func
 
 
 @click.command(name="reward-server",
                context_settings={"help_option_names": ["-h", "--help"],
-                                 "max_content_width": 100})
+                                 "max_content_width": 100},
+               epilog=f"\b\nEvery setting ({len(reward_settings.FIELDS)}), each a flag and a "
+                      f"variable:\npodagent help settings reward-server")
 @reward_options
 def reward_server(**flags: str | None) -> None:
     """Serve math rewards over HTTP: OpenRLHF's remote reward protocol.
@@ -57,30 +54,11 @@ def reward_server(**flags: str | None) -> None:
       -> {"rewards", "scores", "format_rewards", "acc_rewards"}: one number per query
     GET /health -> {"status": "ok", "scoring": ..., counters}
 
-    \b
-    reward = accuracy + FORMAT_WEIGHT x format   (FORMAT_WEIGHT: --format-weight, 0.5)
-
-    \b
-    --scoring openrlhf-m (default): OpenRLHF-M's reward server, item for item.
-      response: the query after the template's assistant prefix (--prompt-template),
-        end tokens removed; format: 1 if it is exactly <think>...</think><answer>...</answer>.
-      accuracy: math-verify with the seed's settings on the whole response (\\boxed{} first,
-        then $...$ etc. after "answer"), against the gold in $...$: the --dataset answer for
-        the request's prompt (the most similar prompt if not exact), else labels[i].
-        An unparseable gold scores 1, as in the seed (--strict 1: 0).
-    --scoring boxed: the last \\boxed{} (else the last <answer> block) against the gold
-      (labels[i], else the --dataset answer for the prompt); format: 1 if the response gives
-      exactly one boxed answer or one <answer> block.
-    --scoring openrlhf-boxed: upstream OpenRLHF's math reward function, item for item
-      (the last \\boxed{} of the response, graded by its rules); reward = accuracy.
-    --func FILE: the file's reward_func(queries, prompts, labels), upstream OpenRLHF's
-      contract, one item per call in the verifier processes (--item-timeout, --default-reward).
-
-    \b
-    Replies add "scores" (the accuracy, or the function's scores); --extra-logs 1 adds
-    "extra_logs" (a dict of lists: upstream OpenRLHF logs it; OpenRLHF-M's client cannot take it).
-
-    Stops cleanly on SIGTERM or SIGINT (exit 0). docs/reward-server.md has the full rules.
+    reward = accuracy + FORMAT_WEIGHT x format. --scoring openrlhf-m (default): OpenRLHF-M's
+    server, item for item; boxed: the last \\boxed{} against the gold; openrlhf-boxed: upstream
+    OpenRLHF's math reward function. --func FILE serves your reward_func(queries, prompts,
+    labels) instead. docs/reward-server.md has every rule. SIGTERM or SIGINT: a clean stop
+    (exit 0).
     """
     from podagent import extras
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import podagent
-from podagent import cli, errors
+from podagent import cli, config, errors
 from podagent.platform import nccl
 from podagent.run import ledger
 
@@ -412,3 +412,60 @@ def test_a_token_from_ray_auth_token_path_is_redacted_too(tmp_path):
     assert "RAY_AUTH_TOKEN=<redacted>" in result.stdout
     assert "--note <redacted>" in result.stdout
     assert token not in result.stdout + result.stderr
+
+
+# --- the help: one screen, every setting reachable ---------------------------------------------
+
+HELP_LINES = 60
+
+
+def _help(tmp_path: Path, *args: str) -> Run:
+    return run_cli(tmp_path, args, {"COLUMNS": "80"})
+
+
+def test_the_help_fits_one_screen_and_says_where_every_setting_is(tmp_path):
+    shown = _help(tmp_path, "--help")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert len(lines) <= HELP_LINES, shown.stdout
+    assert lines.index("Commands:") < next(i for i, line in enumerate(lines)
+                                           if line.startswith("Options"))
+    for name in cli.main.commands:
+        assert f"  {name} " in shown.stdout
+    for attr in config.FIRST_RUN:
+        assert config.FIELD_BY_ATTR[attr].flag in shown.stdout
+    pointer = " ".join(shown.stdout.split())  # as wrapped for 80 columns
+    groups = [g.name for g in (*config.GROUPS, config.REWARD_SERVER_GROUP)]
+    assert f"podagent help settings [{'|'.join(groups)}]" in pointer
+    assert _help(tmp_path, "help").stdout == shown.stdout
+
+
+def test_help_settings_lists_every_setting_in_its_group(tmp_path):
+    every = _help(tmp_path, "help", "settings")
+    assert every.returncode == 0, every.stderr
+    for group in config.GROUPS:
+        one = _help(tmp_path, "help", "settings", group.name)  # the reward server's: below
+        assert one.returncode == 0 and one.stdout in every.stdout
+        for field in config.FIELDS:
+            listed = f"{field.flag} / {field.env}" in one.stdout
+            assert listed == (field.group == group.name), (group.name, field.flag)
+    server = _help(tmp_path, "help", "settings", config.REWARD_SERVER_GROUP.name)
+    assert server.stdout in every.stdout
+    for field in config.REWARD_FIELDS:
+        assert f"{field.flag} / {field.env}" in server.stdout
+    wrong = _help(tmp_path, "help", "settings", "gpus")
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr.strip().splitlines() == [
+        "podagent: error: GROUP='gpus' is not a group of settings: one of "
+        + ", ".join(g.name for g in (*config.GROUPS, config.REWARD_SERVER_GROUP))]
+
+
+def test_a_commands_help_shows_the_first_settings_and_points_at_the_rest(tmp_path):
+    head = _help(tmp_path, "head", "--help")
+    assert head.returncode == 0 and "--expected-workers" in head.stdout
+    assert "--ray-port" not in head.stdout and "podagent help settings" in head.stdout
+    assert _help(tmp_path, "help", "head").stdout == head.stdout
+    # a setting the help does not show is still taken
+    dry = run_cli(tmp_path, ("--ray-port", "7001", "--node-ip", "10.0.0.5", "--dry-run"), {})
+    assert dry.returncode == 0, dry.stderr
+    assert "ray start --head --port 7001 " in dry.stdout

@@ -387,13 +387,23 @@ def test_instant_cluster_property():
 
 # --- the FIELDS table ---------------------------------------------------------------------------
 
-def test_settings_table_has_one_row_per_field():
-    lines = config.settings_table().splitlines()
-    assert lines[0].startswith("| flag | variable |")
-    rows = lines[2:]
+def test_settings_page_has_one_row_per_field_in_its_groups_table():
+    page = config.settings_page()
+    tables = page.split("\n## ")
+    assert len(tables) == len(config.GROUPS)
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
     assert len(rows) == len(config.FIELDS)
     for row, f in zip(rows, config.FIELDS, strict=True):
         assert row.startswith(f"| `{f.flag}` | `{f.env}` |")
+    for table, group in zip(tables, config.GROUPS, strict=True):
+        assert table.removeprefix("## ").startswith(group.title)
+        assert {f.flag for f in config.FIELDS if f.group == group.name} == \
+            set(re.findall(r"^\| `(--[a-z-]+)`", table, re.M))
+
+
+def test_every_setting_is_in_a_group_and_the_first_run_ones_exist():
+    assert {f.group for f in config.FIELDS} == set(config.GROUP_BY_NAME)
+    assert set(config.FIRST_RUN) <= set(config.FIELD_BY_ATTR)
 
 
 def test_fields_flags_and_variables_are_well_formed_and_unique():

@@ -119,9 +119,16 @@ def test_the_profile_settings_and_their_defaults():
 
 
 def test_help_documents_the_reward_formula_and_every_variable():
+    """--help shows the formula and the settings a first use needs; `podagent help settings
+    reward-server`, where it points, every one."""
+    from podagent import cli, config
+
     result = CliRunner().invoke(reward_server, ["--help"])
     assert result.exit_code == 0
     text = " ".join(result.output.split())
     assert "reward = accuracy + FORMAT_WEIGHT x format" in text
+    assert "podagent help settings reward-server" in text
+    every = " ".join(cli.settings_help("reward-server").split())
     for field in settings.FIELDS:
-        assert field.flag in text and field.env in text
+        assert field.flag in every and field.env in every
+        assert (field.env in text) == (field.attr in config.REWARD_FIRST)
