@@ -42,6 +42,11 @@ def resume_args(settings: Settings) -> Resume:
         return Resume((), f"{directory} holds a checkpoint ({found.name}); not resuming "
                           f"because PODAGENT_RESUME=never")
     flag = settings.resume_flag
+    if not flag:
+        itself = settings.profile.trainer.resumes_itself if settings.profile else ""
+        return Resume((), f"{directory} holds a checkpoint ({found.name}); "
+                          f"{itself or 'no resume flag (PODAGENT_RESUME_FLAG)'}: the job is "
+                          f"left as it is")
     if settings.job and flag[0] in settings.job:
         return Resume((), f"the job already has {flag[0]}: left as it is")
     return Resume(flag, f"resuming: {directory} holds a checkpoint ({found.name}), so the job "

@@ -247,6 +247,10 @@ class Head(Lifecycle[HeadState]):
             step.done(f"{self.reward.label} answers a real request at {self.reward.url}",
                       url=self.reward.url)
         self.reward.supervise()
+        profile = self.settings.profile  # does the job ask this server? (trainers.py)
+        unasked = profile.reward_warning(True, self.reward.url) if profile else None
+        if unasked:
+            self.reporter.warn(unasked)
         return HeadState.SUBMITTING
 
     def _submit(self) -> HeadState:

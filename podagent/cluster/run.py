@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from podagent import __version__, config, extras, process
+from podagent import __version__, config, extras, process, trainers
 from podagent.platform.head_location import head_location
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.ray_access import ray_compat
@@ -102,6 +102,32 @@ def _dry_run(settings: config.Settings, decision: RoleDecision,
         reporter.say(f"would wait for {settings.expected_workers} worker(s) "
                      f"(timeout {settings.worker_timeout:g} s), start reward server: {reward}, "
                      f"then run the job: {job}")
+        if settings.profile:
+            _say_profile(settings, settings.profile, setup.node_ip, reporter)
+
+
+def _say_profile(settings: config.Settings, profile: trainers.Profile, node_ip: str,
+                 reporter: Reporter) -> None:
+    """The job's trainer and what podagent derived from its command line."""
+    def origin(attr: str) -> str:
+        source = settings.sources.get(attr, "default")
+        return settings.source_name(attr) if source in ("flag", "env") else source
+
+    reporter.say(f"the job: {profile.describe()}")
+    where = (f"{settings.checkpoint_dir} ({origin('checkpoint_dir')})"
+             if settings.checkpoint_dir else "no checkpoint directory (PODAGENT_CHECKPOINT_DIR)")
+    if settings.resume_flag:
+        reporter.say(f"after a lost pod: resubmitted with {shlex.join(settings.resume_flag)} "
+                     f"({origin('resume_flag')}) when {where} holds a checkpoint")
+    else:
+        reporter.say(f"after a lost pod: resubmitted as it is "
+                     f"({profile.trainer.resumes_itself or origin('resume_flag')}); "
+                     f"checkpoints watched in {where}")
+    served = settings.reward != "none"
+    url = f"http://{node_ip}:{settings.reward_port}/get_reward"
+    unasked = profile.reward_warning(served, url)
+    if unasked:
+        reporter.warn(unasked)
 
 
 def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayVersion,

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from podagent import trainers
 from podagent.choices import AfterRun, OnNodeLoss
 from podagent.config.fields import (
     FIELD_BY_ATTR,
@@ -87,6 +88,13 @@ def build(
     restarts = values.get("restarts", FIELD_BY_ATTR["restarts"].default)
     values.setdefault("on_node_loss", OnNodeLoss.default(restarts).value)
     values.setdefault("log_dir", _default_log_dir())
+    profile = trainers.read(values["job"]) if values.get("job") else None
+    if profile is not None and "resume_flag" not in values:
+        values["resume_flag"] = profile.trainer.resume
+        sources["resume_flag"] = f"derived from the job ({profile.trainer.name})"
+    if "checkpoint_dir" not in values and profile is not None and profile.checkpoint_dir:
+        values["checkpoint_dir"] = profile.checkpoint_dir
+        sources["checkpoint_dir"] = f"derived from the job's {profile.trainer.checkpoint[0]}"
     if "checkpoint_dir" not in values and _default_checkpoint_dir():
         values["checkpoint_dir"] = _default_checkpoint_dir()
     for f in FIELDS:
@@ -96,6 +104,7 @@ def build(
     settings = Settings(
         **values, environ=MappingProxyType(env), sources=MappingProxyType(sources),
         token_from_file=read_token_file(env), warnings=tuple(unknown_settings(env)),
+        profile=profile,
     )
     _check_relations(settings)
     check_token(settings.environ, settings.token_from_file)

@@ -56,6 +56,7 @@ from podagent.config.parsers import (
     zero_one,
 )
 from podagent.config.policy import TOKEN_VARIABLES, runpod_key
+from podagent.trainers import TRAINER_BY_NAME, Profile
 
 RUNPOD_API_URL = "RUNPOD_API_URL"  # the one setting for RunPod's API (on a pod and for `up`)
 
@@ -351,13 +352,17 @@ FIELDS: tuple[Field, ...] = (
         Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
               "Directory the job writes checkpoints to; podagent checks its free space and "
               "resumes from it (PODAGENT_RESUME).",
-              default_doc="/workspace/checkpoints if /workspace exists, else unset"),
+              default_doc="the job's own (--ckpt.path, --ckpt_path, trainer.default_local_dir), "
+                          "else /workspace/checkpoints if /workspace exists, else unset"),
         Field("resume", "PODAGENT_RESUME", "--resume", choice("auto", "never"),
               "auto: when PODAGENT_CHECKPOINT_DIR already holds a checkpoint, append "
               "PODAGENT_RESUME_FLAG to the job; never: do not.", default="auto"),
         Field("resume_flag", "PODAGENT_RESUME_FLAG", "--resume-flag", command_line,
               "Arguments appended to the job to resume from a checkpoint.",
-              default=("--load_checkpoint",), default_doc="--load_checkpoint"),
+              default=TRAINER_BY_NAME["script"].resume,
+              default_doc="the job's trainer's: --ckpt.load_enable (OpenRLHF 0.10.2 or newer), "
+                          "--load_checkpoint (older OpenRLHF, OpenRLHF-M, a script of your "
+                          "own), none (verl resumes by itself)"),
     ),
     *_in("reward",
         Field("reward", "PODAGENT_REWARD", "--reward", choice(*REWARD_KINDS),
@@ -435,6 +440,8 @@ class Settings:
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # One line each, for the CLI to show: PODAGENT_* variables podagent does not know.
     warnings: tuple[str, ...] = ()
+    # The job's trainer and what its command line names (trainers.py); None without a job.
+    profile: Profile | None = None
 
     @property
     def run_dir(self) -> Path:

@@ -1,0 +1,144 @@
+"""The trainers' profiles: every restarted job command podagent builds is one its trainer's
+parser accepts.
+
+The parsers here are our own, written from each trainer's published parser (openrlhf/cli/
+train_ppo_ray.py of OpenRLHF 0.10.2 on and of 0.10.1, and of OpenRLHF-M): argparse without
+abbreviations or aliases, exiting on an unknown argument as theirs do. verl's Hydra command
+line must come back unchanged: verl resumes by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from podagent import config, trainers
+from podagent.cluster import job_spec
+from podagent.report import Reporter
+
+HEAD_URL = "http://10.0.0.1:5000/get_reward"
+
+
+def openrlhf_today() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--actor.model_name_or_path", type=str)
+    parser.add_argument("--ckpt.path", type=str, default="./ckpt/checkpoints_ppo_ray")
+    parser.add_argument("--ckpt.load_enable", action="store_true", default=False)
+    parser.add_argument("--ckpt.save_steps", type=int, default=-1)
+    parser.add_argument("--reward.remote_url", type=str, default=None)
+    return parser
+
+
+def openrlhf_flat() -> argparse.ArgumentParser:
+    """OpenRLHF before 0.10.2, and OpenRLHF-M: the same flat options."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--pretrain", type=str)
+    parser.add_argument("--ckpt_path", type=str, default="./ckpt/checkpoints_ppo_ray")
+    parser.add_argument("--load_checkpoint", action="store_true", default=False)
+    parser.add_argument("--save_steps", type=int, default=-1)
+    parser.add_argument("--remote_rm_url", type=str, default=None)
+    return parser
+
+
+MODULE = ("python3", "-m", "openrlhf.cli.train_ppo_ray")
+JOBS = {
+    "openrlhf": ((*MODULE, "--actor.model_name_or_path", "Qwen/Qwen2.5-7B", "--ckpt.path",
+                  "{ckpt}", "--ckpt.save_steps", "20", "--reward.remote_url",
+                  "$REMOTE_RM_URL"), openrlhf_today),
+    "openrlhf-flat": ((*MODULE, "--pretrain", "Qwen/Qwen2.5-7B", "--ckpt_path", "{ckpt}",
+                       "--save_steps", "20", "--remote_rm_url", "$REMOTE_RM_URL"),
+                      openrlhf_flat),
+}
+
+
+def _restarted(job: tuple[str, ...], env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The entrypoint the head submits after a lost pod, a checkpoint being there."""
+    settings = config.build({"job": " ".join(job)}, env or {})
+    return job_spec.entrypoint(settings, Reporter("head", "pod", None, stream=io.StringIO()))
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_a_restarted_openrlhf_job_is_one_its_parser_accepts(name, tmp_path):
+    (tmp_path / "global_step20").mkdir()
+    template, parser = JOBS[name]
+    job = tuple(arg.replace("{ckpt}", str(tmp_path)) for arg in template)
+    restarted = _restarted(job)
+    assert restarted[:len(job)] == job and len(restarted) == len(job) + 1
+    args = vars(parser().parse_args(list(restarted[len(MODULE):])))
+    assert args["ckpt.load_enable" if name == "openrlhf" else "load_checkpoint"] is True
+    # the checkpoints watched are the job's own, without PODAGENT_CHECKPOINT_DIR
+    assert config.build({"job": " ".join(job)}, {}).checkpoint_dir == str(tmp_path)
+
+
+def test_the_flag_of_before_is_refused_by_todays_openrlhf():
+    """Why the profiles exist: podagent's old default broke today's restarted jobs."""
+    with pytest.raises(SystemExit):
+        openrlhf_today().parse_args(["--load_checkpoint"])
+
+
+def test_a_verl_job_comes_back_unchanged_it_resumes_itself(tmp_path):
+    (tmp_path / "global_step_40").mkdir()
+    job = ("python3", "-m", "verl.trainer.main_ppo", "trainer.nnodes=2",
+           f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=auto")
+    assert _restarted(job) == job
+    settings = config.build({"job": " ".join(job)}, {})
+    assert settings.checkpoint_dir == str(tmp_path) and settings.resume_flag == ()
+
+
+def test_the_users_settings_win_over_what_the_job_says(tmp_path):
+    (tmp_path / "step1").mkdir()
+    template, _ = JOBS["openrlhf"]
+    job = tuple(arg.replace("{ckpt}", "/elsewhere") for arg in template)
+    settings = config.build({"job": " ".join(job)}, {
+        "PODAGENT_CHECKPOINT_DIR": str(tmp_path), "PODAGENT_RESUME_FLAG": "--ckpt.load_enable "
+                                                                          "--ckpt.save_steps 5"})
+    assert settings.checkpoint_dir == str(tmp_path)
+    assert settings.resume_flag == ("--ckpt.load_enable", "--ckpt.save_steps", "5")
+    assert settings.sources["resume_flag"] == "env"
+
+
+def test_a_script_of_your_own_keeps_the_flag_of_before():
+    settings = config.build({"job": "python train.py --epochs 3"}, {})
+    assert settings.profile.trainer.name == "script"
+    assert settings.resume_flag == ("--load_checkpoint",)
+
+
+@pytest.mark.parametrize(("job", "trainer"), [
+    ("bash -c 'cd /w && python -m openrlhf.cli.train_ppo_ray --ckpt.path /c'", "openrlhf"),
+    ("python -m openrlhf.cli.train_ppo_ray --ckpt_path=/c", "openrlhf-flat"),
+    ("deepspeed --module openrlhf.cli.train_ppo_ray --ckpt.path=/c --reward.remote_url=x",
+     "openrlhf"),
+    ("python3 -m verl.trainer.main_ppo +trainer.default_local_dir=/c", "verl"),
+    ("python train.py --ckpt.path /c", "script"),  # not OpenRLHF: its options mean nothing here
+])
+def test_the_trainer_is_read_from_the_command_line_a_shell_command_too(job, trainer):
+    profile = trainers.read(config.command_line(job))
+    assert profile.trainer.name == trainer
+    assert profile.checkpoint_dir == ("/c" if trainer != "script" else None)
+
+
+@pytest.mark.parametrize(("job", "warned"), [
+    ("python -m openrlhf.cli.train_ppo_ray --ckpt.path /c --reward.remote_url $REMOTE_RM_URL",
+     None),
+    (f"python -m openrlhf.cli.train_ppo_ray --ckpt.path /c --reward.remote_url {HEAD_URL}", None),
+    ("python -m openrlhf.cli.train_ppo_ray --ckpt.path /c",
+     "has no --reward.remote_url, so it will not ask the head's reward server at "
+     f"{HEAD_URL}: add --reward.remote_url $REMOTE_RM_URL"),
+    ("python -m openrlhf.cli.train_ppo_ray --remote_rm_url http://rm:9/get_reward",
+     "the job sends its rewards to --remote_rm_url http://rm:9/get_reward, not to the head's "
+     f"reward server at {HEAD_URL}: use --remote_rm_url $REMOTE_RM_URL"),
+    ("python3 -m verl.trainer.main_ppo "
+     "reward.custom_reward_function.path=/usr/lib/podagent/rewards/client.py", None),
+    ("python3 -m verl.trainer.main_ppo custom_reward_function.path=/w/my_reward.py",
+     "the job's custom_reward_function.path=/w/my_reward.py is not podagent's client"),
+    ("python3 -m verl.trainer.main_ppo trainer.nnodes=2",
+     "names no reward function, so it will not ask the head's reward server"),
+    ("python train.py", None),  # a script of its own: nothing to tell
+])
+def test_a_job_that_would_not_ask_the_heads_reward_server_gets_one_line(job, warned):
+    profile = trainers.read(config.command_line(job))
+    line = profile.reward_warning(True, HEAD_URL)
+    assert (line is None) if warned is None else (warned in line), line
+    assert profile.reward_warning(False, HEAD_URL) is None  # PODAGENT_REWARD=none
