@@ -7,11 +7,17 @@ import concurrent.futures
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_result
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+)
 
 from podagent.errors import Interrupted
 
@@ -134,7 +140,9 @@ class Backoff:
         return cls(seconds, seconds)
 
     def pause(self, tries: int) -> float:
-        return min(self.most, self.first * 2 ** max(0, tries - 1))
+        # The doubling stops at `most`: past 2**60 it would overflow a float (a fast-failing
+        # probe makes thousands of tries within a long deadline).
+        return min(self.most, self.first * 2 ** min(60, max(0, tries - 1)))
 
 
 class Expired(Exception):
@@ -165,6 +173,30 @@ def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
     naming what was awaited and what was seen last. `sleep` is where a signal ends the wait
     (`Signals.sleep`); any other exception of the probe ends it at once. `before_pause(seen,
     seconds)` hears of each try that failed, for a wait that says so as it goes."""
+    policy = _policy(awaited, backoff, deadline, attempts, on, until, seen, expired,
+                     before_pause)
+    return Retrying(sleep=sleep, **policy)(probe)
+
+
+async def retry_async(probe: Callable[[], Awaitable[T]], *, awaited: str, backoff: Backoff,
+                      deadline: Deadline | float | None = None, attempts: int | None = None,
+                      sleep: Callable[[float], Awaitable[None]] | None = None,
+                      on: tuple[type[BaseException], ...] = (NotYet,),
+                      expired: Callable[[Expired], BaseException] | None = None) -> T:
+    """`retry` for a coroutine's probe, its pauses awaited (asyncio.sleep unless `sleep`):
+    the same policy, on tenacity."""
+    import asyncio  # only a coroutine's wait needs it
+
+    policy = _policy(awaited, backoff, deadline, attempts, on, None, repr, expired, None)
+    return await AsyncRetrying(sleep=sleep or asyncio.sleep, **policy)(probe)
+
+
+def _policy(awaited: str, backoff: Backoff, deadline: Deadline | float | None,
+            attempts: int | None, on: tuple[type[BaseException], ...],
+            until: Callable[[Any], bool] | None, seen: Callable[[Any], str],
+            expired: Callable[[Expired], BaseException] | None,
+            before_pause: Callable[[str, float], None] | None) -> dict[str, Any]:
+    """tenacity's arguments for a wait as `retry` describes it."""
     if deadline is None and attempts is None:
         raise ValueError(f"waiting for {awaited}: a wait needs a deadline or a number of tries")
     ends = None if deadline is None else Deadline.of(deadline)
@@ -188,7 +220,7 @@ def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
     if until is not None:
         condition = condition | retry_if_result(lambda answer: not until(answer))
 
-    def give_up(state: RetryCallState) -> T:
+    def give_up(state: RetryCallState) -> Any:
         outcome = state.outcome
         assert outcome is not None  # tenacity gives up only after a try
         last = None if outcome.failed else outcome.result()
@@ -196,8 +228,8 @@ def retry(probe: Callable[[], T], *, awaited: str, backoff: Backoff,
                       tries=state.attempt_number)
         raise (expired(out) if expired is not None else out) from None
 
-    return Retrying(stop=stop, wait=pause, retry=condition, sleep=sleep, before_sleep=heard,
-                    retry_error_callback=give_up)(probe)
+    return {"stop": stop, "wait": pause, "retry": condition, "before_sleep": heard,
+            "retry_error_callback": give_up}
 
 
 def _said(outcome: Any, seen: Callable[[Any], str]) -> str:

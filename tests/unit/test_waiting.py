@@ -119,3 +119,11 @@ def test_a_signal_ends_a_pause_at_once():
 def test_a_wait_without_a_bound_is_refused():
     with pytest.raises(ValueError, match="waiting for the head: a wait needs a deadline"):
         retry(Probe(misses=0), awaited="the head", backoff=Backoff.every(1))
+
+
+def test_a_backoff_stays_at_its_most_however_many_tries():
+    """A probe refused at once (a GCS that asks for a token) is tried thousands of times within
+    a three-minute deadline: the pause never overflows (it did past the 1,024th try)."""
+    backoff = Backoff(0.02, 0.1)
+    assert [backoff.pause(n) for n in (1, 2, 3, 4)] == [0.02, 0.04, 0.08, 0.1]
+    assert backoff.pause(1100) == backoff.pause(10**6) == 0.1
