@@ -21,6 +21,7 @@ from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.platform import pod
 from podagent.platform.roles import Role
+from podagent.ray_access import ray_compat
 from podagent.report import Reporter
 from podagent.waiting import Deadline
 from podagent.wire import Event
@@ -54,6 +55,7 @@ HEALTH_CHECK_ENV = {
 # A busy pod's dashboard can take longer; podagent bounds the whole start itself.
 DASHBOARD_STARTUP_ENV = "RAY_DASHBOARD_STARTUP_TIMEOUT_S"
 DASHBOARD_STARTUP_TIMEOUT = "150"
+AUTH_MODE = config.RAY_AUTH_MODE  # token or disabled (Ray 2.52 on)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,20 @@ class RayPlan:
     """Everything needed to start this pod's Ray node; built once, shown, then run."""
     argv: tuple[str, ...]
     env_overrides: Mapping[str, str]  # what podagent adds to the inherited environment
+
+
+def auth_env(settings: Settings) -> dict[str, str]:
+    """Ray's authentication for every node and client of the run, decided here and never left
+    to Ray: from 2.59 a `ray start --head` that finds a token of its own (RAY_AUTH_TOKEN, a
+    token file, ~/.ray/auth_token) turns token auth on by itself, so a file left on one pod
+    would make its node one the others cannot reach. A cluster token: token auth (Ray 2.52 on:
+    the GCS, dashboard and Jobs API refuse anyone without it); none: auth off, said so."""
+    if settings.auth_token:
+        return {AUTH_MODE: "token", "RAY_AUTH_TOKEN": settings.auth_token}
+    ray = ray_compat.installed()
+    if ray is not None and ray.has("token_auth"):
+        return {AUTH_MODE: "disabled"}
+    return {}  # a Ray without tokens has no mode to set
 
 
 def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
@@ -83,10 +99,7 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
         env.update({k: v for k, v in HEALTH_CHECK_ENV.items() if k not in settings.environ})
         if DASHBOARD_STARTUP_ENV not in settings.environ:
             env[DASHBOARD_STARTUP_ENV] = DASHBOARD_STARTUP_TIMEOUT
-    if settings.auth_token:
-        # Ray >= 2.52: the GCS, dashboard and Jobs API then refuse anyone without the token.
-        env["RAY_AUTH_MODE"] = "token"
-        env["RAY_AUTH_TOKEN"] = settings.auth_token
+    env.update(auth_env(settings))
     if settings.debug_ray:
         # An environment entry, not a word on a shell line: the seed's `${VAR} ray start` ran a
         # command literally named RAY_DEBUG=legacy and never started Ray.

@@ -12,6 +12,7 @@ import os
 import shlex
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from podagent import __version__, config, extras, process, trainers
@@ -130,6 +131,21 @@ def _say_profile(settings: config.Settings, profile: trainers.Profile, node_ip: 
         reporter.warn(unasked)
 
 
+def _decide_ray_auth(settings: config.Settings, reporter: Reporter) -> None:
+    """podagent's own Ray clients (the Jobs API's) take the run's auth mode, as its nodes do
+    (ray_node.auth_env); a token file Ray would find by itself is said, and not used."""
+    from podagent.cluster import ray_node
+
+    mode = ray_node.auth_env(settings).get(ray_node.AUTH_MODE)
+    if mode:
+        os.environ[ray_node.AUTH_MODE] = mode
+    stray = Path.home() / ".ray" / "auth_token"
+    if mode == "disabled" and stray.is_file():
+        reporter.say(f"a Ray token file is on this pod ({stray}) but the run has no cluster "
+                     f"token: Ray's auth stays off on every node ({ray_node.AUTH_MODE}=disabled)"
+                     f"; to use that token, set {config.TOKEN_PATH_VARIABLE} to it on every pod")
+
+
 def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayVersion,
          exit_code: Callable[[BaseException], int], outcome_code: Callable[[str], int],
          restartable: Callable[[int], bool]) -> int:
@@ -142,6 +158,7 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
     reporter = reporter_for(settings, decision.role.value, run_dir=settings.run_dir)
     for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
         reporter.log_only(f"WARNING: {warning}")
+    _decide_ray_auth(settings, reporter)
     reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     _say_untested(reporter, ray)

@@ -80,6 +80,7 @@ from podagent.config.parsers import (
 from podagent.config.policy import (
     CLUSTER_TOKEN,
     ONLY_PODAGENTS,
+    RAY_AUTH_MODE,
     REDACTED_VALUE,
     RUNPOD_ACCOUNT_KEY,
     RUNPOD_API_KEY,
@@ -108,6 +109,7 @@ __all__ = [
     "ON_NODE_LOSS",
     "OTHER_VARIABLES",
     "PREFIX",
+    "RAY_AUTH_MODE",
     "RAY_OWNER",
     "REDACTED_VALUE",
     "RETIRED_VARIABLES",

@@ -60,6 +60,7 @@ def runpod_key(environ: Mapping[str, str], key_file: str | None = None,
 
 TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "PODAGENT_TOKEN")
 TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"  # Ray's own: a file that holds the token
+RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's own: podagent sets it on every node (ray_node.auth_env)
 TOKEN_RULE = "at least 16 printable characters without spaces (`podagent token` makes one)"
 
 # Which child gets which secret (docs/secrets.md). RUNPOD_API_KEY is podagent's alone (it stops
@@ -114,6 +115,13 @@ def check_token(environ: Mapping[str, str], token_from_file: str | None) -> None
     if len(set(given.values())) > 1:
         raise ConfigError("PODAGENT_TOKEN", REDACTED_VALUE,
                           "must equal RAY_AUTH_TOKEN when both are set")
+    mode = environ.get(RAY_AUTH_MODE, "").strip().lower()
+    if mode == "token" and not given and not token_from_file:
+        raise ConfigError(RAY_AUTH_MODE, "token",
+                          "needs the run's cluster token on every pod: set PODAGENT_TOKEN, "
+                          "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH (podagent decides Ray's auth "
+                          "for every node; a token file Ray would find by itself may be on one "
+                          "pod only)")
     if token_from_file and given and token_from_file not in given.values():
         raise ConfigError(TOKEN_PATH_VARIABLE, environ[TOKEN_PATH_VARIABLE].strip(),
                           f"must name a file holding the same token as {', '.join(given)} "

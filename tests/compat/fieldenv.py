@@ -39,6 +39,9 @@ FIELDS = {
     "verl": Field("verl", ("numpy<2.0.0", "ray[default]", "math_verify"), "reward",
                   "verl requirements.txt"),
     "floor": Field("floor", (), "", "podagent's own lower bounds"),
+    # Not a trainer's: the first Ray whose `ray start --head` turns token auth on by itself
+    # when it finds a token file (tests marked ray_auth run there).
+    "ray-2.59": Field("ray-2.59", ("ray[default]==2.59.0",), "", "Ray 2.59"),
 }
 
 

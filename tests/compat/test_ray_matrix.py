@@ -3,7 +3,8 @@
 This session runs them on the Ray of the test environment (the newest tested); here they run
 inside the OpenRLHF field environment, where podagent was installed beside Ray 2.48.0 without
 changing it: the GCS codec and the `ray start` plan (unit), a head's bring-up, job and teardown
-(integration), and a head and a worker in their own pods with the head lost (e2e).
+(integration), and a head and a worker in their own pods with the head lost (e2e). The tests
+marked ray_auth run again on Ray 2.59 the same way.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ MATRIX_TIMEOUT = 1200.0
 MATRIX_NEEDS = ("pytest", "hypothesis", "dnslib", "torch", "numpy")
 
 
-def _collect(python: str) -> set[str]:
+def _collect(python: str, marker: str = "ray_matrix") -> set[str]:
     result = subprocess.run(
-        [python, "-m", "pytest", "-m", "ray_matrix", "--collect-only", "-q",
+        [python, "-m", "pytest", "-m", marker, "--collect-only", "-q",
          "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, RAY_MATRIX_ONLY: "1"})
+        env={**os.environ, RAY_MATRIX_ONLY: "1" if marker == "ray_matrix" else marker})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {line for line in result.stdout.splitlines() if "::" in line}
 
@@ -64,3 +65,26 @@ def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
     assert counts, summary
     passed, skipped = int(counts[1]), int(counts[2] or 0)
     assert passed + skipped == len(expected) and skipped <= MAX_SKIPPED_ON_2_48, summary
+
+
+def test_auth_tests_pass_on_ray_2_59(field_envs, tmp_path):
+    """The tests marked ray_auth on Ray 2.59, the first whose `ray start --head` turns token
+    auth on by itself where it finds a token file (this session runs them on its own Ray)."""
+    field: Installed = field_envs["ray-2.59"].result()
+    env = field.env
+    held = env.hold()
+    tools = env.run([str(env.bin / "python"), "-m", "pip", "install", "--quiet",
+                     "--constraint", str(held), *from_test_extra(*MATRIX_NEEDS)])
+    assert tools.returncode == 0, tools.stdout[-3000:] + tools.stderr[-3000:]
+    assert env.packages()["ray"] == "2.59.0"
+    python = str(env.bin / "python")
+    expected = _collect(sys.executable, "ray_auth")
+    assert len(expected) >= 3, sorted(expected)
+    assert _collect(python, "ray_auth") == expected
+    result = subprocess.run(
+        [python, "-m", "pytest", "-m", "ray_auth", "-q", "-p", "no:cacheprovider",
+         "--basetemp", str(tmp_path / "auth")], cwd=ROOT, capture_output=True, text=True,
+        timeout=MATRIX_TIMEOUT, env={**os.environ, RAY_MATRIX_ONLY: "ray_auth"})
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert re.match(rf"{len(expected)} passed in ", summary), summary

@@ -467,6 +467,29 @@ def test_token_goes_to_ray_through_the_environment_never_argv():
     assert not any(token in word for word in plan.argv)
 
 
+def test_without_a_token_every_node_is_told_auth_is_off_where_ray_has_tokens():
+    """Ray 2.59 on turns token auth on by itself when a token file is on the pod: podagent
+    says `disabled` on every node instead of leaving it to Ray (ray_auth e2e: the cluster)."""
+    from podagent.cluster import ray_node
+    from podagent.platform.roles import Role
+    from podagent.ray_access import ray_compat
+
+    has_tokens = ray_compat.require().has("token_auth")
+    for role in (Role.HEAD, Role.WORKER):
+        plan = ray_node.plan(build({}), role, "10.0.0.1", 0, {}, head_ip="10.0.0.2")
+        assert plan.env_overrides.get("RAY_AUTH_MODE") == ("disabled" if has_tokens else None)
+        assert "RAY_AUTH_TOKEN" not in plan.env_overrides
+
+
+def test_ray_auth_mode_token_without_a_cluster_token_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        build({"RAY_AUTH_MODE": "token"})
+    assert str(info.value).startswith("RAY_AUTH_MODE='token' needs the run's cluster token on "
+                                      "every pod: set PODAGENT_TOKEN, RAY_AUTH_TOKEN or "
+                                      "RAY_AUTH_TOKEN_PATH")
+    assert build({"RAY_AUTH_MODE": "token", "PODAGENT_TOKEN": "d" * 32}).auth_token
+
+
 # --- RAY_AUTH_TOKEN_PATH: Ray's own token file --------------------------------------------------
 
 
