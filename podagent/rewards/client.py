@@ -25,11 +25,14 @@ server (OpenRLHF's protocol) and the reply's `rewards` come back as floats.
 # No `from __future__ import annotations` here: verl executes this file under a module name it
 # does not register, and dataclasses look string annotations up in sys.modules by that name.
 
+import asyncio
 import importlib
+import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +40,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from podagent.errors import PodagentError
-from podagent.waiting import Backoff, Expired, NotYet, retry
+from podagent.waiting import Backoff, Expired, NotYet, retry, retry_async
 
 MODULE = "podagent.rewards.client"
 # Where the server is: ours first (a server elsewhere, or a job podagent did not start), then
@@ -80,6 +83,7 @@ class Retries:
     attempts: int = 8
     backoff: Backoff = BACKOFF
     sleep: Callable[[float], None] = time.sleep
+    async_sleep: Callable[[float], Awaitable[None]] | None = None  # asyncio.sleep
 
 
 class Client:
@@ -95,17 +99,8 @@ class Client:
     def score(self, queries: Sequence[str], labels: Sequence[str] | None = None,
               prompts: Sequence[str] | None = None) -> dict[str, Any]:
         """The server's reply for these items, checked: one reward per query."""
-        payload: dict[str, Any] = {"query": list(queries)}
-        if prompts is not None:
-            payload["prompts"] = list(prompts)
-        if labels is not None:
-            payload["labels"] = list(labels)
-        reply = self.post(payload)
-        rewards = reply.get("rewards") if isinstance(reply, dict) else None
-        if not isinstance(rewards, list) or len(rewards) != len(payload["query"]):
-            raise RewardClientError(f"the reward server at {self.url} answered without one "
-                                    f"reward per query: {_short(repr(reply))}")
-        return reply
+        payload = _payload(queries, labels, prompts)
+        return _checked(self.url, payload, self.post(payload))
 
     def post(self, payload: Mapping[str, Any]) -> Any:
         """The reply's JSON; RewardServerUnreachable when the tries run out, RewardRefused on a
@@ -116,16 +111,8 @@ class Client:
                 response = self.session.post(self.url, json=payload, timeout=self.timeout)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 raise NotYet(f"{type(exc).__name__}: {_short(str(exc))}") from None
-            if response.status_code >= 500:
-                raise NotYet(f"HTTP {response.status_code}: {_error_of(response)}")
-            if response.status_code >= 400:
-                raise RewardRefused(f"the reward server at {self.url} refused the request "
-                                    f"(HTTP {response.status_code}): {_error_of(response)}")
-            try:
-                return response.json()
-            except ValueError:
-                raise RewardClientError(f"the reward server at {self.url} answered what is "
-                                        f"not JSON: {_short(response.text)}") from None
+            return _answer(self.url, response.status_code,
+                           response.text or response.reason or "")
 
         def unreachable(out: Expired) -> RewardServerUnreachable:
             return RewardServerUnreachable(f"{out} ({out.tries} tries)")
@@ -136,13 +123,100 @@ class Client:
                      expired=unreachable)
 
 
-def _error_of(response: requests.Response) -> str:
+class AsyncClient:
+    """The same for a coroutine (verl's `async def` reward function): one aiohttp session,
+    made in the event loop that uses it (a session belongs to one loop), the same retries with
+    their pauses awaited."""
+
+    def __init__(self, url: str, *, timeout: float = TIMEOUT, retries: Retries = Retries()):
+        import aiohttp  # with Ray's dashboard (ray[default]) and podagent's reward extra
+
+        self.url, self.timeout, self.retries = url, timeout, retries
+        self._aiohttp = aiohttp
+        self._held: AsyncIterator[None] | None = None
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=POOL_SIZE),
+            timeout=aiohttp.ClientTimeout(total=timeout))
+
+    async def score(self, queries: Sequence[str], labels: Sequence[str] | None = None,
+                    prompts: Sequence[str] | None = None) -> dict[str, Any]:
+        payload = _payload(queries, labels, prompts)
+        return _checked(self.url, payload, await self.post(payload))
+
+    async def post(self, payload: Mapping[str, Any]) -> Any:
+        aiohttp = self._aiohttp
+        if self._held is None:  # the session closes with its loop (asyncio.run's end)
+            self._held = self._until_the_loop_ends()
+            await self._held.__anext__()
+
+        async def attempt() -> Any:
+            try:
+                async with self.session.post(self.url, json=payload) as response:
+                    status, text = response.status, await response.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise NotYet(f"{type(exc).__name__}: {_short(str(exc))}") from None
+            return _answer(self.url, status, text)
+
+        def unreachable(out: Expired) -> RewardServerUnreachable:
+            return RewardServerUnreachable(f"{out} ({out.tries} tries)")
+
+        policy = self.retries
+        return await retry_async(attempt, awaited=f"the reward server at {self.url}",
+                                 backoff=policy.backoff, attempts=policy.attempts,
+                                 sleep=policy.async_sleep, expired=unreachable)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def _until_the_loop_ends(self) -> AsyncIterator[None]:
+        """Held open by the client: a loop that ends (asyncio.run's shutdown_asyncgens) closes
+        this generator, and with it the session, instead of leaving it to a warning."""
+        try:
+            yield
+        finally:
+            await self.session.close()
+
+
+def _payload(queries: Sequence[str], labels: Sequence[str] | None,
+             prompts: Sequence[str] | None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"query": list(queries)}
+    if prompts is not None:
+        payload["prompts"] = list(prompts)
+    if labels is not None:
+        payload["labels"] = list(labels)
+    return payload
+
+
+def _checked(url: str, payload: Mapping[str, Any], reply: Any) -> dict[str, Any]:
+    """The reply, if it has one reward per query."""
+    rewards = reply.get("rewards") if isinstance(reply, dict) else None
+    if not isinstance(rewards, list) or len(rewards) != len(payload["query"]):
+        raise RewardClientError(f"the reward server at {url} answered without one reward per "
+                                f"query: {_short(repr(reply))}")
+    return reply
+
+
+def _answer(url: str, status: int, text: str) -> Any:
+    """An answer's JSON; NotYet for a 5xx (tried again), RewardRefused for a 4xx."""
+    if status >= 500:
+        raise NotYet(f"HTTP {status}: {_message(text)}")
+    if status >= 400:
+        raise RewardRefused(f"the reward server at {url} refused the request (HTTP {status}): "
+                            f"{_message(text)}")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise RewardClientError(f"the reward server at {url} answered what is not JSON: "
+                                f"{_short(text)}") from None
+
+
+def _message(text: str) -> str:
     """The server's JSON error message, else the start of its body."""
     try:
-        error = response.json().get("error")
+        error = json.loads(text).get("error")
     except (ValueError, AttributeError):
         error = None
-    return _short(str(error) if error else response.text or response.reason or "")
+    return _short(str(error) if error else text)
 
 
 def _short(text: str, most: int = 300) -> str:
@@ -173,10 +247,26 @@ def client() -> Client:
         return _client
 
 
+# One async client per event loop: an aiohttp session belongs to the loop it was made in.
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = (
+    weakref.WeakKeyDictionary())
+
+
+def async_client() -> AsyncClient:
+    """The running event loop's client, made on first use from the environment; NoRewardUrl."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        found = _async_clients.get(loop)
+        if found is None:
+            found = _async_clients[loop] = AsyncClient(url_from(os.environ))
+        return found
+
+
 def _forget() -> None:
     """After a fork: the child makes its own session (sockets are not to be shared)."""
     global _client, _lock
     _client, _lock = None, threading.Lock()
+    _async_clients.clear()
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -197,34 +287,63 @@ def compute_score(data_source: Any = None, solution_str: str | None = None,
     `+custom_reward_function.reward_kwargs.extra_logs=true`) returns {"score": reward, ...}
     with the item's extra_logs numbers beside it, when the server sends them
     (--extra-logs 1). Other keywords verl passes are not used."""
-    if solution_strs is not None:
-        count = len(solution_strs)
-        answers: list[Any] = []
-        for start in range(0, count, MAX_ITEMS):
-            part = slice(start, min(count, start + MAX_ITEMS))
-            answers += _ask(list(solution_strs[part]),
-                            _part(ground_truths, part, count), _part(extra_infos, part, count),
-                            extra_logs)
-        return answers
-    if solution_str is None:
-        raise TypeError("compute_score needs solution_str (one sample) or solution_strs "
-                        "(verl's batch form)")
-    [answer] = _ask([solution_str], [ground_truth], [extra_info], extra_logs)
-    return answer
+    requests_ = _requests(solution_str, ground_truth, extra_info, solution_strs,
+                          ground_truths, extra_infos)
+    answers = [answer for request in requests_
+               for answer in _rewards(client().score(*request), extra_logs)]
+    return answers if solution_strs is not None else answers[0]
+
+
+async def compute_score_async(data_source: Any = None, solution_str: str | None = None,
+                              ground_truth: Any = None, extra_info: Any = None, *,
+                              data_sources: Sequence[Any] | None = None,
+                              solution_strs: Sequence[str] | None = None,
+                              ground_truths: Sequence[Any] | None = None,
+                              extra_infos: Sequence[Any] | None = None,
+                              extra_logs: bool = False, **_: Any) -> Any:
+    """compute_score as a coroutine, for verl's reward loop, which awaits an `async def`
+    reward function on its event loop instead of blocking a thread per call
+    (`reward.custom_reward_function.name=compute_score_async`); the same answers."""
+    requests_ = _requests(solution_str, ground_truth, extra_info, solution_strs,
+                          ground_truths, extra_infos)
+    answers = [answer for request in requests_
+               for answer in _rewards(await async_client().score(*request), extra_logs)]
+    return answers if solution_strs is not None else answers[0]
+
+
+Request = tuple[list[str], list[str] | None, list[str] | None]  # queries, labels, prompts
+
+
+def _requests(solution_str: str | None, ground_truth: Any, extra_info: Any,
+              solution_strs: Sequence[str] | None, ground_truths: Sequence[Any] | None,
+              extra_infos: Sequence[Any] | None) -> list[Request]:
+    """(queries, labels, prompts) of each request: one sample, or a batch in parts of at most
+    MAX_ITEMS."""
+    if solution_strs is None:
+        if solution_str is None:
+            raise TypeError("compute_score needs solution_str (one sample) or solution_strs "
+                            "(verl's batch form)")
+        return [_request([solution_str], [ground_truth], [extra_info])]
+    count = len(solution_strs)
+    parts = [slice(start, min(count, start + MAX_ITEMS)) for start in range(0, count, MAX_ITEMS)]
+    return [_request(list(solution_strs[part]), _part(ground_truths, part, count),
+                     _part(extra_infos, part, count)) for part in parts]
 
 
 def _part(values: Sequence[Any] | None, part: slice, count: int) -> list[Any]:
     return [None] * (part.stop - part.start) if values is None else list(values[part])
 
 
-def _ask(queries: list[str], truths: list[Any], infos: list[Any], extra_logs: bool) -> list[Any]:
-    prompts = [_prompt_of(info) for info in infos]
+def _request(queries: list[str], truths: list[Any], infos: list[Any]) -> Request:
     # The server takes lists of strings: a key goes only when every item has one (without
     # labels, a server with --dataset looks the gold up by prompt).
-    labels = [None if t is None else str(t) for t in truths]
-    reply = client().score([str(q) for q in queries],
-                           None if None in labels else labels,
-                           None if None in prompts else prompts)
+    prompts = [prompt for info in infos if (prompt := _prompt_of(info)) is not None]
+    labels = [str(t) for t in truths if t is not None]
+    return ([str(q) for q in queries], labels if len(labels) == len(truths) else None,
+            prompts if len(prompts) == len(infos) else None)
+
+
+def _rewards(reply: Mapping[str, Any], extra_logs: bool) -> list[Any]:
     rewards = [float(r) for r in reply["rewards"]]
     if not extra_logs:
         return rewards
@@ -249,3 +368,4 @@ if __name__ != MODULE:
     # one session, and the function pickles by reference (Ray sends the reward function to its
     # workers; a function of an unregistered module would be pickled with its globals).
     compute_score = importlib.import_module(MODULE).compute_score
+    compute_score_async = importlib.import_module(MODULE).compute_score_async

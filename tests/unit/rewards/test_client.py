@@ -4,8 +4,11 @@ URL, a server that comes up late, a request the server refuses."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import importlib.util
+import inspect
 import pickle
 import subprocess
 import sys
@@ -192,3 +195,93 @@ def test_the_command_in_the_docs_prints_the_path_to_give_verl():
                           "import podagent.rewards.client as c; print(c.__file__)"],
                          capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout == client.__file__ + "\n"
+
+
+# --- the async function (verl's reward loop awaits an `async def`) -----------------------------
+
+
+def test_the_async_function_gives_the_same_answers_as_the_sync_one(served: Live):
+    expected = server_reply(served, SAMPLES)
+
+    async def ask() -> tuple[list, list, dict]:
+        one = [await client.compute_score_async(data_source="math", solution_str=s,
+                                                ground_truth=t, extra_info=i)
+               for s, t, i in SAMPLES]
+        batch = await client.compute_score_async(solution_strs=[s for s, _, _ in SAMPLES],
+                                                 ground_truths=[t for _, t, _ in SAMPLES],
+                                                 extra_infos=[i for _, _, i in SAMPLES])
+        solution, truth, info = SAMPLES[0]
+        logged = await client.compute_score_async("math", solution, truth, info,
+                                                  extra_logs=True)
+        return one, batch, logged
+
+    one, batch, logged = asyncio.run(ask())
+    assert one == batch == expected["rewards"] and all(type(r) is float for r in one)
+    assert logged == client.compute_score("math", *SAMPLES[0], extra_logs=True)
+    # verl loads it by path: the coroutine function is the package's own
+    module_path = client.__file__
+    spec = importlib.util.spec_from_file_location("custom_async", module_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.compute_score_async is client.compute_score_async
+    assert inspect.iscoroutinefunction(module.compute_score_async)
+
+
+def test_each_event_loop_has_its_own_session_and_keeps_it(served: Live):
+    async def twice() -> tuple[client.AsyncClient, client.AsyncClient]:
+        first = client.async_client()
+        await client.compute_score_async("math", *SAMPLES[0])
+        return first, client.async_client()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # verl: a loop per worker thread
+        (a1, a2), (b1, b2) = pool.map(lambda _: asyncio.run(twice()), range(2))
+    assert a1 is a2 and b1 is b2 and a1 is not b1
+
+
+def test_the_async_client_retries_a_server_that_comes_up_late():
+    port = free_port()
+    pauses: list[float] = []
+    with contextlib.ExitStack() as stack:
+
+        async def pause(seconds: float) -> None:
+            pauses.append(seconds)
+            if len(pauses) == 1:
+                stack.enter_context(thread_server(RewardSettings(port=port, workers=1)))
+
+        async def ask() -> dict:
+            late = client.AsyncClient(f"http://127.0.0.1:{port}/get_reward",
+                                      retries=client.Retries(attempts=3,
+                                                             backoff=Backoff.every(0.01),
+                                                             async_sleep=pause))
+            try:
+                return await late.score(["<think>a</think><answer>$4$</answer>"], ["4"])
+            finally:
+                await late.close()
+
+        reply = asyncio.run(ask())
+    assert reply["rewards"] == [1.5]
+    assert pauses == [0.01]
+
+
+def test_the_async_client_gives_up_in_one_line_and_never_retries_a_refusal(served: Live):
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    async def ask(url: str, items: int) -> None:
+        asking = client.AsyncClient(url, retries=client.Retries(
+            attempts=3, backoff=Backoff(0.01, 0.02), async_sleep=pause))
+        try:
+            await asking.score(["<answer>$1$</answer>"] * items, ["1"] * items)
+        finally:
+            await asking.close()
+
+    with pytest.raises(client.RewardServerUnreachable) as caught:
+        asyncio.run(ask(f"http://127.0.0.1:{free_port()}/get_reward", 1))
+    assert pauses == [0.01, 0.02]
+    assert "3 tries" in str(caught.value) and "\n" not in str(caught.value)
+    pauses.clear()
+    with pytest.raises(client.RewardRefused) as caught:
+        asyncio.run(ask(f"{served.url}/get_reward", MAX_ITEMS + 1))
+    assert "HTTP 413" in str(caught.value) and pauses == []
