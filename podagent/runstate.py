@@ -29,6 +29,10 @@ KV_HEAD_START = "head_start"
 
 # The cluster check job's one machine-readable line, which the head reads from the job's log.
 CHECK_JSON_PREFIX = "podagent-check-json: "
+# The labels of each Ray node podagent starts (Ray 2.49 on): a job selects by them, `podagent
+# status` names each node's pod by them.
+LABEL_POD = "podagent.io/pod"
+LABEL_ROLE = "podagent.io/role"
 
 
 REJOIN = "rejoin"

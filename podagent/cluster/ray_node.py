@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import socket
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, process
+from podagent import config, process, runstate
 from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.platform import pod
@@ -65,6 +66,22 @@ class RayPlan:
     env_overrides: Mapping[str, str]  # what podagent adds to the inherited environment
 
 
+def node_labels(settings: Settings, role: Role) -> dict[str, str]:
+    """The labels of this pod's Ray node, where the Ray has them: its RunPod pod id (else its
+    host name) and its role. A label value is at most 63 letters, digits, `-`, `_` and `.`,
+    starting and ending with a letter or digit (Ray's rule, Kubernetes'): one that cannot be
+    made so is left out."""
+    ray = ray_compat.installed()
+    if ray is None or not ray.has("node_labels"):
+        return {}
+    labels = {runstate.LABEL_ROLE: role.value}
+    pod = re.sub(r"[^A-Za-z0-9_.-]", "-", settings.pod_id or socket.gethostname())[:63]
+    pod = pod.strip("-_.")
+    if pod:
+        labels[runstate.LABEL_POD] = pod
+    return labels
+
+
 def auth_env(settings: Settings) -> dict[str, str]:
     """Ray's authentication for every node and client of the run, decided here and never left
     to Ray: from 2.59 a `ray start --head` that finds a token of its own (RAY_AUTH_TOKEN, a
@@ -94,6 +111,9 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
     argv += ["--node-ip-address", node_ip, "--num-gpus", str(num_gpus), "--disable-usage-stats"]
     if settings.ray_temp_dir:
         argv += ["--temp-dir", settings.ray_temp_dir]
+    labels = node_labels(settings, role)
+    if labels:
+        argv += ["--labels", ",".join(f"{key}={value}" for key, value in labels.items())]
     env = dict(nccl_vars)
     if role is Role.HEAD:
         env.update({k: v for k, v in HEALTH_CHECK_ENV.items() if k not in settings.environ})

@@ -55,7 +55,8 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter,
         "uptime_s": round(time.time() - head.start_time_ms / 1000, 1) if head else None,
         "run_state": runstate.read_state(state),
         "nodes": [{"ip": n.ip, "head": n.is_head, "alive": n.alive, "gpus": n.gpus,
-                   "cpus": n.cpus} for n in sorted(nodes, key=lambda n: (not n.is_head, n.ip))],
+                   "cpus": n.cpus, "pod": n.label(runstate.LABEL_POD)}
+                  for n in sorted(nodes, key=lambda n: (not n.is_head, n.ip))],
         "jobs_api": jobs_api,
         "job": None if job is None else {
             "submission_id": job.get("submission_id"), "status": job.get("status"),
@@ -75,7 +76,8 @@ def render_status(status: dict[str, Any]) -> str:
              f"{sum(n['gpus'] for n in alive):g} GPUs"]
     for n in status["nodes"]:
         lines.append(f"  {n['ip']:<15} {'head  ' if n['head'] else 'worker'} "
-                     f"{'alive' if n['alive'] else 'dead '} {n['gpus']:g} GPUs")
+                     f"{'alive' if n['alive'] else 'dead '} {n['gpus']:g} GPUs"
+                     + (f"  pod {n['pod']}" if n.get("pod") else ""))
     job = status["job"]
     if job:
         lines.append(f"job: {job['submission_id']} {job['status']} ({job['entrypoint']})")

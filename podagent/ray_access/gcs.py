@@ -117,6 +117,11 @@ class NodeInfo:
     is_head: bool
     start_time_ms: int
     node_manager_port: int = 0  # the raylet's port: a probe of the pod behind the node
+    # Ray's own and podagent's (runstate.LABEL_*), as sorted pairs: a node stays hashable.
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def label(self, key: str) -> str | None:
+        return dict(self.labels).get(key)
 
 
 class GcsClient:
@@ -243,6 +248,7 @@ class GcsClient:
                 cpus=float(n.resources_total.get("CPU", 0.0)),
                 is_head=bool(n.is_head_node), start_time_ms=int(n.start_time_ms),
                 node_manager_port=int(n.node_manager_port),
+                labels=tuple(sorted(n.labels.items())),
             )
             for n in reply.node_info_list
         ]

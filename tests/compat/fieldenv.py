@@ -41,7 +41,7 @@ FIELDS = {
     "floor": Field("floor", (), "", "podagent's own lower bounds"),
     # Not a trainer's: the first Ray whose `ray start --head` turns token auth on by itself
     # when it finds a token file (tests marked ray_auth run there).
-    "ray-2.59": Field("ray-2.59", ("ray[default]==2.59.0",), "", "Ray 2.59"),
+    "ray-2.59": Field("ray-2.59", ("ray[default]==2.59.0",), "reward", "Ray 2.59"),
 }
 
 

@@ -42,8 +42,10 @@ def test_every_planned_option_is_one_the_installed_ray_start_takes():
     for role in Role:
         argv = ray_node.plan(s, role, "10.0.0.2", 1, {}, head_ip="10.0.0.1").argv
         planned |= {word for word in argv if word.startswith("--")}
-    shown = subprocess.run([ray_node.ray_executable(), "start", "--help"], capture_output=True,
-                           text=True, timeout=120)
+    # The options `ray start` declares, hidden ones too (--labels is, while it is beta).
+    shown = subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import start\n"
+                            "print(' '.join(o for p in start.params for o in p.opts))"],
+                           capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     offered = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", shown.stdout))
     assert planned <= offered, sorted(planned - offered)
@@ -66,6 +68,7 @@ def test_head_plan():
     assert dict(p.env_overrides) == {"NCCL_SOCKET_IFNAME": "podnet1",
                                      **ray_node.HEALTH_CHECK_ENV,
                                      "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "150",
+                                     **ray_node.auth_env(settings()),
                                      config.RAY_OWNER: "podagent run podagent-t"}
 
 
@@ -336,3 +339,28 @@ def test_a_hard_limit_short_for_the_cluster_is_warned_with_the_number_needed():
     _, _, warnings = _limits_probe(4096, 1000)
     assert (f"the open files limit of this pod is 4,096 (hard), and a cluster of 1000 node(s) "
             f"needs about {needed:,} here") in warnings
+
+
+@pytest.mark.parametrize(("pod_id", "host", "label"), [
+    ("abc123xyz", "ignored", "abc123xyz"),  # a RunPod pod id is a label value as it is
+    (None, "node-7.cluster.local", "node-7.cluster.local"),
+    (None, "odd host/name:1", "odd-host-name-1"),
+    (None, "h" * 80, "h" * 63),
+    (None, "---", None)])  # nothing left of it: no pod label
+def test_each_node_carries_its_pod_and_role_as_labels_where_ray_has_them(
+        pod_id, host, label, monkeypatch):
+    from podagent import runstate
+    from podagent.ray_access import ray_compat
+
+    monkeypatch.setattr(ray_node.socket, "gethostname", lambda: host)
+    env = {"RUNPOD_POD_ID": pod_id} if pod_id else {}
+    for role in Role:
+        plan = ray_node.plan(settings(**env), role, "10.0.0.2", 0, {}, head_ip="10.0.0.1")
+        if not ray_compat.require().has("node_labels"):  # Ray 2.48
+            assert "--labels" not in plan.argv
+            continue
+        labels = dict(pair.split("=") for pair in after(plan.argv, "--labels").split(","))
+        expected = {runstate.LABEL_ROLE: role.value}
+        if label is not None:
+            expected[runstate.LABEL_POD] = label
+        assert labels == expected
