@@ -451,7 +451,7 @@ def _asking(ctx: click.Context, flags: dict[str, Any], stream: TextIO | None = N
 @click.pass_context
 @_boundary
 def status(ctx: click.Context, as_json: bool, local: bool, **flags: Any) -> None:
-    """From any pod: the head, Ray's nodes (IP, GPUs, alive), the job, the reward server."""
+    """From any pod: the head, Ray's nodes (IP, pod, GPUs, alive), the job, the reward server."""
     settings, role, reporter = _asking(ctx, flags)
     from podagent.control import status as status_mod
 

@@ -67,13 +67,10 @@ class RayPlan:
 
 
 def node_labels(settings: Settings, role: Role) -> dict[str, str]:
-    """The labels of this pod's Ray node, where the Ray has them: its RunPod pod id (else its
-    host name) and its role. A label value is at most 63 letters, digits, `-`, `_` and `.`,
-    starting and ending with a letter or digit (Ray's rule, Kubernetes'): one that cannot be
-    made so is left out."""
-    ray = ray_compat.installed()
-    if ray is None or not ray.has("node_labels"):
-        return {}
+    """The labels of this pod's Ray node (`ray start --labels`, hidden while beta, with this
+    syntax in every supported Ray): its RunPod pod id (else its host name) and its role. A
+    label value is at most 63 letters, digits, `-`, `_` and `.`, starting and ending with a
+    letter or digit (Ray's rule, Kubernetes'): one that cannot be made so is left out."""
     labels = {runstate.LABEL_ROLE: role.value}
     pod = re.sub(r"[^A-Za-z0-9_.-]", "-", settings.pod_id or socket.gethostname())[:63]
     pod = pod.strip("-_.")

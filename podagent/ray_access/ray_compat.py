@@ -45,9 +45,6 @@ FEATURES = {
     "dashboard_startup_timeout": Feature(
         "dashboard_startup_timeout", "2.52.0",
         "a settable dashboard start-up timeout (RAY_DASHBOARD_STARTUP_TIMEOUT_S)"),
-    # `ray start --labels k=v,...` (beta): each node carries its pod's id and role, so a job
-    # can place work by pod and `podagent status` names the pod of each node.
-    "node_labels": Feature("node_labels", "2.49.0", "node labels (ray start --labels)"),
 }
 
 

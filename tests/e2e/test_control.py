@@ -7,7 +7,6 @@ import json
 import signal
 import sys
 
-from podagent.ray_access import ray_compat
 from tests.e2e.test_cluster import FORM_TIMEOUT, LONG_JOB
 from tests.harness.agents import form_cluster
 from tests.harness.pods import wait_for
@@ -40,17 +39,16 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     assert status["role"] == "worker" and status["head"]["ip"] == head.pod.ip
     assert {n["ip"] for n in status["nodes"] if n["alive"]} == {
         head.pod.ip, *(w.pod.ip for w in workers)}
-    if ray_compat.require().has("node_labels"):  # each node named by its pod's label
-        assert {n["ip"]: n["pod"] for n in status["nodes"] if n["alive"]} == {
-            a.pod.ip: a.pod.pod_id for a in (head, *workers)}
+    # each node named by its pod's label
+    assert {n["ip"]: n["pod"] for n in status["nodes"] if n["alive"]} == {
+        a.pod.ip: a.pod.pod_id for a in (head, *workers)}
     assert status["job"]["submission_id"] == "e2e-1" and status["job"]["status"] == "RUNNING"
     assert status["reward"]["state"] == "healthy"
     assert status["uptime_s"] > 0
 
     text = ask("status")
     assert text.returncode == 0 and "nodes: 3 alive of 3" in text.stdout, text.stdout
-    if ray_compat.require().has("node_labels"):
-        assert f"pod {workers[0].pod.pod_id}" in text.stdout, text.stdout
+    assert f"pod {workers[0].pod.pod_id}" in text.stdout, text.stdout
     logs = ask("logs")
     assert logs.returncode == 0 and "training" in logs.stdout, logs.stdout + logs.stderr
     health = ask("status", "--local")

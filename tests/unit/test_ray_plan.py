@@ -347,18 +347,14 @@ def test_a_hard_limit_short_for_the_cluster_is_warned_with_the_number_needed():
     (None, "odd host/name:1", "odd-host-name-1"),
     (None, "h" * 80, "h" * 63),
     (None, "---", None)])  # nothing left of it: no pod label
-def test_each_node_carries_its_pod_and_role_as_labels_where_ray_has_them(
+def test_each_node_carries_its_pod_and_role_as_labels(
         pod_id, host, label, monkeypatch):
     from podagent import runstate
-    from podagent.ray_access import ray_compat
 
     monkeypatch.setattr(ray_node.socket, "gethostname", lambda: host)
     env = {"RUNPOD_POD_ID": pod_id} if pod_id else {}
     for role in Role:
         plan = ray_node.plan(settings(**env), role, "10.0.0.2", 0, {}, head_ip="10.0.0.1")
-        if not ray_compat.require().has("node_labels"):  # Ray 2.48
-            assert "--labels" not in plan.argv
-            continue
         labels = dict(pair.split("=") for pair in after(plan.argv, "--labels").split(","))
         expected = {runstate.LABEL_ROLE: role.value}
         if label is not None:
