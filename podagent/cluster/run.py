@@ -158,10 +158,10 @@ def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayV
     reporter = reporter_for(settings, decision.role.value, run_dir=settings.run_dir)
     for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
         reporter.log_only(f"WARNING: {warning}")
-    _decide_ray_auth(settings, reporter)
     reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
                  f"({decision.reason}); run {settings.run_name}")
     _say_untested(reporter, ray)
+    _decide_ray_auth(settings, reporter)
     reporter.event(Event.ROLE, role=decision.role.value, reason=decision.reason,
                    run=settings.run_name, version=__version__, ray=ray.version)
     from podagent.report import wandb_run

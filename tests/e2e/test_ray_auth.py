@@ -51,6 +51,9 @@ def test_a_ray_token_file_on_one_pod_splits_no_cluster(where, make_pod, dns_serv
     assert head.wait_exit(FORM_TIMEOUT) == 0, head.said()
     assert "NODES 2" in head.output and "SUM 28" in head.output, head.said()
     assert worker.wait_exit(60) == 0, worker.said()
+    stray = head if where == "head" else worker
+    assert "(Ray " in stray.output.splitlines()[0]  # the role line stays first
+    assert "a Ray token file is on this pod" in stray.output
 
 
 def test_a_single_pod_with_a_ray_token_file_runs_the_default_job(make_pod, dns_server,
