@@ -270,6 +270,8 @@ class ManagedProcess:
     (and, with `tee`, on podagent's own output as it comes), polled, and stopped with what it
     started, TERM -> deadline -> KILL.
 
+    `own_session` (the default): it and what it starts leave podagent's process group, so a
+    signal to that group (a terminal's Ctrl-C) reaches podagent alone, which stops them in order.
     `whole_pod`: stopping it stops every process podagent has under it, not only this
     process's tree. A launcher (torchrun, accelerate) starts its workers in sessions of their
     own, so its process group does not hold them, but podagent is a child subreaper and they
@@ -285,10 +287,11 @@ class ManagedProcess:
         *,
         tee: bool = False,
         whole_pod: bool = False,
+        own_session: bool = True,
     ):
         self.name, self.argv, self.env = name, list(argv), dict(env)
         self.log_path, self.cwd = Path(log_path), cwd
-        self.tee, self.whole_pod = tee, whole_pod
+        self.tee, self.whole_pod, self.own_session = tee, whole_pod, own_session
         self.proc: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
 
@@ -298,13 +301,14 @@ class ManagedProcess:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=self.own_session,
                 )
             return
         sys.stdout.flush()
         self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT,
+                                     start_new_session=self.own_session)
         self._pump = threading.Thread(target=self._copy, args=(self.proc.stdout,),
                                       name=f"podagent-{self.name}-output", daemon=True)
         self._pump.start()

@@ -178,7 +178,10 @@ class RayNode:
         what Ray had started) and is raised again."""
         env = {**config.child_environ(os.environ), **self.plan.env_overrides}
         started = time.monotonic()
-        ray_start = process.ManagedProcess("ray-start", self.plan.argv, env, self.log_path)
+        # Ray's daemons stay in podagent's process group, as they always have: whoever ends
+        # the group (a supervisor's kill of it) ends them with podagent.
+        ray_start = process.ManagedProcess("ray-start", self.plan.argv, env, self.log_path,
+                                           own_session=False)
         ray_start.start()
         try:
             code = self._await(ray_start, started, watch)

@@ -95,7 +95,7 @@ def _mentions(temp_dir: str) -> Callable[[str], bool]:
 
 
 def ray_processes_under(temp_dir: str, exclude: Sequence[int] = ()) -> list[psutil.Process]:
-    """Every live process whose command line or environment mentions temp_dir."""
+    """Every live process whose command line, environment or open files mention temp_dir."""
     mentions = _mentions(temp_dir)
     skip = {os.getpid(), *exclude}
     found = []
@@ -110,6 +110,11 @@ def ray_processes_under(temp_dir: str, exclude: Sequence[int] = ()) -> list[psut
                 found.append(proc)
                 continue
             if any(mentions(value) for value in proc.environ().values()):
+                found.append(proc)
+                continue
+            # Ray's agents rename themselves over their command line and environment; the
+            # logs they hold open under the temp dir still tell.
+            if any(mentions(f.path) for f in proc.open_files()):
                 found.append(proc)
         except psutil.Error:  # gone meanwhile, or not ours to read
             continue
