@@ -90,7 +90,8 @@ class Profile:
 
     def reward_warning(self, served: bool, url: str) -> str | None:
         """One line when the job would not ask the head's reward server (at `url`, served),
-        naming the option to use; None when it does, or when nothing can be told."""
+        naming the option to use; None when it does, or when nothing can be told (a value
+        made of a variable is the shell's to expand)."""
         trainer = self.trainer
         if not served or not trainer.reward:
             return None
@@ -101,7 +102,7 @@ class Profile:
                 return (f"the job ({trainer.name}) names no reward function, so it will not "
                         f"ask the head's reward server at {url}: add {wanted} "
                         f"(docs/reward-server.md)")
-            if not self.reward[1].endswith(VERL_REWARD_CLIENT):
+            if "$" not in self.reward[1] and not self.reward[1].endswith(VERL_REWARD_CLIENT):
                 return (f"the job's {self.reward[0]}={self.reward[1]} is not podagent's "
                         f"client: its rewards do not come from the head's server at {url}")
             return None
@@ -109,7 +110,7 @@ class Profile:
         if self.reward is None:
             return (f"the job ({trainer.title}) has no {option}, so it will not ask the head's "
                     f"reward server at {url}: add {given}")
-        if self.reward[1] in (url, f"${REWARD_URL_VARIABLE}", f"${{{REWARD_URL_VARIABLE}}}"):
+        if self.reward[1] == url or "$" in self.reward[1]:  # $REMOTE_RM_URL, or not known here
             return None
         return (f"the job sends its rewards to {self.reward[0]} {self.reward[1]}, not to the "
                 f"head's reward server at {url}: use {given}")

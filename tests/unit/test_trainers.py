@@ -133,6 +133,9 @@ def test_the_trainer_is_read_from_the_command_line_a_shell_command_too(job, trai
      "reward.custom_reward_function.path=/usr/lib/podagent/rewards/client.py", None),
     ("python3 -m verl.trainer.main_ppo custom_reward_function.path=/w/my_reward.py",
      "the job's custom_reward_function.path=/w/my_reward.py is not podagent's client"),
+    ('python3 -m verl.trainer.main_ppo reward.custom_reward_function.path="$REWARD_CLIENT"',
+     None),  # the docs' way: the shell expands it, podagent cannot tell
+    ("python -m openrlhf.cli.train_ppo_ray --reward.remote_url ${MY_RM}", None),
     ("python3 -m verl.trainer.main_ppo trainer.nnodes=2",
      "names no reward function, so it will not ask the head's reward server"),
     ("python train.py", None),  # a script of its own: nothing to tell
