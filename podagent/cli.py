@@ -76,6 +76,10 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                           "stopped"),
     (errors.DataOverlap, 23, "`podagent torchrun/accelerate --data-check`: ranks see the same "
                              "samples (the line has the numbers)"),
+    (errors.RunHung, 25, "the run made no progress for PODAGENT_HANG_TIMEOUT seconds: every "
+                         "rank's stack was dumped (the line names the likely culprit and where "
+                         "the stacks are), the run stopped on every pod, and restarts were off "
+                         "or used up"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 

@@ -114,6 +114,12 @@ class JobStopped(PodagentError):
     pass
 
 
+class RunHung(PodagentError):
+    """The run made no progress for PODAGENT_HANG_TIMEOUT seconds (run/progress.py): its stacks
+    were dumped on every pod and it was stopped, and it is not started again (restarts off
+    or used up). The message names the likely culprit and where the stacks are."""
+
+
 class LedgerError(PodagentError):
     """The run's ledger on the volume could not be written (full, read-only, gone): the head
     does not submit a job it could not record (a restarted head would not know of it)."""

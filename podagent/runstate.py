@@ -6,6 +6,8 @@ key-value store (namespace `podagent` in the head's GCS): no extra port, no extr
   run is over, `rejoin` when only this start of it is and the head will be back). Workers read
   it once a second.
 * `stop_request`: `podagent stop` asks the head to end the run in order (JSON: by, at).
+* `dump`: after a hang the head asks every worker for its stacks (JSON: n, the hang's number);
+  each worker answers under `dumped/<n>/<its node address>` (run/stacks.PodDump's JSON).
 * `head_start`: which start of the head's Ray this is (a random id the head writes once its
   GCS answers). A head pod restarted at its old address answers again at once, but with a new
   Ray that knows nothing of the workers that had joined: they notice the id changed (or gone)
@@ -26,6 +28,7 @@ KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"
 KV_STOP_REQUEST = "stop_request"
 KV_HEAD_START = "head_start"
+KV_DUMP = "dump"
 
 # The cluster check job's one machine-readable line, which the head reads from the job's log.
 CHECK_JSON_PREFIX = "podagent-check-json: "
@@ -53,6 +56,27 @@ def read_state(raw: bytes | None) -> dict[str, Any]:
     except ValueError:
         return {"state": "unreadable"}
     return state if isinstance(state, dict) else {"state": "unreadable"}
+
+
+def dump_request(n: int, line: str = "") -> bytes:
+    """The request for hang n's stacks; once they are in, with the head's verdict (`line`,
+    which `podagent status` shows)."""
+    return json.dumps({"n": n, "line": line} if line else {"n": n}).encode()
+
+
+def parse_dump_request(raw: bytes | None) -> int | None:
+    """The hang's number a dump request asks for (None: none, or not the expected JSON)."""
+    if not raw:
+        return None
+    try:
+        n = json.loads(raw).get("n")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def dumped_key(n: int, node_ip: str) -> str:
+    return f"dumped/{n}/{node_ip}"
 
 
 def head_start() -> bytes:

@@ -31,6 +31,7 @@ class Event(Named):
     EARLIER_ATTEMPTS = "earlier_attempts"
     RESTART = "restart"  # a restart under the restart policy
     RESTARTED = "restarted"
+    HANG = "hang"  # no progress for PODAGENT_HANG_TIMEOUT: the stacks dumped, the culprit named
     STOP_REQUESTED = "stop_requested"
     # The Ray engine's head
     RAY_HEAD = "ray_head"  # a timed step
@@ -125,6 +126,7 @@ class Ending(Named):
     STOPPED = "stopped"  # by `podagent stop`, or by someone else through Ray
     OVERLAP = "overlap"  # the data check found ranks seeing the same samples
     FAILED = "failed"  # the training (the job) failed by itself
+    HUNG = "hung"  # no progress for PODAGENT_HANG_TIMEOUT (run/progress.py)
     LOST = "lost"  # a pod was lost, cut off or stopped
 
 

@@ -341,14 +341,23 @@ FIELDS: tuple[Field, ...] = (
               default=OnNodeLoss.RESTART.value,
               default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
         Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
-              "How many times a run may be restarted after a lost node (or a failed job with "
-              "PODAGENT_RETRY_FAILED_JOB=1); then the run ends with exit code 16.", default=3),
+              "How many times a run may be restarted after a lost node, a hang "
+              "(PODAGENT_HANG_TIMEOUT) or a failed job with PODAGENT_RETRY_FAILED_JOB=1; then the "
+              "run ends with exit code 16 (25 after a hang).", default=3),
         Field("retry_failed_job", "PODAGENT_RETRY_FAILED_JOB", "--retry-failed-job", zero_one,
               "1: a job that fails with no node lost is restarted too (within PODAGENT_RESTARTS).",
               default=False),
         Field("restart_backoff", "PODAGENT_RESTART_BACKOFF", "--restart-backoff", seconds_or_zero,
               "Seconds before the first restart's submission, doubled for each later one (at most "
               "300 s); the wait for the cluster runs meanwhile.", default=5.0),
+        Field("hang_timeout", "PODAGENT_HANG_TIMEOUT", "--hang-timeout", seconds_or_zero,
+              "Seconds the run may go without progress (a new line of the job's output on any "
+              "pod, a new or updated checkpoint, or a heartbeat: PODAGENT_HEARTBEAT) before "
+              "podagent dumps every rank's stack, names the rank that is not in a collective, "
+              "and stops the run, restarting it from its checkpoint within PODAGENT_RESTARTS "
+              "(else exit 25); 0: no watch. The default is above a healthy trainer's longest "
+              "silence (a large checkpoint save, a long rollout) and far below NCCL's timeout.",
+              default=1800.0),
         Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
               "Directory the job writes checkpoints to; podagent checks its free space and "
               "resumes from it (PODAGENT_RESUME).",

@@ -37,6 +37,12 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType({
     "PODAGENT_CHECK_BACKEND": "the built-in cluster check's collective backend (nccl, gloo)",
     "PODAGENT_CHECK_START_TIMEOUT": "seconds the cluster check gives its ranks to start",
     "PODAGENT_CHECK_RUN_TIMEOUT": "seconds the cluster check gives a collective to finish",
+    "PODAGENT_CHECK_HANG_RANK": "a drill: this rank of the cluster check sleeps before its DDP "
+                                "step on the job's first attempt (the hang watch's work seen)",
+    "PODAGENT_HEARTBEAT": "set by podagent for the job: a file it may touch to show progress "
+                          "(podagent.job.heartbeat(); PODAGENT_HANG_TIMEOUT)",
+    "PODAGENT_STACKS": "set by podagent for the job: where podagent.job.enable_stack_dumps() "
+                       "has faulthandler write its stacks on a hang",
     "PODAGENT_RAY_MATRIX_ONLY": "set by the test suite when it runs itself under another Ray",
     UP_RUN_LABEL: "set by `podagent up` on the pods it creates: the run they belong to "
                        "(how `podagent down` finds them)",

@@ -2,9 +2,9 @@
 
 Every line the head reads is a stranger's until its token is checked: `first` turns the first
 line of a connection into a Hello or an Ask, `from_worker` a joined worker's later lines into
-a Beat, a StepDone or a Leaving. Anything else (not JSON, not an object, a field of the wrong
-type or out of range) raises Malformed, which the hub takes as that connection's fault: it is
-dropped, never the run.
+a Beat, a StepDone, a Dumped or a Leaving. Anything else (not JSON, not an object, a field of
+the wrong type or out of range) raises Malformed, which the hub takes as that connection's
+fault: it is dropped, never the run.
 """
 
 from __future__ import annotations
@@ -126,9 +126,35 @@ def first(message: Mapping[str, Any]) -> Hello | Ask:
     raise Malformed("neither a hello nor a question")
 
 
+MAX_QUIET = 1e9  # seconds without progress a worker may report
+
+
 @dataclass(frozen=True)
 class Beat:
-    pass
+    """A heartbeat, with the seconds since the worker's training last made progress (none
+    while no training runs there, or from a podagent that does not watch)."""
+    quiet: float | None = None
+
+    @classmethod
+    def parse(cls, message: Mapping[str, Any]) -> Beat:
+        quiet = message.get("quiet")
+        if quiet is None:
+            return cls()
+        if isinstance(quiet, bool) or not isinstance(quiet, (int, float)) \
+                or not 0 <= quiet <= MAX_QUIET:
+            raise Malformed(f"quiet must be seconds from 0 to {MAX_QUIET:g}")
+        return cls(float(quiet))
+
+
+@dataclass(frozen=True)
+class Dumped:
+    """A worker's answer to the head's dump request: its processes' stacks, summed up (what
+    run/stacks.PodDump.from_wire reads, field by field, leniently)."""
+    body: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, message: Mapping[str, Any]) -> Dumped:
+        return cls(_object(message, "dumped"))
 
 
 @dataclass(frozen=True)
@@ -158,12 +184,14 @@ class Leaving:
         return cls(_text(message, "leaving"))
 
 
-def from_worker(message: Mapping[str, Any]) -> Beat | StepDone | Leaving:
+def from_worker(message: Mapping[str, Any]) -> Beat | StepDone | Dumped | Leaving:
     if "done" in message:
         return StepDone.parse(message)
+    if "dumped" in message:
+        return Dumped.parse(message)
     if "leaving" in message:
         return Leaving.parse(message)
     if "beat" in message:
-        return Beat()
+        return Beat.parse(message)
     raise Malformed("not a worker's message")
 

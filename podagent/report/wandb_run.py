@@ -166,6 +166,12 @@ class BringupTally:
         elif name == Event.RESTART:  # a lost node (or a failed job): the job is run again
             up.metrics["cluster/restarts"] = _number(record.get("n"))
             up.summary["last_restart_reason"] = record.get("reason")
+        elif name == Event.HANG:  # no progress: the stacks dumped, the culprit named
+            up.metrics["cluster/hangs"] = _number(record.get("n"))
+            up.summary["last_hang_culprits"] = ", ".join(
+                f"{c.get('name')} on {c.get('pod')}" for c in record.get("culprits") or []
+                if isinstance(c, dict)) or "none stood out"
+            up.summary["last_hang_folder"] = record.get("folder")
         elif name == Event.RESTARTED:
             up.metrics["cluster/restart_time_lost_s"] = _number(record.get("time_lost_s"))
         if up.metrics:

@@ -25,14 +25,16 @@ from podagent.errors import (
     PeerLost,
     PodagentError,
     RestartsExhausted,
+    RunHung,
 )
 from podagent.wire import Ending
 
 RESTART_BACKOFF_MAX = 300.0
 
-# Which cause ends the run when several show: a pod gone explains the failures after it.
-STRENGTH = {Ending.LOST: 3, Ending.FAILED: 2, Ending.OVERLAP: 1, Ending.STOPPED: 1,
-            Ending.SUCCEEDED: 0}
+# Which cause ends the run when several show: a pod gone explains the hang and the failures
+# after it; a hang explains the failures of the ranks podagent stopped for it.
+STRENGTH = {Ending.LOST: 4, Ending.HUNG: 3, Ending.FAILED: 2, Ending.OVERLAP: 1,
+            Ending.STOPPED: 1, Ending.SUCCEEDED: 0}
 
 
 @dataclass(frozen=True)
@@ -63,13 +65,16 @@ class Cause:
                    str(body.get("step", "")), rc if isinstance(rc, int) else None)
 
     @classmethod
-    def of_job(cls, status: str | None, lost: list[str]) -> Cause:
-        """A Ray job's end: its status (None: asked to stop, not yet confirmed) and the nodes
-        lost while it ran. A job that succeeded did, whatever was lost meanwhile."""
+    def of_job(cls, status: str | None, lost: list[str], hung: str = "") -> Cause:
+        """A Ray job's end: its status (None: asked to stop, not yet confirmed), the nodes
+        lost while it ran and, when podagent stopped it for a hang, what was seen (`hung`).
+        A job that succeeded did, whatever was lost meanwhile."""
         if status == "SUCCEEDED":
             return cls(Ending.SUCCEEDED)
         if lost:
             return cls(Ending.LOST, ", ".join(lost), detail=status or "")
+        if hung:
+            return cls(Ending.HUNG, detail=hung)
         if status == "FAILED":
             return cls(Ending.FAILED, detail=status)
         return cls(Ending.STOPPED, detail=status or "")
@@ -86,6 +91,8 @@ class Cause:
             return JobStopped(f"the run was stopped by `podagent stop` from {self.pod}")
         if self.kind is Ending.OVERLAP:
             return DataOverlap(self.detail)
+        if self.kind is Ending.HUNG:  # a hang restarted is never an end: this one is final
+            return RunHung(self.detail)
         if self.kind is Ending.FAILED and self.pod == me:
             return JobFailed(f"the {self.step} ({launcher}) exited {self.rc} on this pod; "
                              f"stopped it on every pod")
@@ -113,16 +120,21 @@ def restart_reason(settings: Settings, cause: Cause) -> str | None:
     PODAGENT_ON_NODE_LOSS=fail a lost node changes nothing."""
     if cause.kind is Ending.LOST and settings.on_node_loss != OnNodeLoss.FAIL:
         return f"lost {cause.pod}"
+    if cause.kind is Ending.HUNG:
+        return (f"the run made no progress for {settings.hang_timeout:g} s "
+                f"(PODAGENT_HANG_TIMEOUT)")
     if cause.kind is Ending.FAILED and settings.retry_failed_job:
         return "the job failed (PODAGENT_RETRY_FAILED_JOB=1)"
     return None
 
 
-def admit(settings: Settings, done: int, why: str) -> int:
-    """The number of the restart `why` asks for, `done` having been made already; raises
-    RestartsExhausted once PODAGENT_RESTARTS are used up (logs and checkpoints are kept)."""
+def admit(settings: Settings, done: int, why: str, kind: Ending = Ending.LOST) -> int:
+    """The number of the restart `why` asks for, `done` having been made already; once
+    PODAGENT_RESTARTS are used up raises RestartsExhausted, or RunHung for a hang (its own
+    code): logs and checkpoints are kept."""
     if done >= settings.restarts:
-        raise RestartsExhausted(
+        error = RunHung if kind is Ending.HUNG else RestartsExhausted
+        raise error(
             f"{why}; the run was already restarted {done} time(s) "
             f"(PODAGENT_RESTARTS={settings.restarts}): giving up; logs in "
             f"{settings.run_dir}" + (f", checkpoints kept in {settings.checkpoint_dir}"

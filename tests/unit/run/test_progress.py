@@ -1,0 +1,227 @@
+"""The progress watch (run/progress.py) on a fake clock: what counts as progress (output, a
+checkpoint, an explicit heartbeat), what stops counting once the job sends heartbeats, and the
+bounded look at the checkpoint directory. File times are set by hand, never waited for."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from podagent.run import progress
+from podagent.run.progress import HEARTBEAT_MARKER, LOOK_EVERY, ProgressWatch, newest_change
+
+OLD = 1_000_000.0  # an mtime long before anything the test writes
+NEW = OLD + 500.0  # the mtime of what the test writes after the watch started
+
+
+def _clock(start: float = 0.0) -> tuple[list[float], Callable[[], float]]:
+    """A clock the test moves by hand: (its one-element list, the clock)."""
+    now = [start]
+    return now, lambda: now[0]
+
+
+def _age(*paths: Path, at: float = OLD) -> None:
+    for path in paths:
+        os.utime(path, (at, at))
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as f:
+        f.write(text)
+
+
+# --- the clock ----------------------------------------------------------------------------------
+
+def test_quiet_grows_without_progress_and_a_hang_is_called_only_at_the_timeout():
+    now, clock = _clock(100.0)
+    watch = ProgressWatch(10.0, clock=clock)
+    now[0] = 105.0
+    assert watch.quiet() == 5.0
+    now[0] = 109.99
+    assert watch.hung() is None  # just below the timeout: not yet
+    now[0] = 110.0
+    assert watch.hung() == 10.0
+    now[0] = 125.0
+    assert watch.hung() == 25.0  # the quiet seconds, not the timeout
+
+
+def test_a_timeout_of_zero_turns_the_watch_off():
+    now, clock = _clock()
+    watch = ProgressWatch(0, clock=clock)
+    now[0] = 1e7
+    assert not watch.enabled
+    assert watch.hung() is None
+    assert watch.quiet() == 1e7  # the clock still runs; only the verdict is off
+
+
+def test_reset_starts_the_clock_again():
+    # A restart's start-up is no hang: the time before it must not count.
+    now, clock = _clock()
+    watch = ProgressWatch(10.0, clock=clock)
+    now[0] = 50.0
+    assert watch.hung() == 50.0
+    watch.reset("restart 1")
+    assert watch.quiet() == 0.0 and watch.hung() is None
+    assert watch.last_seen == "restart 1"
+    now[0] = 57.0
+    assert watch.quiet() == 7.0
+
+
+# --- output -------------------------------------------------------------------------------------
+
+def test_output_appended_to_the_output_file_is_progress_once_the_file_is_looked_at(tmp_path):
+    log = tmp_path / "training.log"
+    log.write_text("step 1\n")
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, output=log, clock=clock)
+    now[0] = 30.0
+    assert watch.quiet() == 30.0  # what was there before the watch is not news
+    _append(log, "step 2\n")
+    now[0] = 30.0 + LOOK_EVERY / 2
+    assert watch.quiet() == pytest.approx(LOOK_EVERY / 2 + 30.0)  # not looked at yet
+    now[0] = 30.0 + LOOK_EVERY
+    assert watch.quiet() == 0.0
+    assert watch.last_seen == "output"
+
+
+def test_output_of_only_whitespace_is_no_progress():
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, clock=clock)
+    now[0] = 20.0
+    watch.saw_output("  \n\t\n")
+    assert watch.quiet() == 20.0
+    watch.saw_output("loss 0.31\n")
+    assert watch.quiet() == 0.0
+
+
+def test_an_output_file_that_shrank_is_a_new_one_and_is_read_from_its_start(tmp_path):
+    log = tmp_path / "training.log"
+    log.write_text("an earlier start's line\n" * 100)
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, output=log, clock=clock)
+    now[0] = 10.0
+    # A restart's log, shorter than the old one; its first line tells whether it was read
+    # from the start (an offset kept from the old file would skip it).
+    log.write_text(f"{HEARTBEAT_MARKER}\n")
+    assert watch.quiet() == 0.0
+    assert watch.explicit and watch.last_seen == "a heartbeat line"
+
+
+def test_an_output_file_that_appears_later_is_read(tmp_path):
+    log = tmp_path / "training.log"
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, output=log, clock=clock)
+    now[0] = 10.0
+    assert watch.quiet() == 10.0
+    log.write_text("step 1\n")
+    now[0] = 10.0 + LOOK_EVERY
+    assert watch.quiet() == 0.0
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("parts", [("step_10.pt",), ("global_step_10", "model", "shard-0.pt")],
+                         ids=["top-level", "two-levels-down"])
+def test_a_new_checkpoint_file_is_progress(tmp_path, parts):
+    root = tmp_path / "checkpoints"
+    folders = [root.joinpath(*parts[:i]) for i in range(len(parts))]  # root and the file's
+    folders[-1].mkdir(parents=True)
+    _age(*folders)
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, checkpoints=root, clock=clock)
+    now[0] = 30.0
+    assert watch.quiet() == 30.0
+    new = root.joinpath(*parts)
+    new.write_bytes(b"weights")
+    _age(new, at=NEW)
+    _age(*folders)  # only the file itself can tell: the look must reach it
+    now[0] = 30.0 + LOOK_EVERY
+    assert watch.quiet() == 0.0
+    assert watch.last_seen == f"a checkpoint in {root}"
+    now[0] = 40.0
+    assert watch.quiet() == 40.0 - (30.0 + LOOK_EVERY)  # the same file again is not news
+
+
+def test_newest_change_is_the_newest_mtime_within_its_depth(tmp_path):
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    (deep / "f").write_text("x")
+    _age(deep / "f", at=NEW)
+    _age(tmp_path, tmp_path / "a", deep)
+    assert newest_change(tmp_path, depth=2) == NEW
+    assert newest_change(tmp_path, depth=1) == OLD  # f is below the depth asked for
+
+
+def test_newest_change_of_a_missing_directory_is_zero(tmp_path):
+    assert newest_change(tmp_path / "never-written") == 0.0
+
+
+def test_newest_change_reads_no_more_than_its_limit_of_entries(tmp_path, monkeypatch):
+    """A huge directory (a job that writes its dataset under the checkpoint path) must not turn
+    every look into a full walk: the look stops after `limit` entries with what it has."""
+    for i in range(3000):
+        (tmp_path / f"f{i:04}").touch()
+    _age(tmp_path, at=NEW)
+    read: list[str] = []
+    real = os.scandir
+
+    class Counting:
+        def __init__(self, path):
+            self._entries = real(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._entries.close()
+
+        def __iter__(self):
+            for entry in self._entries:
+                read.append(entry.name)
+                yield entry
+
+    monkeypatch.setattr(progress.os, "scandir", Counting)
+    assert newest_change(tmp_path, limit=50) >= NEW  # the directory's own time at least
+    # It pulls the entry past the limit to know it is over, and not one more.
+    assert len(read) == 51
+
+
+# --- explicit heartbeats ------------------------------------------------------------------------
+
+def test_a_touched_heartbeat_is_progress_and_then_only_heartbeats_count(tmp_path):
+    log = tmp_path / "training.log"
+    log.write_text("")
+    beat = tmp_path / "heartbeat"  # not there yet: the job creates it with its first touch
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, output=log, heartbeat=beat, clock=clock)
+    now[0] = 10.0
+    beat.touch()
+    _age(beat, at=NEW)
+    assert watch.quiet() == 0.0
+    assert watch.explicit and watch.last_seen == f"a touch of {beat}"
+    # A job that sends heartbeats may print from threads that go on while its ranks hang.
+    _append(log, "dataloader: prefetching\n")
+    now[0] = 20.0
+    assert watch.quiet() == 10.0
+    _append(log, f"step 5 {HEARTBEAT_MARKER}\n")
+    now[0] = 30.0
+    assert watch.quiet() == 0.0 and watch.last_seen == "a heartbeat line"
+    # The file's time unchanged is no new heartbeat; a newer one is.
+    now[0] = 40.0
+    assert watch.quiet() == 10.0
+    _age(beat, at=NEW + 1)
+    now[0] = 40.0 + LOOK_EVERY
+    assert watch.quiet() == 0.0
+
+
+def test_a_heartbeat_line_makes_the_watch_explicit_too():
+    now, clock = _clock()
+    watch = ProgressWatch(60.0, clock=clock)
+    watch.saw_output(f"{HEARTBEAT_MARKER}\n")
+    assert watch.explicit
+    now[0] = 15.0
+    watch.saw_output("step 6\n")
+    assert watch.quiet() == 15.0
