@@ -6,11 +6,14 @@ One TCP connection per worker for the whole run, carrying JSON lines:
   says hello ({"hello": {addr, pod, rank}}), and once every expected worker came (or the head's
   wait ran out) the head answers each one ({"go": {...}} with its machine rank, or
   {"error": line, "kind": class});
-* then heartbeats both ways every HEARTBEAT seconds ({"beat": 1}); any line counts. A peer
-  silent for PODAGENT_PEER_GRACE, or whose connection closed, is lost: a pod cut off sends no
-  reset, so silence is the only sign of it;
+* then heartbeats both ways every HEARTBEAT seconds ({"beat": 1}, a worker's with the seconds
+  since its training last made progress: "quiet"); any line counts. A peer silent for
+  PODAGENT_PEER_GRACE, or whose connection closed, is lost: a pod cut off sends no reset, so
+  silence is the only sign of it;
 * a worker's step results ({"done": {step, rc, reports}}), a worker leaving on a signal
-  ({"leaving": why}), the head's next step ({"go": ...}) and the run's end ({"end": cause}).
+  ({"leaving": why}), the head's next step ({"go": ...}) and the run's end ({"end": cause});
+* on a hang, the head's {"dump": {"n"}} (each worker answers {"dumped": its stacks}) and, for a
+  restart, {"halt": {"n"}} (each worker stops its training and reports it done).
 
 `podagent status`, `stop` and `logs` from any pod connect to the same port and ask
 ({"ask": "status" | "stop" | "logs", ...}). With a cluster token every hello and question
@@ -110,13 +113,21 @@ class StopAsked:
 
 
 @dataclass(frozen=True)
+class Dumped:
+    peer: Peer
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class FromHead:
-    """A worker's message from its head: the next step ({"go"}) or the run's end ({"end"})."""
+    """A worker's message from its head (one of HEAD_SAYS): the next step ({"go"}), the run's
+    end ({"end"}), a dump of its stacks ({"dump"}), a halt before a restart ({"halt"})."""
     kind: str
     body: Mapping[str, Any]
 
 
-Event = Lost | Done | StopAsked | FromHead
+HEAD_SAYS = ("go", "end", "dump", "halt")
+Event = Lost | Done | StopAsked | Dumped | FromHead
 
 
 def watched(loop: Callable[[], None], events: queue.Queue[Event], peer: Peer,
@@ -258,6 +269,11 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     state: MemberState = MemberState.JOINED
     step: str = ""
+    quiet: float | None = None  # seconds without progress, as of its last beat
+    quiet_at: float = 0.0  # when that beat came
+
+    def quiet_now(self, now: float) -> float | None:
+        return None if self.quiet is None else self.quiet + (now - self.quiet_at)
 
 
 @dataclass
@@ -426,6 +442,14 @@ class Hub:
         except Expired as exc:
             return list(exc.last or [])
 
+    def quiet(self, own: float | None) -> float | None:
+        """Seconds since any pod's training last made progress: the head's own (`own`) and
+        each working member's, as of its last beat (None: nobody watches)."""
+        now = time.monotonic()
+        seen = [q for q in (own, *(m.quiet_now(now) for m in self.members.values()
+                                   if m.state in AT_WORK)) if q is not None]
+        return min(seen) if seen else None
+
     def answer_stoppers(self, payload: Mapping[str, Any]) -> None:
         for wire in self._stoppers:
             wire.send(payload)
@@ -578,8 +602,12 @@ class Hub:
         self._drop(wire)
 
     def _from_member(self, m: Member, message: messages.Beat | messages.StepDone
-                     | messages.Leaving) -> None:
-        if isinstance(message, messages.StepDone):
+                     | messages.Dumped | messages.Leaving) -> None:
+        if isinstance(message, messages.Beat):
+            m.quiet, m.quiet_at = message.quiet, time.monotonic()
+        elif isinstance(message, messages.Dumped):
+            self.events.put(Dumped(m.peer, message.body))
+        elif isinstance(message, messages.StepDone):
             m.state, m.step = MemberState.DONE, message.step
             self.events.put(Done(m.peer, message.step, message.rc, message.reports))
         elif isinstance(message, messages.Leaving):
@@ -606,6 +634,13 @@ class Link:
         self.wire: Wire | None = None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        # The seconds since this pod's training last made progress (None: none runs), sent
+        # with every beat: the head decides whether the whole run hangs.
+        self.quiet: Callable[[], float | None] = lambda: None
+
+    def _beat(self) -> dict[str, Any]:
+        quiet = self.quiet()
+        return {"beat": 1} if quiet is None else {"beat": 1, "quiet": round(quiet, 2)}
 
     def join(self, deadline: float, timeout: float, asked_rank: int | None,
              sleep: Callable[[float], None],
@@ -726,7 +761,7 @@ class Link:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT
-                if not wire.send({"beat": 1}):
+                if not wire.send(self._beat()):
                     self.events.put(Lost(self.head, "a send to it failed"))
                     return
             wire.sock.settimeout(TICK)
@@ -737,7 +772,7 @@ class Link:
                 last_seen = time.monotonic()
             for message in came:
                 if isinstance(message, dict):
-                    for kind in ("go", "end"):
+                    for kind in HEAD_SAYS:
                         if isinstance(message.get(kind), dict):
                             self.events.put(FromHead(kind, message[kind]))
             if lines is None:

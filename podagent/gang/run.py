@@ -78,7 +78,7 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
             if number:
                 _back_off(settings, number, reporter, signals)
             cause, me, head_addr = _supervised(settings, launcher, decision, reporter, signals,
-                                               data_check, loader, asked_rank)
+                                               data_check, loader, asked_rank, ledger, number)
             error = cause.error(me, launcher.name, settings)
             if error is not None:
                 raise error
@@ -139,7 +139,8 @@ def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Sign
 
 def _supervised(settings: Settings, launcher: Launcher, decision: RoleDecision,
                 reporter: Reporter, signals: Signals, data_check: bool, loader: str | None,
-                asked_rank: int | None) -> tuple[Cause, str, str | None]:
+                asked_rank: int | None, ledger: Ledger, restarts_before: int
+                ) -> tuple[Cause, str, str | None]:
     """The cause the run ended with, this pod as its peers name it, and (the head) its
     address."""
     from podagent.platform import discovery
@@ -167,7 +168,7 @@ def _supervised(settings: Settings, launcher: Launcher, decision: RoleDecision,
                 dict(setup.nccl.variables), setup.gpus)
     kind = HeadSupervisor if role is Role.HEAD else WorkerSupervisor
     supervisor = kind(settings, decision, plan, me, rv, reporter, signals, settings.run_dir,
-                      deadline, asked_rank)
+                      deadline, asked_rank, ledger, restarts_before)
     return (supervise(supervisor), str(me),
             head_ip if role is Role.HEAD else None)
 

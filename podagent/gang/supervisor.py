@@ -14,12 +14,13 @@ not the failures that followed.
 
 from __future__ import annotations
 
+import os
 import queue
 import shlex
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,18 @@ from podagent.errors import (
     InputError,
     Interrupted,
     PodagentError,
+    RunHung,
 )
 from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
-from podagent.run.ledger import SUCCEEDED
+from podagent.run import hangs, policy, stacks
+from podagent.run.hangs import DUMP_WAIT
+from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
 from podagent.run.lifecycle import Lifecycle
 from podagent.run.policy import Cause, stronger
+from podagent.run.progress import HEARTBEAT_FILE, HEARTBEAT_VARIABLE, ProgressWatch
 from podagent.waiting import Deadline, Signals
 from podagent.wire import Ending, Event, GangPhase
 
@@ -72,7 +77,8 @@ class Supervisor(Lifecycle[GangPhase]):
 
     def __init__(self, settings: Settings, decision: RoleDecision, plan: Plan, me: mesh.Peer,
                  rv: mesh.Rendezvous, reporter: Reporter, signals: Signals, run_dir: Path,
-                 deadline: float = 0.0, asked_rank: int | None = None):
+                 deadline: float = 0.0, asked_rank: int | None = None,
+                 ledger: Ledger | None = None, restarts_before: int = 0):
         super().__init__(settings, decision, reporter, signals)
         self.role, self.plan, self.me, self.rv = decision.role, plan, me, rv
         self.run_dir, self.deadline, self.asked_rank = run_dir, deadline, asked_rank
@@ -89,6 +95,12 @@ class Supervisor(Lifecycle[GangPhase]):
         self.check_line = ""  # the data check's verdict, when it passed
         self._hub: mesh.Hub | None = None  # the head's
         self._said: set[str] = set()
+        self.ledger, self.restarts_before = ledger, restarts_before
+        checkpoints = settings.checkpoint_dir
+        self.watch = ProgressWatch(settings.hang_timeout, output=self.log_path,
+                                   checkpoints=Path(checkpoints) if checkpoints else None,
+                                   heartbeat=run_dir / HEARTBEAT_FILE)
+        self.hangs = 0  # hangs seen in this start
 
     @property
     def log_path(self) -> Path:
@@ -158,7 +170,8 @@ class Supervisor(Lifecycle[GangPhase]):
         # The training gets the pod's environment (its W&B key, say), not the cluster token:
         # that is the supervisors' own.
         env = {**child_environ(self.settings.environ, lambda k: k in CLUSTER_TOKEN),
-               **step.env}
+               **step.env, HEARTBEAT_VARIABLE: os.path.abspath(self.run_dir / HEARTBEAT_FILE),
+               stacks.STACKS_VARIABLE: os.path.abspath(self.stacks_dir)}
         self.reporter.say(f"{step.name}: {shlex.join(step.argv)}")
         self.reporter.event(Event.STEP_STARTED, step=step.name, argv=list(step.argv))
         # Its output goes to the pod's screen and to the training log `podagent logs` reads.
@@ -166,7 +179,25 @@ class Supervisor(Lifecycle[GangPhase]):
                                           whole_pod=True)
         training.start()
         self.training = training
+        self.watch.reset(f"the start of the {step.name}")
         return training
+
+    @property
+    def stacks_dir(self) -> Path:
+        return hangs.stacks_dir(self.run_dir)
+
+    def _quiet(self) -> float | None:
+        """Seconds since this pod's training last made progress (None: none runs, or no
+        watch)."""
+        return self.watch.quiet() if self.training is not None and self.watch.enabled else None
+
+    def _dump(self, n: int) -> stacks.PodDump:
+        """This pod's ranks' stacks, into the hang's folder."""
+        dumped = stacks.dump_pod(str(self.me), stacks.training_targets(),
+                                 hangs.folder(self.run_dir, n), self.stacks_dir)
+        self.reporter.say(f"hang {n}: this pod's stacks dumped in {dumped.seconds:.1f} s to "
+                          f"{dumped.folder}")
+        return dumped
 
     def _clear_reports(self) -> None:
         folder = self.run_dir / "data-check"
@@ -199,7 +230,11 @@ class Supervisor(Lifecycle[GangPhase]):
 
 
 class HeadSupervisor(Supervisor):
-    """The head: holds the rendezvous, starts each step everywhere and decides the end."""
+    """The head: holds the rendezvous, starts each step everywhere and decides the end; it
+    also watches the whole run's progress (its own and what each worker's beats say) and,
+    on a hang, has every pod dump its stacks, then restarts the step or ends the run."""
+
+    _again = False  # the step runs again (a restart after a hang)
 
     def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
         return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
@@ -230,9 +265,12 @@ class HeadSupervisor(Supervisor):
         hub, step = self._hub, self._next
         assert hub is not None and step is not None
         index = self._steps.index(step)
-        if index:
+        if index or self._again:
             hub.broadcast({"go": {"step": step.name, "check": self.check_line}})
+        self._again = False
         cause = self._head_step(step, hub)
+        if self._again:  # restarted after a hang: the same step again, on every pod
+            return GangPhase.RUNNING
         return self._ending(cause) if cause is not None else self._after(index)
 
     def _end(self) -> GangPhase:
@@ -297,6 +335,91 @@ class HeadSupervisor(Supervisor):
             if own_rc == 0 and not waiting:
                 self.training = None
                 return self._judge(step, reports)
+            quiet = hub.quiet(self._quiet())
+            if quiet is not None and quiet >= self.settings.hang_timeout:
+                return self._hang(hub, quiet, waiting)
+
+    # --- a hang ------------------------------------------------------------------------------
+
+    def _hang(self, hub: mesh.Hub, quiet: float, waiting: set[str]) -> Cause | None:
+        """No progress on any pod for PODAGENT_HANG_TIMEOUT: every pod dumps its ranks' stacks
+        and the culprit is named; then the step is restarted on every pod (None) or, with
+        restarts off or used up, the run ends (its cause). A pod lost or a stop asked for
+        meanwhile ends it so instead."""
+        self.hangs += 1
+        n = hangs.next_number(self.run_dir)
+        started = hangs.announce(self.settings, self.reporter, n, quiet, self.watch.last_seen)
+        hub.broadcast({"dump": {"n": n}})
+        dumps = {str(self.me): self._dump(n)}
+        asked = [str(m.peer) for m in hub.members.values() if m.state in mesh.AT_WORK]
+        deadline = Deadline.after(DUMP_WAIT)
+        while any(pod not in dumps for pod in asked) and deadline.left() > 0:
+            event = self._next_event()
+            if isinstance(event, mesh.Dumped):
+                dumps[str(event.peer)] = stacks.PodDump.from_wire(event.body, str(event.peer))
+            elif event is not None and (ended := self._ends_run(event)):
+                return ended
+        for pod in asked:
+            dumps.setdefault(pod, hangs.missing(pod))
+        verdict = hangs.conclude(self.settings, self.reporter, n, quiet, self.watch.last_seen,
+                                 dumps, started)
+        cause = Cause(Ending.HUNG, ", ".join(verdict.pods), verdict.line)
+        return self._restart_after_hang(hub, cause, waiting)
+
+    def _next_event(self) -> mesh.Event | None:
+        try:
+            return self.events.get(timeout=POLL)
+        except queue.Empty:
+            return None
+
+    def _ends_run(self, event: mesh.Event) -> Cause | None:
+        """A signal, a lost pod or a stop asked for, while the head handles a hang."""
+        signalled = self._signal_cause()
+        if signalled:
+            return signalled
+        if isinstance(event, mesh.Lost):
+            return Cause(Ending.LOST, str(event.peer), event.why)
+        if isinstance(event, mesh.StopAsked):
+            return Cause(Ending.STOPPED, event.by)
+        return None
+
+    def _restart_after_hang(self, hub: mesh.Hub, cause: Cause, waiting: set[str]
+                            ) -> Cause | None:
+        settings, ledger = self.settings, self.ledger
+        why = policy.restart_reason(settings, cause) or ""
+        done = self.restarts_before + (len(ledger.restarts) if ledger else self.hangs - 1)
+        try:
+            number = policy.admit(settings, done, why, Ending.HUNG)
+        except RunHung as final:
+            return replace(cause, detail=f"{final}; {cause.detail}")
+        self.reporter.warn(f"RESTART {number}/{settings.restarts}: {why}; stopping the "
+                           f"training on every pod and starting it again (it resumes from "
+                           f"its newest checkpoint)")
+        if ledger is not None:
+            record_or_warn(lambda: ledger.restarting(
+                {"n": number, "reason": why, "culprits": cause.pod}), self.reporter)
+        self.reporter.event(Event.RESTART, n=number, of=settings.restarts, reason=why)
+        hub.broadcast({"halt": {"n": self.hangs}})
+        self._stop_training(hurried=False)
+        deadline = Deadline.after(settings.stop_timeout + END_WAIT)
+        while waiting and deadline.left() > 0:
+            event = self._next_event()
+            if isinstance(event, mesh.Done):
+                waiting.discard(str(event.peer))
+            elif event is not None and (ended := self._ends_run(event)):
+                return ended
+        if waiting:
+            return Cause(Ending.LOST, ", ".join(sorted(waiting)),
+                         f"its training did not stop within "
+                         f"{settings.stop_timeout + END_WAIT:g} s of the head's halt")
+        wait = policy.backoff(settings, number)
+        if wait:
+            self.reporter.say(f"restart {number}: backing off {wait:g} s "
+                              f"(PODAGENT_RESTART_BACKOFF)")
+            self.signals.sleep(wait)
+        self._again = True
+        self.watch.reset(f"restart {number}")
+        return None
 
     def _judge(self, step: Step, reports: list[dict[str, Any]]) -> Cause | None:
         if step.name != "data check":
@@ -341,6 +464,8 @@ class HeadSupervisor(Supervisor):
         return {"kind": "no-ray", "run": self.settings.run_name,
                 "launcher": self.plan.launcher.name, "phase": self.phase.value,
                 "step": self.step_name, "uptime_s": round(time.time() - self.started, 1),
+                "hangs": self.hangs, "quiet_s": _rounded(hub.quiet(self._quiet()) if hub
+                                                          else None),
                 "nodes": self.layout.nodes if self.layout else self.rv.workers + 1,
                 "pods": sorted(pods, key=lambda p: p["rank"])}
 
@@ -365,6 +490,7 @@ class WorkerSupervisor(Supervisor):
     def _rendezvous(self) -> GangPhase:
         link = mesh.Link(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
                          self.reporter, self.events)
+        link.quiet = self._quiet
         self._link = link
         go = link.join(self.deadline, self.settings.head_timeout, self.asked_rank,
                        self.signals.sleep, self.signals.check)
@@ -429,10 +555,23 @@ class WorkerSupervisor(Supervisor):
                 return Cause(Ending.LOST, str(link.head), event.why), None
             if isinstance(event, mesh.FromHead) and event.kind == "end":
                 return Cause.from_wire(event.body), None
+            if isinstance(event, mesh.FromHead) and event.kind == "dump":
+                n = event.body.get("n")
+                link.send({"dumped": self._dump(n if isinstance(n, int) else 0).to_wire()})
+            if isinstance(event, mesh.FromHead) and event.kind == "halt" and not reported:
+                # The head restarts the step after a hang: this pod's part stops first.
+                self._stop_training(hurried=False)
+                rc = training.poll()
+                link.send({"done": {"step": step.name, "rc": -9 if rc is None else rc}})
+                reported = True
             if isinstance(event, mesh.FromHead) and event.kind == "go" and reported:
                 if event.body.get("check"):
                     self.reporter.say(str(event.body["check"]))
                 return None, str(event.body.get("step"))
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def run(supervisor: Supervisor) -> Cause:
