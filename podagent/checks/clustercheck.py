@@ -138,12 +138,15 @@ class CheckRank:
             return sock.getsockname()[1]
 
     def run(self, rank: int, world: int, backend: str, master: str, port: int,
-            max_bytes: int, reward_url: str | None) -> dict[str, Any]:
+            max_bytes: int, reward_url: str | None, hang: bool = False) -> dict[str, Any]:
         import datetime
         import tempfile
 
         import torch.distributed as dist
 
+        import podagent.job
+
+        podagent.job.enable_stack_dumps()  # a hang's stacks where py-spy may not read them
         result: dict[str, Any] = {"rank": rank, "checks": {}, "failed": None}
         checks = result["checks"]
         log_file = None
@@ -178,6 +181,12 @@ class CheckRank:
                 sweep = [collectives.measure_all_reduce(size, world, backend)
                          for size in collectives.payload_sizes(max_bytes)]
                 record("payload", None, sweep=[b.as_dict() for b in sweep])
+                if hang:
+                    # The line marks when the hang began (the watch counts from the last line).
+                    print(f"check: rank {rank}: hang drill: this rank never enters the DDP step",
+                          flush=True)
+                    while True:
+                        time.sleep(3600)
                 error, figures = collectives.ddp_step(rank, world, backend)
                 record("ddp_step", error, **figures)
             dist.barrier()
@@ -236,6 +245,16 @@ class Report:
         self.failures.append(f"{check}{where}: {message}")
 
 
+def hang_drill() -> int | None:
+    """The rank PODAGENT_CHECK_HANG_RANK names, on the job's first attempt only: a drill that
+    shows the hang watch at work on a real cluster (its stacks dumped, the rank named, the
+    check run again and passing)."""
+    raw = os.environ.get("PODAGENT_CHECK_HANG_RANK", "")
+    if not raw.isdigit() or os.environ.get("PODAGENT_ATTEMPT", "1") != "1":
+        return None
+    return int(raw)
+
+
 def _ray_wait(refs: list[Any], timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
     """Results by rank, and an error by rank for those that raised or did not finish."""
     import ray
@@ -281,7 +300,11 @@ def run_check(max_bytes: int | None = None) -> Report:
     master = ranks[0].node_ip
     port = ray.get(actors[0].free_port.remote(), timeout=60)
     url = os.environ.get("REMOTE_RM_URL") or None
-    refs = [a.run.remote(r.rank, len(ranks), backend, master, port, limit, url)
+    drill = hang_drill()  # read here: the driver has the head's environment
+    if drill is not None:  # the ranks' own output is not the driver's (log_to_driver=False)
+        print(f"check: hang drill: rank {drill} never enters its DDP step", flush=True)
+    refs = [a.run.remote(r.rank, len(ranks), backend, master, port, limit, url,
+                         r.rank == drill)
             for a, r in zip(actors, ranks, strict=True)]
     results, errors = _ray_wait(refs, RUN_TIMEOUT + 60)
     report.results = results

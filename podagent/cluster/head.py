@@ -14,7 +14,7 @@ from typing import Any
 
 from podagent import runstate
 from podagent.choices import AfterRun
-from podagent.cluster import exposure, job_spec, node, ray_node, reattach
+from podagent.cluster import exposure, hang, job_spec, node, ray_node, reattach
 from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
 from podagent.cluster.jobs import SUBMIT_TIMEOUT
@@ -27,11 +27,12 @@ from podagent.platform import pod
 from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access.gcs import GcsClient
 from podagent.report import Progress, Reporter
+from podagent.run import hangs
 from podagent.run import ledger as ledger_mod
 from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
 from podagent.run.lifecycle import Lifecycle
 from podagent.waiting import Backoff, Deadline, Expired, Signals, retry
-from podagent.wire import Event, HeadState
+from podagent.wire import Ending, Event, HeadState
 
 HURRIED_STEP = 1.0  # a signal ends the run: the job and the reward server get this long each
 # ... and the workers this long to read the closing announcement (once a second) and leave
@@ -148,6 +149,7 @@ class Head(Lifecycle[HeadState]):
         self.reward: RewardServer | None = None
         self.job: JobAttempt | None = None  # from SUBMITTING until it ends or is restarted
         self._next_watch = self._next_own_look = 0.0
+        self.progress = hang.watch_for(settings)  # the job's, started again at each submission
 
     @property
     def node(self) -> HeadNode:
@@ -277,6 +279,7 @@ class Head(Lifecycle[HeadState]):
             new = runner.submit(entrypoint, env, settings.working_dir,
                                 {"podagent_run": settings.run_name}, self.signals, deadline)
             self.job = JobAttempt(runner)  # from here on, teardown stops it
+            self.progress = hang.watch_for(settings)
             if not new:
                 job_spec.set_aside_job_log(settings.run_dir)
             what = "submitted" if new else "already running: following it"
@@ -291,10 +294,14 @@ class Head(Lifecycle[HeadState]):
         job, recovery = self.job, self.node.recovery
         if job is None:
             raise RuntimeError("RUNNING without a submitted job")
+        hung = ""  # what a hang's stacks showed, when the job hung
         with self.reporter.step(Event.JOB_FINISHED) as step:
             try:
-                job.status = job.runner.follow(self.signals, on_tick=self._watch_cluster)
-            except NodeLost:
+                job.status = job.runner.follow(self.signals, on_tick=self._watch_cluster,
+                                               on_output=self.progress.saw_output)
+            except (NodeLost, hang.Hung) as stopped:
+                if isinstance(stopped, hang.Hung):
+                    hung = self._dump_everywhere(stopped.quiet)
                 # No waiting for NCCL's timeout: the job is stopped now and submitted again.
                 job.stop(self.settings.stop_timeout, self.reporter, self._own_pids())
                 job.stopped_by_us = True
@@ -305,9 +312,10 @@ class Head(Lifecycle[HeadState]):
                                                          job.status or "LOST"), self.reporter)
             step.done(f"job {job.status or 'asked to stop (not yet confirmed)'}",
                       status=job.status, nodes_lost=[w.ip for w in lost])
-        why = recovery.restart_reason(job.status, lost)
+        why = recovery.restart_reason(job.status, lost, hung)
         if why:
-            recovery.begin(why, lost, job)
+            kind = Ending.HUNG if hung and not lost else Ending.LOST
+            recovery.begin(f"{why}; {hung}" if kind is Ending.HUNG else why, lost, job, kind)
             self.job = None  # ended or stopped: nothing left for teardown to stop
             return HeadState.RECOVERING
         if job.status != "SUCCEEDED":
@@ -333,6 +341,21 @@ class Head(Lifecycle[HeadState]):
         alive = self.node.ray.watch(now)
         if alive is not None:
             self.node.recovery.note_alive(alive)
+        quiet = self.progress.hung()
+        if quiet is not None:
+            raise hang.Hung(quiet)
+
+    def _dump_everywhere(self, quiet: float) -> str:
+        """Every pod's stacks of the hung job, its culprit named: the line for the restart or
+        the run's end."""
+        head = self.node
+        gcs = head.ray.gcs
+        assert gcs is not None  # the job runs: this pod's Ray answered
+        verdict = hang.dump_everywhere(
+            self.settings, gcs, hang.pod_name(self.settings, Role.HEAD, head.setup.node_ip),
+            list(head.census.workers.values()), hangs.next_number(self.settings.run_dir),
+            quiet, self.progress.last_seen, self.reporter, self.signals.sleep)
+        return verdict.line
 
     # --- what the CLI asks, and teardown -------------------------------------------------------
 

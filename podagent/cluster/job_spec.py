@@ -4,6 +4,7 @@ the run ends or restarts."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from podagent.cluster import checkpoint
 from podagent.cluster.jobs import JobRunner
 from podagent.config import FIELD_BY_ATTR, Settings, is_secret
 from podagent.report import Reporter
+from podagent.run import hangs
+from podagent.run.progress import HEARTBEAT_FILE, HEARTBEAT_VARIABLE
+from podagent.run.stacks import STACKS_VARIABLE
 from podagent.waiting import Deadline
 from podagent.wire import Event
 
@@ -49,6 +53,11 @@ def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str
         "PODAGENT_SUBMISSION_ID": submission_id,
         # 1 for the first job of the run, then one more for each submission after a restart.
         "PODAGENT_ATTEMPT": str(attempt),
+        # The hang watch's heartbeat file and where a job's faulthandler writes its stacks
+        # (podagent.job): on the head, where the driver runs; absolute, as the job's working
+        # directory is its own.
+        HEARTBEAT_VARIABLE: os.path.abspath(settings.run_dir / HEARTBEAT_FILE),
+        STACKS_VARIABLE: os.path.abspath(hangs.stacks_dir(settings.run_dir)),
     }
     if reward_url:
         variables["REMOTE_RM_URL"] = reward_url

@@ -170,14 +170,16 @@ class JobRunner:
                          f"{SUBMIT_TIMEOUT:g} s; last answer: {gave_up.seen}"))
 
     def follow(self, signals: Signals, on_tick: Callable[[], None] = lambda: None,
-               poll: float = 0.5) -> str:
+               poll: float = 0.5, on_output: Callable[[str], None] = lambda text: None) -> str:
         """Stream the job's output until it ends; returns its terminal status.
 
-        on_tick runs every poll: the head uses it to watch its own Ray and the nodes, and it
-        ends the wait by raising. A dashboard that does not answer for a moment is not an
+        on_tick runs every poll: the head uses it to watch its own Ray, the nodes and the
+        job's progress (on_output sees each chunk of its output), and it ends the wait by
+        raising. A dashboard that does not answer for a moment is not an
         ending; one silent for DASHBOARD_SILENT_LIMIT is (DashboardSilent).
         """
-        self._log = JobLog(self.client, self.submission_id, self.reporter, self.job_log)
+        self._log = JobLog(self.client, self.submission_id, self.reporter, self.job_log,
+                           on_output)
         self._log.open()
         silent_since: float | None = None
         while True:
@@ -303,9 +305,11 @@ class JobLog:
     (a copy: Ray keeps its own), the cluster check's summary line turned into an event, and
     at the end completed from the full log, which the stream may not have delivered yet."""
 
-    def __init__(self, client: Any, submission_id: str, reporter: Reporter, path: Path):
+    def __init__(self, client: Any, submission_id: str, reporter: Reporter, path: Path,
+                 on_output: Callable[[str], None] = lambda text: None):
         self.client, self.submission_id, self.reporter, self.path = (
             client, submission_id, reporter, path)
+        self.on_output = on_output
         self._streamed = 0  # characters of log already shown
         self._file: Any = None
         self._tail: threading.Thread | None = None
@@ -348,6 +352,7 @@ class JobLog:
     def _append(self, chunk: str) -> None:
         if chunk:
             self._streamed += len(chunk)
+            self.on_output(chunk)
             self._to_job_log(chunk)
             for line in chunk.splitlines():
                 if line.startswith(CHECK_JSON_PREFIX):

@@ -24,7 +24,7 @@ from podagent.report import Reporter
 from podagent.run import policy
 from podagent.run.ledger import Ledger, record_or_warn
 from podagent.waiting import Backoff, Expired, Signals, retry
-from podagent.wire import Event
+from podagent.wire import Ending, Event
 
 # Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
 # twice that means Ray's own checks are configured otherwise.
@@ -79,17 +79,21 @@ class Recovery:
             self.census.mark_lost(lost, "its raylet does not answer", "the job failed meanwhile")
         return lost
 
-    def restart_reason(self, job_status: str | None, lost: list[NodeInfo]) -> str | None:
+    def restart_reason(self, job_status: str | None, lost: list[NodeInfo],
+                       hung: str = "") -> str | None:
         return policy.restart_reason(self.settings,
-                                     policy.Cause.of_job(job_status, [w.ip for w in lost]))
+                                     policy.Cause.of_job(job_status, [w.ip for w in lost], hung))
 
     # --- a restart ----------------------------------------------------------------------------
 
-    def begin(self, why: str, lost: list[NodeInfo], job: JobAttempt) -> Restart:
+    def begin(self, why: str, lost: list[NodeInfo], job: JobAttempt,
+              kind: Ending = Ending.LOST) -> Restart:
         """Counts the restart against PODAGENT_RESTARTS (across container restarts: the ledger
-        keeps them), says it loudly and records it."""
+        keeps them), says it loudly and records it. Restarts used up raise (RunHung after a
+        hang, else RestartsExhausted)."""
         settings = self.settings
-        number, now = policy.admit(settings, len(self.ledger.restarts), why), time.time()
+        number = policy.admit(settings, len(self.ledger.restarts), why, kind)
+        now = time.time()
         # The run stopped making progress when the job ended or the loss was seen, if earlier.
         noticed = min(t for t in (self.census.first_noticed(), job.ended_at, now)
                       if t is not None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from podagent import process, runstate
 from podagent.choices import AfterRun
-from podagent.cluster import node, ray_node
+from podagent.cluster import hang, node, ray_node
 from podagent.config import Settings
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.platform.discovery import HeadFinder, HeadLocation
@@ -236,6 +236,7 @@ class Worker(Lifecycle[WorkerState]):
         # Found once, then checked by pid: a full process-table scan every second costs more
         # CPU than everything else the idle worker does.
         raylet = ray_node.RayNode.find_raylet()
+        dumped: int | None = None  # the hang whose stacks this pod gave (None: not read yet)
         while True:
             self.signals.sleep(WATCH_INTERVAL)
             process.reap_orphans()
@@ -244,6 +245,8 @@ class Worker(Lifecycle[WorkerState]):
                                    timeout=WATCH_INTERVAL)
                 start = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_HEAD_START,
                                    timeout=WATCH_INTERVAL)
+                asked = runstate.parse_dump_request(gcs.kv_get(
+                    runstate.KV_NAMESPACE, runstate.KV_DUMP, timeout=WATCH_INTERVAL))
             except GcsUnavailable as exc:
                 last_error = str(exc)
                 gone = time.monotonic() - last_ok
@@ -265,6 +268,12 @@ class Worker(Lifecycle[WorkerState]):
                                     f"earlier one")
             if state:
                 return self._on_closing(runstate.read_state(state))
+            if dumped is None:
+                dumped = asked or 0  # a request from before this pod watched is not for it
+            elif asked and asked > dumped:
+                dumped = asked
+                hang.answer(self.settings, gcs, self.setup.node_ip, asked,
+                            self.reporter)
             if raylet is None or not ray_node.RayNode.running(raylet):
                 raise RayDied("this pod's raylet exited; see Ray's logs in its temp dir")
 

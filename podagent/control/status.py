@@ -38,6 +38,7 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter,
         ray_version = gcs.check_alive(timeout=HTTP_TIMEOUT)
         nodes = gcs.nodes(timeout=HTTP_TIMEOUT)
         state = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE, timeout=HTTP_TIMEOUT)
+        hang = gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_DUMP, timeout=HTTP_TIMEOUT)
     except GcsUnavailable as exc:
         raise HeadUnreachable(f"the head's Ray at {ip}:{settings.ray_port} does not answer: "
                               f"{exc}") from None
@@ -62,6 +63,7 @@ def cluster_status(settings: Settings, role: Role, reporter: Reporter,
             "submission_id": job.get("submission_id"), "status": job.get("status"),
             "entrypoint": job.get("entrypoint"), "run": job["metadata"]["podagent_run"]},
         "reward": reward_health(settings, ip),
+        "last_hang": runstate.read_state(hang) if hang else None,
     }
 
 
@@ -88,6 +90,9 @@ def render_status(status: dict[str, Any]) -> str:
     reward = status["reward"]
     lines.append(f"reward server: {reward['state']}" + (f" at {reward['url']}"
                                                         if reward.get("url") else ""))
+    hang = status.get("last_hang")
+    if hang:
+        lines.append(f"last hang: {hang.get('n')}: {hang.get('line') or 'stacks being dumped'}")
     if status["run_state"].get("state") != "running":
         lines.append(f"run: {status['run_state'].get('state')}")
     return "\n".join(lines)

@@ -10,6 +10,11 @@ checkpoint detection ignores it); with podagent's resume flag (`--load_checkpoin
 from the newest checkpoint and the ranks get its weights from rank 0 (no shared disk needed).
 
     python tests/jobs/tiny_train.py --steps 200 --every 20 --step-time 0.05 [--load_checkpoint]
+        [--hang-rank R --hang-at S]
+
+With --hang-rank, on the first attempt (PODAGENT_ATTEMPT=1) that rank stops entering the
+collectives at step S and sleeps for ever (a stalled data loader), after writing `.hung.json`
+(its node's address, when) into the checkpoint directory; the other ranks wait in DDP.
 
 Ends with `TRAINED steps=N attempt=A loss=L` and exit 0; a rank that fails (a peer gone)
 fails the job.
@@ -68,6 +73,9 @@ class Trainer:
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)  # no state to carry over
         loss_value = float("nan")
         for step in range(int(start[0]) + 1, options["steps"] + 1):
+            if rank == options["hang_rank"] and step == options["hang_at"] \
+                    and options["attempt"] == 1:
+                self._hang(directory)
             generator = torch.Generator().manual_seed(step * 1000 + rank)
             x = torch.randn(BATCH, FEATURES, generator=generator)
             y = torch.sin(x.sum(dim=1, keepdim=True))
@@ -94,6 +102,15 @@ class Trainer:
         print(f"step {step} loss {loss:.6f} attempt {options['attempt']}", flush=True)
 
     @staticmethod
+    def _hang(directory: Path) -> None:
+        import ray
+
+        marker = {"ip": ray.util.get_node_ip_address(), "at": time.time()}
+        (directory / ".hung.json").write_text(json.dumps(marker))
+        while True:
+            time.sleep(3600)
+
+    @staticmethod
     def _save(directory: Path, step: int, model: Any) -> None:
         import torch
 
@@ -109,6 +126,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds slept per step")
     parser.add_argument("--load_checkpoint", action="store_true", help="podagent's resume flag")
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--hang-at", type=int, default=0)
     args = parser.parse_args(argv)
 
     import ray
@@ -129,7 +148,7 @@ def main(argv: list[str]) -> int:
     port = ray.get(actors[0].free_port.remote(), timeout=120)
     options = {"steps": args.steps, "every": args.every, "step_time": args.step_time,
                "resume": args.load_checkpoint, "checkpoint_dir": str(directory),
-               "attempt": attempt}
+               "attempt": attempt, "hang_rank": args.hang_rank, "hang_at": args.hang_at}
     results = ray.get([a.train.remote(r.rank, len(ranks), ranks[0].node_ip, port, options)
                        for a, r in zip(actors, ranks, strict=True)])
     print(f"TRAINED steps={args.steps} attempt={attempt} loss={results[0]['loss']:.6f}",

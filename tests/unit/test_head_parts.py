@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import socket
 from collections.abc import Iterator
 
@@ -279,7 +280,10 @@ def test_job_env_carries_wandb_settings_never_the_key():
                    "PODAGENT_HEAD_ADDR": "10.0.0.1", "PODAGENT_RUN_NAME": "r1",
                    "PODAGENT_SUBMISSION_ID": "r1-2", "PODAGENT_ATTEMPT": "2",
                    "REMOTE_RM_URL": "http://10.0.0.1:5000/get_reward", "RAY_DEBUG": "legacy",
-                   "WANDB_PROJECT": "p"}
+                   "WANDB_PROJECT": "p",
+                   # the hang watch's, absolute: the job's working directory is its own
+                   "PODAGENT_HEARTBEAT": os.path.abspath("podagent-logs/r1/heartbeat"),
+                   "PODAGENT_STACKS": os.path.abspath("podagent-logs/r1/stacks")}
 
 
 def test_entrypoint_is_the_cluster_check_without_a_job_and_unchanged_on_reattach():
