@@ -53,6 +53,13 @@ def render(state: dict[str, Any]) -> str:
              f"{state['head']['supervisor']}, up {state['uptime_s'] / 60:.1f} min",
              f"{state['phase']}" + (f": {state['step']}" if state.get("step") else "")
              + f", {state['nodes']} node(s)"]
+    quiet, hangs = state.get("quiet_s"), state.get("hangs") or 0
+    if quiet is not None or hangs:
+        said = [f"last progress {quiet:g} s ago" if quiet is not None else "not watched now"]
+        if hangs:
+            said.append(f"{hangs} hang(s) in this start (stacks in the run's hangs/ on each "
+                        f"pod)")
+        lines.append("; ".join(said))
     for pod in state["pods"]:
         heard = "" if pod["role"] == "head" else f", heard {pod['silent_s']:g} s ago"
         lines.append(f"  machine {pod['rank']}  {pod['addr']:<15} {pod['role']:<6} "

@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 
 from podagent import process
+from podagent.waiting import Backoff, Expired, retry
 
 STACKS_VARIABLE = "PODAGENT_STACKS"  # where a job's faulthandler writes (podagent.job)
 DUMP_SIGNAL = signal.SIGUSR1
@@ -282,15 +283,16 @@ def _faulthandler(pid: int, stacks_dir: Path | None) -> str | None:
     start = path.stat().st_size
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, DUMP_SIGNAL)
-    deadline = time.monotonic() + FAULTHANDLER_WAIT
-    size = start
-    while time.monotonic() < deadline:
+    sizes = [start]
+
+    def written() -> bool:  # it grew, and no longer grows
         with contextlib.suppress(OSError):
-            now = path.stat().st_size
-            if now > start and now == size:  # written, and no longer growing
-                break
-            size = now
-        time.sleep(0.1)
+            sizes.append(path.stat().st_size)
+        return sizes[-1] > start and sizes[-1] == sizes[-2]
+
+    with contextlib.suppress(Expired):  # what it wrote by then is read all the same
+        retry(written, awaited=f"process {pid}'s faulthandler to write {path}",
+              backoff=Backoff.every(0.1), deadline=FAULTHANDLER_WAIT, until=bool)
     with contextlib.suppress(OSError), open(path, errors="replace") as f:
         f.seek(start)
         text = f.read()
