@@ -357,7 +357,9 @@ class HeadSupervisor(Supervisor):
             event = self._next_event()
             if isinstance(event, mesh.Dumped):
                 dumps[str(event.peer)] = stacks.PodDump.from_wire(event.body, str(event.peer))
-            elif event is not None and (ended := self._ends_run(event)):
+            elif isinstance(event, mesh.Done):  # its training ended meanwhile: none to halt
+                waiting.discard(str(event.peer))
+            elif (ended := self._ends_run(event)) is not None:  # a signal too, between events
                 return ended
         for pod in asked:
             dumps.setdefault(pod, hangs.missing(pod))
@@ -372,7 +374,7 @@ class HeadSupervisor(Supervisor):
         except queue.Empty:
             return None
 
-    def _ends_run(self, event: mesh.Event) -> Cause | None:
+    def _ends_run(self, event: mesh.Event | None) -> Cause | None:
         """A signal, a lost pod or a stop asked for, while the head handles a hang."""
         signalled = self._signal_cause()
         if signalled:
@@ -406,7 +408,7 @@ class HeadSupervisor(Supervisor):
             event = self._next_event()
             if isinstance(event, mesh.Done):
                 waiting.discard(str(event.peer))
-            elif event is not None and (ended := self._ends_run(event)):
+            elif (ended := self._ends_run(event)) is not None:  # a signal too, between events
                 return ended
         if waiting:
             return Cause(Ending.LOST, ", ".join(sorted(waiting)),
