@@ -64,6 +64,8 @@ def test_a_hung_actor_is_named_and_the_job_resumes_from_its_checkpoint(make_pod,
     hang = _the_hang(head, pods, marker["ip"], marker["at"])
     [culprit] = hang["culprits"]
     assert "Trainer" in culprit["name"], culprit
+    ranks = [s for d in hang["pods"].values() for s in d["stacks"] if "Trainer" in s["label"]]
+    assert len(ranks) == 3 and all(not s["error"] for s in ranks), ranks  # every rank's stack
     [restart] = events(head, "restart")
     assert "PODAGENT_HANG_TIMEOUT" in restart["reason"], restart
     assert "likely culprit" in restart["reason"], restart

@@ -91,15 +91,18 @@ def _assert_ranks(out: Path, mode: str) -> None:
 
 def test_torchrun_on_three_pods_with_the_data_check_first_then_not_again_once_finished(
         make_pod, dns_server, tmp_path, agents):
-    # With a cluster token: every hello carries it; the training never sees it.
+    # With a cluster token: every hello carries it; the training never sees it. With a hang
+    # watch far shorter than its default: a healthy run never trips it.
     pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, "torchrun", "--data-check",
                             "--", str(LOOP), str(tmp_path / "ranks"),
-                            env={"PODAGENT_TOKEN": "e2e-cluster-token-0123456789"})
+                            env={"PODAGENT_TOKEN": "e2e-cluster-token-0123456789",
+                                 "PODAGENT_HANG_TIMEOUT": "30"})
     _start(pods)
     codes = [a.wait_exit(180) for a in pods]
     assert codes == [0, 0, 0], "\n\n".join(a.output[-3000:] for a in pods)
     _assert_ranks(out, "torchrun")
     assert not any(r["token_seen"] for r in _ranks(out))
+    assert all("HANG" not in a.output for a in pods)
     head = pods[0]
     # The data check ran through the same launcher first, and passed with its numbers.
     assert "data check: 3 ranks" in head.output and "none seen by two ranks" in head.output
