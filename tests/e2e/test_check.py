@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from tests.e2e.test_cluster import FORM_TIMEOUT
-from tests.harness.agents import form_cluster
+from tests.harness.agents import form_cluster, wait_exits
 
 EXIT_JOB_FAILED = 3
 
@@ -32,4 +32,4 @@ def test_wrong_preset_on_one_worker_fails_the_check_naming_it(make_pod, dns_serv
     assert len(errors) == 1 and "failed" in errors[0], errors
     # The misconfigured pod said so at start, too.
     assert "NCCL_SOCKET_IFNAME=ib0 names no interface on this pod" in bad.output
-    assert [w.wait_exit(60) for w in (good, bad)] == [0, 0]
+    assert wait_exits((good, bad), 60) == [0, 0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from podagent import config
-from tests.harness.agents import Agent, form_cluster
+from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
 # Three Ray nodes on a 2-core machine are slow to form: generous, bounded waits.
@@ -46,7 +46,7 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
 
     dns_server.set_record(head_name, head.pod.ip)
     head.start()
-    codes = [a.wait_exit(FORM_TIMEOUT) for a in (head, *workers)]
+    codes = wait_exits((head, *workers), FORM_TIMEOUT)
     assert codes == [0, 0, 0], "\n\n".join(a.output[-2500:] for a in (head, *workers))
 
     out = head.output
@@ -107,7 +107,7 @@ def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_pa
     for w in workers:
         assert w.pod.ip in error[0]
     # The head closed the cluster in order: the workers leave with 0.
-    assert [w.wait_exit(60) for w in workers] == [0, 0]
+    assert wait_exits(workers, 60) == [0, 0]
 
 
 REWARD_CLIENT = """
@@ -186,7 +186,7 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
     _no_secret_on_any_command_line(head, *workers)
     killed_at = time.monotonic()
     head.kill_pod()
-    codes = [w.wait_exit(grace + 5 + 30) for w in workers]
+    codes = wait_exits(workers, grace + 5 + 30)
     took = time.monotonic() - killed_at
     assert codes == [EXIT_HEAD_LOST] * 2, "\n\n".join(w.output[-2000:] for w in workers)
     assert took <= grace + 5, f"workers took {took:.1f} s to leave"
@@ -242,7 +242,7 @@ def test_flaky_dns_then_answers_with_a_stale_record_first_worker_joins(make_pod,
     dns_server.set_records(head.pod.dns_name, [earlier.ip, head.pod.ip])
     dns_server.mode = "normal"
     head.start()
-    assert [a.wait_exit(FORM_TIMEOUT) for a in (head, worker)] == [0, 0], (
+    assert wait_exits((head, worker), FORM_TIMEOUT) == [0, 0], (
         head.output[-2000:] + "\n\n" + worker.output[-2000:])
     assert f"worker joined: {worker.pod.ip}" in head.output
     assert (f"the head's name has 2 addresses ({earlier.ip}, {head.pod.ip}): {head.pod.ip} "

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from tests.e2e.test_cluster import FORM_TIMEOUT, LONG_JOB
-from tests.harness.agents import form_cluster
+from tests.harness.agents import form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
 
@@ -74,7 +74,7 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     for a in (head, *workers):  # the pod is stopped: SIGTERM, and the run's own code
         assert a.proc is not None
         a.proc.send_signal(signal.SIGTERM)
-    codes = [a.wait_exit(60) for a in (head, *workers)]
+    codes = wait_exits((head, *workers), 60)
     assert codes == [0, 0, 0], "\n\n".join(a.output[-2000:] for a in (head, *workers))
     for a in (head, *workers):
         assert a.pod.pids() == [], f"{a.pod.name} left processes behind"

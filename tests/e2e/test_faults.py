@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tests.e2e.test_cluster import FORM_TIMEOUT
-from tests.harness.agents import Agent, form_cluster
+from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import Pod, wait_for
 
 NOTICE_WITHIN = 15.0  # the bound: worker pod killed -> the head has recorded it
@@ -124,7 +124,7 @@ def test_sigterm_to_the_head_mid_job_closes_every_pod(make_pod, dns_server, tmp_
     assert head.proc is not None
     head.proc.send_signal(signal.SIGTERM)
     assert head.wait_exit(90) == EXIT_SIGTERM, head.output[-3000:]
-    assert [w.wait_exit(60) for w in workers] == [0, 0], "\n\n".join(
+    assert wait_exits(workers, 60) == [0, 0], "\n\n".join(
         w.output[-2000:] for w in workers)
 
     out = head.output

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from podagent import cli, errors
-from tests.harness.agents import Agent, form_cluster
+from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
@@ -84,7 +84,7 @@ def _nothing_left(pods: list[Agent]) -> None:
 def test_a_hung_rank_is_named_and_the_run_resumes_from_its_checkpoint(make_pod, dns_server,
                                                                       tmp_path, agents):
     pods, out = _three_pods(make_pod, dns_server, tmp_path, agents, {})
-    codes = [a.wait_exit(300) for a in pods]
+    codes = wait_exits(pods, 300)
     assert codes == [0, 0, 0], "\n\n".join(a.said() for a in pods)
     _nothing_left(pods)
     assert_dumped_and_named(pods, out)
@@ -102,7 +102,7 @@ def test_with_restarts_off_a_hang_ends_the_run_with_its_own_code(make_pod, dns_s
     pods, out = _three_pods(make_pod, dns_server, tmp_path, agents,
                             {"PODAGENT_RESTARTS": "0"})
     started = time.monotonic()
-    codes = [a.wait_exit(300) for a in pods]
+    codes = wait_exits(pods, 300)
     assert codes == [_code(errors.RunHung)] * 3, "\n\n".join(a.said() for a in pods)
     _nothing_left(pods)
     assert time.monotonic() - started < 240

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from podagent import cli, errors
-from tests.harness.agents import Agent, form_cluster
+from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import _ip, wait_for
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
@@ -73,7 +73,7 @@ def _mid_run(make_pod, dns_server, tmp_path, agents, launcher: str,
 
 
 def _all_out(pods: list[Agent], since: float, deadline: float) -> list[int]:
-    codes = [a.wait_exit(max(0.1, since + deadline - time.monotonic())) for a in pods]
+    codes = wait_exits(pods, max(0.1, since + deadline - time.monotonic()))
     for a in pods:  # nothing of the run is left in any pod: no launcher, no training process
         wait_for(lambda a=a: not a.pod.pids(), timeout=10, interval=0.1,
                  what=f"{a.pod.name} to hold no process")
@@ -98,7 +98,7 @@ def test_torchrun_on_three_pods_with_the_data_check_first_then_not_again_once_fi
                             env={"PODAGENT_TOKEN": "e2e-cluster-token-0123456789",
                                  "PODAGENT_HANG_TIMEOUT": "30"})
     _start(pods)
-    codes = [a.wait_exit(180) for a in pods]
+    codes = wait_exits(pods, 180)
     assert codes == [0, 0, 0], "\n\n".join(a.output[-3000:] for a in pods)
     _assert_ranks(out, "torchrun")
     assert not any(r["token_seen"] for r in _ranks(out))
@@ -130,7 +130,7 @@ def test_accelerate_on_three_pods_gives_each_machine_its_rank(make_pod, dns_serv
                             "--config_file", str(config), str(LOOP), str(tmp_path / "ranks"),
                             "--accelerate")
     _start(pods)
-    codes = [a.wait_exit(180) for a in pods]
+    codes = wait_exits(pods, 180)
     assert codes == [0, 0, 0], "\n\n".join(a.output[-3000:] for a in pods)
     _assert_ranks(out, "DistributedType.MULTI_CPU")
     head = pods[0]
@@ -161,7 +161,7 @@ def test_fewer_workers_will_do_down_to_the_minimum(make_pod, dns_server, tmp_pat
                             env={"PODAGENT_MIN_WORKERS": "1", "PODAGENT_WORKER_TIMEOUT": "8"})
     came = pods[:2]
     _start(came)
-    codes = [a.wait_exit(180) for a in came]
+    codes = wait_exits(came, 180)
     assert codes == [0, 0], "\n\n".join(a.output[-3000:] for a in came)
     ranks = _ranks(out, world=2)
     assert [r["rank"] for r in ranks] == [0, 1] and {r["world"] for r in ranks} == {2}
@@ -176,7 +176,7 @@ def test_without_the_minimum_the_run_is_not_started(make_pod, dns_server, tmp_pa
                           env={"PODAGENT_WORKER_TIMEOUT": "8"})
     came = pods[:2]
     _start(came)
-    codes = [a.wait_exit(120) for a in came]
+    codes = wait_exits(came, 120)
     assert codes == [_code(errors.WorkersTimeout)] * 2, "\n\n".join(a.output[-3000:]
                                                                      for a in came)
     assert not (tmp_path / "ranks" / "rank0.json").exists()
@@ -239,7 +239,7 @@ def test_status_logs_and_stop_from_a_worker(make_pod, dns_server, tmp_path, agen
     assert {p["state"] for p in status["pods"][1:]} == {"running"}
     assert "rank 0 step 1" in ask("logs")[0]  # the head's training output, from a worker
     assert "every pod of the run is out" in ask("stop")[1]
-    codes = [a.wait_exit(30) for a in pods]
+    codes = wait_exits(pods, 30)
     assert codes == [_code(errors.JobStopped)] * 3, "\n\n".join(a.output[-2000:] for a in pods)
     for a in pods:
         wait_for(lambda a=a: not a.pod.pids(), timeout=10, interval=0.1,

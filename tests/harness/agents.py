@@ -10,8 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -113,6 +114,22 @@ class Agent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+    def pod_processes(self, name: str) -> list[int]:
+        """This pod's processes named `name` (their comm, as `ps` shows it)."""
+        found = []
+        for pid in self.pod.pids():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                    found.append(pid)
+        return found
+
+    def freeze_pod(self, frozen: bool = True) -> None:
+        """The pod stops getting any CPU (SIGSTOP to every process in it), as a host too loaded
+        to run it, or running again (SIGCONT)."""
+        for pid in self.pod.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def close(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -120,6 +137,23 @@ class Agent:
         if self._out is not None:
             self._out.close()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def wait_exits(agents: Sequence[Agent], timeout: float) -> list[int]:
+    """Each agent's exit code, all within one deadline. One still running fails the test with
+    what every pod said: the pod that hangs is often waiting on another that went wrong."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for agent in agents:
+        assert agent.proc
+        try:
+            codes.append(agent.proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{agent.pod.name} still running after {timeout} s; what each pod said:\n"
+                + "\n\n".join(f"=== {a.pod.name} (exit {a.proc.poll() if a.proc else None})"
+                                f" ===\n{a.said(2000)}" for a in agents)) from None
+    return codes
 
 
 def form_cluster(make_pod, dns_server, tmp_path: Path, agents: list[Agent], workers: int,
