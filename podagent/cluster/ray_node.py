@@ -139,10 +139,37 @@ def forget_last_cluster(settings: Settings) -> None:
     worker of the same run that has not left yet where pods share one process table, with Ray's
     temp dir kept across a restart of the head. The head has checked that its ports are free
     itself (check_port_free), so the record of an earlier start only stands in its way."""
-    temp = settings.ray_temp_dir or os.path.join(
-        os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray")
     with contextlib.suppress(OSError):
-        os.unlink(os.path.join(temp, RAY_ADDRESS_FILE))
+        os.unlink(os.path.join(temp_dir(settings), RAY_ADDRESS_FILE))
+
+
+def temp_dir(settings: Settings) -> str:
+    """Ray's temp dir on this pod, as `ray start` picks it."""
+    return settings.ray_temp_dir or os.path.join(
+        os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray")
+
+
+# A Ray log line: "[2026-11-28 10:00:00,123 E 1234 1234] (raylet) file.cc:56: message"; E
+# and C are errors and fatal ones.
+_RAY_LOG_ERROR = re.compile(r"^\[[^\]]* [EC] \d+ \d+\] (?:\(\w+\) )?(?:\S+:\d+: )?(.+)$")
+LAST_WORDS_READ = 64 * 1024  # a raylet's log can be large: only its end is read
+LAST_WORDS_MAX = 300
+
+
+def raylet_last_words(settings: Settings) -> str:
+    """The last error line of this pod's raylet log ('' when there is none): why a raylet
+    exited, as it said it (the GCS marked its node dead, a check failed)."""
+    path = os.path.join(temp_dir(settings), "session_latest", "logs", "raylet.out")
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - LAST_WORDS_READ))
+            text = f.read(LAST_WORDS_READ).decode(errors="replace")
+    except OSError:
+        return ""
+    errors = [m[1] for m in map(_RAY_LOG_ERROR.match, text.splitlines()) if m]
+    if not errors:
+        return ""
+    return "".join(c if c.isprintable() else " " for c in errors[-1]).strip()[:LAST_WORDS_MAX]
 
 
 def check_port_free(address: str, port: int) -> None:

@@ -27,6 +27,9 @@ JOIN_HEAD_GRACE = 3.0  # a head silent this long while `ray start` runs has gone
 JOIN_PROGRESS_EVERY = 10.0
 OVER_ASK_EVERY = 2.0  # while the head's Ray is silent: how often to ask whether its run is over
 OVER_ASK_TIMEOUT = 0.5
+# A raylet that exits while the head answers is joined again this many times in one podagent:
+# one that keeps dying is not saved by joining again, and the pod ends (RayDied).
+RAYLET_REJOINS = 3
 
 
 class RunOver(EndRequested):
@@ -68,6 +71,7 @@ class Worker(Lifecycle[WorkerState]):
         self._head_start: bytes | None = None
         self._silent_since: float | None = None
         self._join_progress = 0.0
+        self._raylet_rejoins = 0
 
     def _finder(self) -> HeadFinder:
         self._next_over_ask = 0.0
@@ -275,7 +279,23 @@ class Worker(Lifecycle[WorkerState]):
                 hang.answer(self.settings, gcs, self.setup.node_ip, asked,
                             self.reporter)
             if raylet is None or not ray_node.RayNode.running(raylet):
-                raise RayDied("this pod's raylet exited; see Ray's logs in its temp dir")
+                return self._raylet_exited()
+
+    def _raylet_exited(self) -> WorkerState:
+        """This pod's raylet is gone while the head answers: the head's GCS marked the node
+        dead (a pod frozen past Ray's health checks), or the raylet crashed. The head still
+        counts on this pod, while it waits for its workers as after a loss in the job: join
+        it again, as a container started again would, but without the container's restart."""
+        said = ray_node.raylet_last_words(self.settings)
+        why = "this pod's raylet exited" + (f" (its last error: {said})" if said else "")
+        if not self.settings.rejoin:
+            raise RayDied(f"{why}; PODAGENT_REJOIN=0: not joining again")
+        if self._raylet_rejoins >= RAYLET_REJOINS:
+            raise RayDied(f"{why}, after {RAYLET_REJOINS} joins again since the first; "
+                          f"see Ray's logs in {ray_node.temp_dir(self.settings)}")
+        self._raylet_rejoins += 1
+        return self._rejoin(f"{why} (rejoin {self._raylet_rejoins} of at most "
+                            f"{RAYLET_REJOINS})")
 
     def _on_closing(self, closing: dict) -> WorkerState:
         what = f"{closing.get('outcome')}, job {closing.get('job_status')}"

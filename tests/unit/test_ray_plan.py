@@ -360,3 +360,50 @@ def test_each_node_carries_its_pod_and_role_as_labels(
         if label is not None:
             expected[runstate.LABEL_POD] = label
         assert labels == expected
+
+
+# --- a raylet's last words ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def temp(tmp_path, monkeypatch) -> pathlib.Path:
+    """Ray's default temp dir moved to tmp_path (the setting's own path must be short)."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    return tmp_path / "ray"
+
+
+def _raylet_log(temp: pathlib.Path, text: str) -> None:
+    logs = temp / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(text)
+
+
+def test_a_raylets_last_error_line_says_why_it_exited(temp):
+    _raylet_log(temp, "\n".join([
+        "[2026-11-28 05:01:58,100 I 41 41] main.cc:120: Raylet started",
+        "[2026-11-28 05:02:01,200 E 41 60] node_manager.cc:900: first error",
+        "[2026-11-28 05:02:02,300 W 41 41] node_manager.cc:910: a warning",
+        "[2026-11-28 05:02:02,400 C 41 41] (raylet) node_manager.cc:1040: [Timeout] the "
+        "node was marked dead\x1b",
+        "*** StackTrace Information ***",
+        "    /usr/lib/raylet(+0x1234)",
+    ]) + "\n")
+    said = ray_node.raylet_last_words(settings())
+    assert said == "[Timeout] the node was marked dead"
+
+
+@pytest.mark.parametrize("text", [None, "", "[2026-11-28 05:01:58,100 I 41 41] main.cc:1: ok\n",
+                                  "\x00\xff garbage without a single Ray log line\n"])
+def test_a_raylet_that_left_no_error_line_says_nothing(temp, text):
+    if text is not None:
+        _raylet_log(temp, text)
+    assert ray_node.raylet_last_words(settings()) == ""
+
+
+def test_only_the_end_of_a_large_raylet_log_is_read_and_the_line_is_bounded(temp):
+    early = "[2026-11-28 05:00:00,000 E 41 41] a.cc:1: an early error\n"
+    filler = "[2026-11-28 05:00:01,000 I 41 41] a.cc:2: " + "x" * 200 + "\n"
+    last = "[2026-11-28 05:02:00,000 E 41 41] a.cc:3: " + "y" * 1000 + "\n"
+    _raylet_log(temp, early + filler * (2 * ray_node.LAST_WORDS_READ // len(filler)) + last)
+    said = ray_node.raylet_last_words(settings())
+    assert said == "y" * ray_node.LAST_WORDS_MAX
