@@ -31,6 +31,9 @@ NODE_POLL = 0.1  # the node table is one cheap RPC: poll often so joins show at 
 PROBES_AT_ONCE = 64  # raylet probes in flight when a failed job is looked into
 RECOUNT_EVERY = 1.0  # seconds: a worker that leaves again while the head waits shows this late
 DEPARTURES_POLL = 0.2  # at the end: how often the head looks whether the workers left
+# Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
+# twice that means Ray's own checks are configured otherwise.
+DEPARTED_TIMEOUT = 15.0
 
 
 class Loss(str, enum.Enum):
@@ -69,6 +72,9 @@ class WorkerCensus:
         # census waits for the cluster to be whole again takes the place of the first), the
         # REPLACED ones in the order they were replaced (moved to the end then).
         self.lost: dict[str, LostWorker] = {}
+        # Nodes of a pod that has a newer node now (its raylet exited and it joined again):
+        # never counted again, though Ray lists them as alive until its health checks fail.
+        self._superseded: set[str] = set()
         self._size: int | None = None  # the table's size before the last read
         self._read_at = float("-inf")
         self.still_there: list[str] = []  # workers still connected when the head left
@@ -93,7 +99,20 @@ class WorkerCensus:
         return [g for g in self.lost.values() if g.state is state]
 
     def _departed(self, node_id: str) -> bool:
-        return node_id in self.lost and self.lost[node_id].departed
+        return (node_id in self._superseded
+                or (node_id in self.lost and self.lost[node_id].departed))
+
+    def _newest_per_pod(self, nodes: list[NodeInfo]) -> dict[str, NodeInfo]:
+        """node id -> worker, one per address: a pod has one address, and a second node there
+        is its Ray started again (a raylet that exited, a container started again) while Ray
+        still lists the earlier one. The newest counts; the earlier ones are superseded."""
+        newest: dict[str, NodeInfo] = {}
+        for worker in sorted(nodes, key=lambda w: w.start_time_ms):
+            earlier = newest.get(worker.ip)
+            if earlier is not None:
+                self._superseded.add(earlier.node_id)
+            newest[worker.ip] = worker
+        return {w.node_id: w for w in newest.values() if not self._departed(w.node_id)}
 
     def lost_now(self) -> list[NodeInfo]:
         """The workers lost while this job ran, in the census's order."""
@@ -115,10 +134,12 @@ class WorkerCensus:
         many are in."""
         if not self._table_changed():
             return len(self.workers)
-        alive = {w.node_id: w for w in self.alive() if not self._departed(w.node_id)}
+        alive = self._newest_per_pod(self.alive())
         for node_id in [n for n in self.workers if n not in alive]:
             gone = self.workers.pop(node_id)
-            self.reporter.warn(f"worker {gone.ip} left again before the job started")
+            how = (" (its Ray started again: the new node counts)"
+                   if node_id in self._superseded else "")
+            self.reporter.warn(f"worker {gone.ip} left again before the job started{how}")
             self.reporter.event(Event.WORKER_LOST, ip=gone.ip, node_id=node_id)
         for worker in alive.values():
             if worker.node_id not in self.workers:
@@ -192,6 +213,17 @@ class WorkerCensus:
         """Addresses of departed workers that Ray's node table still lists as alive (its
         health checks take seconds): a job submitted now would place ranks on them."""
         return [w.ip for w in self.alive() if self._departed(w.node_id)]
+
+    def await_departed_gone(self, sleep: Callable[[float], None]) -> None:
+        """Before a job is submitted: Ray lists a lost or superseded node as alive until its
+        health checks fail (a few seconds), and the job would place ranks there."""
+        try:
+            retry(self.departed_still_listed, awaited="Ray to mark the departed nodes dead",
+                  backoff=Backoff.every(NODE_POLL), deadline=DEPARTED_TIMEOUT, sleep=sleep,
+                  until=lambda listed: not listed)
+        except Expired as expired:
+            self.reporter.warn(f"Ray still lists the departed {', '.join(expired.last)} as "
+                               f"alive after {DEPARTED_TIMEOUT:g} s; submitting anyway")
 
     def unreachable(self, timeout: float = 1.0) -> list[NodeInfo]:
         """Workers whose raylet refuses or ignores a connection now. A killed pod breaks the

@@ -100,6 +100,7 @@ class HeadNode:
                 census.accept_shortfall(expected, settings.min_workers, settings.worker_timeout)
             step.done(f"cluster ready: {joined + 1} nodes, {self.gpus} GPUs ({joined} "
                       f"worker(s) joined)", nodes=joined + 1, gpus=self.gpus, **extra())
+        census.await_departed_gone(self.signals.sleep)
 
     def job_env(self, reward_url: str | None, submission_id: str,
                 attempt: int) -> dict[str, str]:

@@ -16,19 +16,16 @@ import time
 from dataclasses import dataclass
 
 from podagent.choices import OnNodeLoss
-from podagent.cluster.census import NODE_POLL, WorkerCensus
+from podagent.cluster.census import WorkerCensus
 from podagent.cluster.job_spec import JobAttempt
 from podagent.config import Settings
 from podagent.ray_access.gcs import NodeInfo
 from podagent.report import Reporter
 from podagent.run import policy
 from podagent.run.ledger import Ledger, record_or_warn
-from podagent.waiting import Backoff, Expired, Signals, retry
+from podagent.waiting import Signals
 from podagent.wire import Ending, Event
 
-# Ray marks a dead node after ray_node.HEALTH_CHECK_ENV's checks fail (about 5 s); more than
-# twice that means Ray's own checks are configured otherwise.
-DEPARTED_TIMEOUT = 15.0
 # What follows a worker lost while the job runs, by PODAGENT_ON_NODE_LOSS.
 AFTER_LOSS = {OnNodeLoss.RESTART: "stopping the job to restart it",
               OnNodeLoss.WAIT: "the job decides whether it goes on (restarted if it fails)",
@@ -115,25 +112,14 @@ class Recovery:
         return self.under_way
 
     def before_resubmitting(self) -> None:
-        """The cluster is whole again: wait until Ray no longer lists the lost nodes as alive
-        (the job would place ranks there), then for what is left of the backoff."""
-        self._await_departed_gone()
+        """The cluster is whole again (and Ray no longer lists the lost nodes: the census's
+        gather waited for that): wait for what is left of the backoff."""
         restart = self.under_way
         wait = restart.earliest - time.monotonic() if restart else 0.0
         if restart and wait > 0:
             self.reporter.say(f"restart {restart.n}: backing off {wait:.1f} s "
                               f"(PODAGENT_RESTART_BACKOFF)")
             self.signals.sleep(wait)
-
-    def _await_departed_gone(self) -> None:
-        """Ray lists a lost node as alive until its health checks fail (a few seconds)."""
-        try:
-            retry(self.census.departed_still_listed, awaited="Ray to mark the lost nodes dead",
-                  backoff=Backoff.every(NODE_POLL), deadline=DEPARTED_TIMEOUT,
-                  sleep=self.signals.sleep, until=lambda listed: not listed)
-        except Expired as expired:
-            self.reporter.warn(f"Ray still lists the lost {', '.join(expired.last)} as alive "
-                               f"after {DEPARTED_TIMEOUT:g} s; submitting anyway")
 
     def resubmitted(self, submission_id: str) -> None:
         """The job of the restart under way was submitted: its figures, said and recorded."""

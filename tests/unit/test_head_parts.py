@@ -9,6 +9,7 @@ import io
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -69,6 +70,41 @@ def test_census_records_joins_and_a_worker_that_leaves_before_the_job():
     assert "worker 10.0.0.2 left again before the job started" in heard.text
     assert [e["ip"] for e in heard.named("worker_joined")] == ["10.0.0.2", "10.0.0.3"]
     assert [e["ip"] for e in heard.named("worker_lost")] == ["10.0.0.2"]
+
+
+def test_a_pod_whose_ray_started_again_counts_once_and_its_earlier_node_never_again():
+    """A worker's raylet exited and it joined again before Ray marked its earlier node dead:
+    two live nodes at one address are one pod; the job waits until the earlier one is gone."""
+    heard = Heard()
+    head, w3 = node("10.0.0.1", head=True), node("10.0.0.3")
+    first = dataclasses.replace(node("10.0.0.2"), start_time_ms=1_000)
+    again = dataclasses.replace(node("10.0.0.2"), node_id="id-again", start_time_ms=9_000)
+    dead = dataclasses.replace(first, alive=False)
+    tables = scripted([head, first], [head, again, first], [head, first, again, w3],
+                      [head, first, again, w3], [head, dead, again, w3])
+    census = WorkerCensus(lambda: next(tables), heard.reporter)
+    assert [census.poll_joins(2) for _ in range(3)] == [1, 1, 2]
+    assert sorted(census.workers) == ["id-10.0.0.3", "id-again"]
+    assert ("worker 10.0.0.2 left again before the job started (its Ray started again: the "
+            "new node counts)") in heard.text
+    assert [e["node_id"] for e in heard.named("worker_joined")] == [
+        "id-10.0.0.2", "id-again", "id-10.0.0.3"]
+    slept: list[float] = []
+    census.await_departed_gone(slept.append)  # .2's earlier node listed once more, then dead
+    assert slept and census.departed_still_listed() == []
+    assert census.poll_joins(2) == 2 and "submitting anyway" not in heard.text
+
+
+def test_a_superseded_node_still_listed_is_waited_for_within_a_bound(monkeypatch):
+    heard = Heard()
+    monkeypatch.setattr(census_mod, "DEPARTED_TIMEOUT", 0.3)
+    first = dataclasses.replace(node("10.0.0.2"), start_time_ms=1_000)
+    again = dataclasses.replace(node("10.0.0.2"), node_id="id-again", start_time_ms=9_000)
+    census = WorkerCensus(lambda: [again, first], heard.reporter)
+    assert census.poll_joins(1) == 1 and list(census.workers) == ["id-again"]
+    census.await_departed_gone(time.sleep)
+    assert ("Ray still lists the departed 10.0.0.2 as alive after 0.3 s; submitting anyway"
+            in heard.text)
 
 
 class Gcs:
@@ -193,13 +229,12 @@ def test_an_unreachable_raylet_is_a_lost_pod_before_ray_says_so():
         listening.listen()
         up = dataclasses.replace(node("127.0.0.1"), node_manager_port=listening.getsockname()[1])
         with socket.socket() as closed:
-            closed.bind(("127.0.0.1", 0))
+            closed.bind(("127.0.0.2", 0))
             gone_port = closed.getsockname()[1]
-        gone = dataclasses.replace(node("127.0.0.1"), node_id="id-gone",
-                                   node_manager_port=gone_port)
+        gone = dataclasses.replace(node("127.0.0.2"), node_manager_port=gone_port)
         census = WorkerCensus(lambda: [up, gone], heard.reporter)
         census.poll_joins(2)
-        assert [w.node_id for w in census.unreachable()] == ["id-gone"]
+        assert [w.node_id for w in census.unreachable()] == ["id-127.0.0.2"]
 
 
 def test_census_awaits_departures_and_names_who_stayed():
