@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 
 from tests.e2e.test_cluster import FORM_TIMEOUT
-from tests.harness.agents import Agent, form_cluster
+from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
 TRAIN = Path(__file__).resolve().parents[1] / "jobs" / "tiny_train.py"
@@ -186,3 +188,48 @@ def test_restarts_exhausted_exit_16_with_the_checkpoints_kept(make_pod, dns_serv
     assert ledger["finished"]["outcome"] == "RestartsExhausted", ledger
     assert ledger["finished"]["exit_code"] == EXIT_RESTARTS_EXHAUSTED, ledger
     assert checkpoints.is_dir() and list(checkpoints.glob("step-*.pt")), "checkpoints lost"
+
+
+def test_a_worker_whose_raylet_exits_joins_again_in_its_own_process(make_pod, dns_server,
+                                                                    tmp_path, agents):
+    """A worker pod frozen (no CPU) until the head's Ray marks its node dead, then running
+    again: its raylet exits (Ray's health checks said the node is dead) and the worker joins
+    again in its own process; the head counts the pod once and starts the job on every pod.
+    Then the other worker's raylet is killed mid-training: that worker joins again too, and
+    the head restarts the job from its checkpoint with the same pod back. Every pod exits 0."""
+    checkpoints = tmp_path / "ckpt"
+    head, (w1, w2) = form_cluster(
+        make_pod, dns_server, tmp_path, agents, workers=2,
+        head_env={"EXPECTED_WORKERS": "2", "PODAGENT_REWARD": "none",
+                  "PODAGENT_CHECKPOINT_DIR": str(checkpoints), "PODAGENT_RESTART_BACKOFF": "1",
+                  "PODAGENT_JOB": _train_job()})
+    head.start()
+    w1.start()
+    w1.wait_output("watching the head", timeout=FORM_TIMEOUT)
+    w1.freeze_pod()
+    try:
+        head.wait_output(f"worker {w1.pod.ip} left again before the job started", timeout=60)
+    finally:
+        w1.freeze_pod(False)
+    w2.start()
+
+    _wait_step(checkpoints, attempt=1, step=EVERY + 3, head=head)
+    (raylet,) = w2.pod_processes("raylet")
+    os.kill(raylet, signal.SIGKILL)
+
+    assert wait_exits((head, w1, w2), FORM_TIMEOUT) == [0, 0, 0]
+    for w, why in ((w1, "its last error: "), (w2, "")):
+        (rejoined,) = [line for line in w.output.splitlines()
+                       if "this pod's raylet exited" in line]
+        assert why in rejoined and "(rejoin 1 of at most 3)" in rejoined, rejoined
+        assert w.output.count("joined the cluster at") == 2, w.said()
+    out = head.output
+    assert out.count("cluster ready: 3 nodes") == 2, out[-4000:]  # the start and the restart
+    assert f"(the lost pod {w2.pod.ip} is back)" in out
+    assert "submitting anyway" not in out  # no rank placed on a node Ray still listed
+    assert f"TRAINED steps={STEPS} attempt=2" in out
+    ledger = _ledger(head)
+    assert [(r["n"], r["lost"]) for r in ledger["restarts"]] == [(1, [w2.pod.ip])], ledger
+    assert ledger["finished"]["outcome"] == "succeeded", ledger
+    saved = sorted(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
+    _assert_training_went_on(_steps(checkpoints), saved)
