@@ -133,11 +133,12 @@ def main(argv: list[str]) -> int:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from podagent.checks.clustercheck import plan_ranks
+    from podagent.checks.clustercheck import own_node_address, plan_ranks
 
     directory = Path(os.environ["PODAGENT_CHECKPOINT_DIR"])
     directory.mkdir(parents=True, exist_ok=True)
-    ray.init(address="auto", logging_level="ERROR")
+    # As the cluster check connects (Ray 2.48 may take a worker's address for the driver's).
+    ray.init(address="auto", logging_level="ERROR", _node_ip_address=own_node_address())
     _, ranks = plan_ranks(ray.nodes(), "gloo")
     attempt = int(os.environ.get("PODAGENT_ATTEMPT", "1"))
     print(f"training on {len(ranks)} node(s): {', '.join(r.node_ip for r in ranks)}; "
