@@ -58,9 +58,12 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
         assert f"worker joined: {w.pod.ip}" in out
         assert "NCCL preset runpod-global" in w.output
         # podnet1 exists in the pod: the preset check passes. A join attempt that Ray timed out
-        # on a loaded machine (seen on Ray 2.48) is retried, and warned of: not a failure.
+        # on a loaded machine (seen on Ray 2.48) is retried, and warned of: not a failure; nor
+        # is a raylet that exited soon after joining (seen on Ray 2.48 under CI load), which
+        # the worker joins again.
         warnings = [line for line in w.output.splitlines()
-                    if "WARNING" in line and "joining failed (attempt" not in line]
+                    if "WARNING" in line and "joining failed (attempt" not in line
+                    and "this pod's raylet exited (rejoin 1 of" not in line]
         assert warnings == [], warnings
         assert "the head is closing the run" in w.output
     assert "RAY_WORKER=1" in workers[0].output
