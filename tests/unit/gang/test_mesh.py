@@ -20,7 +20,10 @@ from podagent.platform.roles import Role
 from podagent.report import Reporter
 from tests.harness.pods import wait_for
 
-GRACE = 1.0  # seconds of silence that make a peer lost, short for the tests
+GRACE = 1.0  # seconds of silence that make a peer lost, short for the tests that wait for it
+# The rest never wait for a silence, and a loaded machine may starve a thread for seconds: a
+# peer heard from must not be lost while they look at something else.
+CALM = 30.0
 
 
 def _free_port() -> int:
@@ -33,17 +36,17 @@ def _reporter(role: str) -> Reporter:
     return Reporter(role, "t", None, stream=io.StringIO())
 
 
-def _hub(rv: mesh.Rendezvous) -> tuple[mesh.Hub, queue.Queue, Reporter]:
+def _hub(rv: mesh.Rendezvous, grace: float = CALM) -> tuple[mesh.Hub, queue.Queue, Reporter]:
     events: queue.Queue = queue.Queue()
     reporter = _reporter("head")
-    return mesh.Hub(rv, mesh.Peer("127.0.0.1", "h"), GRACE, None, reporter, events), events, \
+    return mesh.Hub(rv, mesh.Peer("127.0.0.1", "h"), grace, None, reporter, events), events, \
         reporter
 
 
-def _join(rv: mesh.Rendezvous, addr: str, asked: int | None = None):
+def _join(rv: mesh.Rendezvous, addr: str, asked: int | None = None, grace: float = CALM):
     """A worker joining in a thread: (thread, its link, [its go or its error])."""
     events: queue.Queue = queue.Queue()
-    link = mesh.Link(rv, mesh.Peer(addr, f"pod-{addr}"), GRACE, None, _reporter("worker"),
+    link = mesh.Link(rv, mesh.Peer(addr, f"pod-{addr}"), grace, None, _reporter("worker"),
                      events)
     outcome: list = []
 
@@ -182,7 +185,7 @@ def test_a_worker_that_finds_something_else_on_the_port_says_so():
 
 def test_a_worker_gives_up_on_a_head_that_never_answers_at_its_deadline():
     rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=1)  # nothing listens there
-    link = mesh.Link(rv, mesh.Peer("10.0.0.2", "w"), GRACE, None, _reporter("worker"),
+    link = mesh.Link(rv, mesh.Peer("10.0.0.2", "w"), CALM, None, _reporter("worker"),
                      queue.Queue())
     with pytest.raises(HeadUnreachable) as caught:
         link.join(time.monotonic() + 1.5, 1.5, None, time.sleep)
@@ -190,10 +193,10 @@ def test_a_worker_gives_up_on_a_head_that_never_answers_at_its_deadline():
                                  "(last try: Connection refused)")
 
 
-def _running_pair():
+def _running_pair(grace: float = CALM):
     rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=1)
-    hub, hub_events, _ = _hub(rv)
-    thread, link, outcome, link_events = _join(rv, "10.0.0.2")
+    hub, hub_events, _ = _hub(rv, grace)
+    thread, link, outcome, link_events = _join(rv, "10.0.0.2", grace=grace)
     hub.gather(30, lambda: None)
     hub.start(lambda m: {"rank": m.rank, "nodes": 2, "head": "h", "step": "training"})
     thread.join(30)
@@ -209,7 +212,7 @@ def test_a_worker_whose_podagent_dies_is_lost_at_once_and_a_silent_one_after_the
         assert isinstance(lost, mesh.Lost) and "connection closed" in lost.why
     finally:
         hub.close()
-    hub, hub_events, link, _ = _running_pair()
+    hub, hub_events, link, _ = _running_pair(GRACE)
     try:
         link._closed.set()  # it stops beating but keeps the connection: as if cut off
         lost = _next(hub_events)
@@ -230,7 +233,7 @@ def test_a_worker_hears_its_heads_end_and_finds_a_silent_head_lost():
     finally:
         link.close()
         hub.close()
-    hub, _, link, link_events = _running_pair()
+    hub, _, link, link_events = _running_pair(GRACE)
     try:
         hub._closed.set()  # the head's loop stops beating; its socket stays open
         lost = _next(link_events)
@@ -242,7 +245,7 @@ def test_a_worker_hears_its_heads_end_and_finds_a_silent_head_lost():
 
 def test_a_question_needs_the_cluster_token_when_there_is_one():
     rv = mesh.Rendezvous("r", "127.0.0.1", _free_port(), workers=0)
-    hub = mesh.Hub(rv, mesh.Peer("127.0.0.1", "h"), GRACE, "s3cret", _reporter("head"),
+    hub = mesh.Hub(rv, mesh.Peer("127.0.0.1", "h"), CALM, "s3cret", _reporter("head"),
                    queue.Queue())
     hub.status = lambda: {"run": "r"}
     hub.start(lambda m: {})
@@ -276,7 +279,7 @@ def test_a_worker_arriving_after_the_start_waits_for_the_heads_next_rendezvous()
     leaves (a crash loop at RunPod, the run a worker short) nor counts; the head's next start
     (its container started again) holds a new rendezvous, which it joins."""
     hub, _, link, _ = _running_pair()
-    late = mesh.Link(hub.rv, mesh.Peer("10.0.0.9", "late"), GRACE, None, _reporter("worker"),
+    late = mesh.Link(hub.rv, mesh.Peer("10.0.0.9", "late"), CALM, None, _reporter("worker"),
                      queue.Queue())
     outcome: list = []
     joiner = threading.Thread(target=lambda: outcome.append(
