@@ -269,6 +269,38 @@ def test_remove_pod_kills_and_deletes_that_pod_only(
     assert _resources(pod_network.token) == []
 
 
+def _mac(link: str) -> str:
+    return Path(f"/sys/class/net/{link}/address").read_text().strip()
+
+
+def test_the_host_stays_reachable_when_a_pod_is_removed(pod_network: PodNetwork) -> None:
+    """The host's address (the DNS server, a fake API) answers the pods left at once: a bridge
+    that took its lowest port's MAC would change it with that pod gone, and each other pod's
+    ARP entry for the host would point nowhere for half a minute."""
+    pods = [pod_network.add_pod(f"m{i}") for i in range(4)]
+    bridge_mac = _mac(pod_network.bridge)
+    with socket.create_server((pod_network.host_ip, 0)) as server:
+        port = server.getsockname()[1]
+        server.settimeout(10)
+
+        def reached_from(pod: Pod) -> str:
+            client = pod.popen([sys.executable, "-c", ECHO_CLIENT, pod_network.host_ip,
+                                str(port), pod.name], stdout=subprocess.PIPE)
+            conn, (peer, _) = server.accept()
+            with conn:
+                conn.sendall(b"ok")
+            client.communicate(timeout=10)
+            return peer
+
+        assert [reached_from(p) for p in pods] == [p.ip for p in pods]  # each has its entry
+        lowest = min(pods, key=lambda p: _mac(p.host_veth))
+        pod_network.remove_pod(lowest)
+        left = [p for p in pods if p is not lowest]
+        assert _mac(pod_network.bridge) == bridge_mac
+        # ECHO_CLIENT's 5 s connect timeout: far below the half minute of a stale entry.
+        assert [reached_from(p) for p in left] == [p.ip for p in left]
+
+
 def test_cleanup_stale_removes_crashed_run_only(pod_network: PodNetwork) -> None:
     live = pod_network.add_pod("live")
     out = subprocess.run(

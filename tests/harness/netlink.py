@@ -52,6 +52,9 @@ def _run(args: list[str]) -> str:
         case ["link", "set", name, ("up" | "down") as state]:
             with _netlink(target) as nl:
                 nl.link("set", index=_index(nl, name), state=state)
+        case ["link", "set", name, "address", mac]:
+            with _netlink(target) as nl:
+                nl.link("set", index=_index(nl, name), address=mac)
         case ["link", "set", name, "master", bridge]:
             with _netlink(target) as nl:
                 nl.link("set", index=_index(nl, name), master=_index(nl, bridge))

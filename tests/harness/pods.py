@@ -106,6 +106,11 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def _local_mac() -> str:
+    """A random locally administered unicast MAC address."""
+    return ":".join(f"{b:02x}" for b in (0x02, *secrets.token_bytes(5)))
+
+
 def wait_for(
     predicate: Callable[[], T],
     timeout: float = 10.0,
@@ -693,6 +698,11 @@ class PodNetwork:
                 self.bridge = f"{prefix}br{self.token}"
                 _ip("link", "add", self.bridge, "type", "bridge")
                 self._links.append(self.bridge)
+                # An address of its own: a bridge left to choose takes its lowest port's, and
+                # changes it when that pod is removed. Every other pod then holds a stale ARP
+                # entry for the host (the DNS server, a fake API) and cannot reach it for
+                # half a minute, until the entry is probed again.
+                _ip("link", "set", self.bridge, "address", _local_mac())
                 _ip("addr", "add", f"{self.host_ip}/{self.subnet.prefixlen}", "dev", self.bridge)
                 _ip("link", "set", self.bridge, "up")
         except BaseException:
