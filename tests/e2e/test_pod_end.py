@@ -122,6 +122,20 @@ def _head_says(cloud: FakeRunPodCloud, head_id: str, text: str, timeout: float =
              what=f"the head to say {text!r}")
 
 
+def _wait_terminated(cloud: FakeRunPodCloud, run: str, pods: dict[str, str]) -> None:
+    """Every pod of the run TERMINATED; else what each pod was, said and asked for."""
+    try:
+        wait_for(lambda: not [p for p in of_run(cloud, run) if p.status != "TERMINATED"],
+                 timeout=RUN_BOUND, what="every pod of the run terminated")
+    except TimeoutError as exc:
+        views = cloud.pods
+        told = [f"{r.method} {r.path} {r.body} by {r.key}: {r.status}" for r in cloud.requests
+                if r.method != "GET"]
+        raise AssertionError("\n".join([str(exc), *told, *(
+            f"--- {name} ({views[pod_id].status}, {views[pod_id].starts} start(s)):\n"
+            f"{output(cloud, pod_id)[-2500:]}" for name, pod_id in pods.items())])) from None
+
+
 def test_a_lost_laptop_leaves_a_run_that_stops_every_pod_itself(make_cloud, tmp_path):
     cloud = make_cloud(pod_key="own", secrets={"tok": TOKEN})
     go = tmp_path / "go"
@@ -189,8 +203,7 @@ def test_a_detached_run_is_terminated_by_its_head_with_an_account_key(make_cloud
     seen, _ = again.communicate(timeout=30)
     assert "re-attaching to it" in seen and "creating" not in seen.split("re-attaching")[1]
     go.touch()
-    wait_for(lambda: not [p for p in of_run(cloud, "det") if p.status != "TERMINATED"],
-             timeout=RUN_BOUND, what="every pod of the run terminated")
+    _wait_terminated(cloud, "det", pods)
     head_said = output(cloud, pods["head"])
     assert "terminating the 3 pod(s) of run det: the others are gone, this one goes last" \
         in head_said, head_said[-3000:]
