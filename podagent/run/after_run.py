@@ -24,6 +24,7 @@ podagent only exits: a person is there.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import sys
@@ -35,12 +36,16 @@ from typing import Any
 
 from podagent import config
 from podagent.choices import AfterRun
-from podagent.errors import Interrupted, RunPodApiError
+from podagent.errors import Interrupted, RunPodApiError, RunPodAuthError
 from podagent.platform import runpod_api
 from podagent.waiting import Signals
 from podagent.wire import Event
 
 STAY_NOTE_EVERY = 600.0  # a staying pod says once in a while what it is waiting for
+# A pod whose stop (or its run's termination) RunPod did not answer asks again after this
+# long, doubled each time up to STAY_NOTE_EVERY: a blip of the API at a run's end must not
+# leave the pod billing until somebody looks.
+ASK_AGAIN_AFTER = 30.0
 # Restartable ends in a row, each within CRASH_WINDOW of its start, that make a crash loop:
 # the last of them is not left to RunPod's restart.
 CRASH_LOOP = 3
@@ -146,6 +151,13 @@ def interactive() -> bool:
         return False
 
 
+class Asked(enum.Enum):
+    """What came of asking RunPod to end this pod."""
+    DONE = "done"  # RunPod ends it: the SIGTERM it sends ends the stay
+    REFUSED = "refused"  # no key or pod id, or the key may not: asking again cannot help
+    FAILED = "failed"  # no answer, or RunPod's own error: asked again later
+
+
 @dataclass(frozen=True)
 class Pod:
     """This pod at RunPod, as settling needs it. A head of an `up` run (`up_run`: its label)
@@ -155,6 +167,7 @@ class Pod:
     api_url: str
     account_key: str | None = None
     up_run: str | None = None
+    api_timeout: float = 30.0  # each ask of RunPod, its retries included
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], api_url: str | None = None) -> Pod:
@@ -175,59 +188,98 @@ def settle(policy: AfterRun | str, pod: Pod, reporter: Any, signals: Signals,
         reporter.say(f"{summary}; run at a terminal, so exiting (PODAGENT_AFTER_RUN={policy} "
                      f"applies to a pod's own podagent)")
         return
-    if policy is AfterRun.STOP_POD and pod.account_key and pod.up_run and \
-            terminate_run(pod, reporter):
-        stay_line = f"terminating: every pod of run {pod.up_run} is being terminated: {summary}"
-    elif policy is AfterRun.STOP_POD and _stop_pod(pod, reporter, why):
-        stay_line = (f"stopping: RunPod stops pod {pod.pod_id} ({why}): {summary}")
+    asked = _end_pod(pod, reporter, why, summary) if policy is AfterRun.STOP_POD else None
+    if asked is Asked.DONE:
+        pass  # said by _end_pod
     elif policy is AfterRun.STOP_POD:
-        stay_line = (f"staying up idle, not exiting (RunPod would start the run again): "
+        reporter.say(f"staying up idle, not exiting (RunPod would start the run again): "
                      f"{summary}; stop the pod yourself (RunPod's console; `podagent down "
-                     f"RUN` for a run `podagent up` created)")
+                     f"RUN` for a run `podagent up` created)"
+                     + (f"; asking RunPod again in {ASK_AGAIN_AFTER:g} s"
+                        if asked is Asked.FAILED else ""))
     else:
-        stay_line = (f"staying up (PODAGENT_AFTER_RUN={policy}) so that RunPod does not start "
+        reporter.say(f"staying up (PODAGENT_AFTER_RUN={policy}) so that RunPod does not start "
                      f"the run again: {summary}; stop the pod to end")
-    reporter.say(stay_line)
     reporter.event(Event.STAYING, policy=policy, why=why)
     try:
-        while True:
-            signals.sleep(STAY_NOTE_EVERY)
-            reporter.say(f"still staying: {summary}")
+        _stay(pod, reporter, signals, why, summary, asked)
     except Interrupted as exc:
         reporter.say(f"{exc}: leaving")
 
 
-def _stop_pod(pod: Pod, reporter: Any, why: str) -> bool:
-    """Ask RunPod to stop this pod; it then sends SIGTERM, which ends the stay. False when it
-    cannot be asked or refused (said in one line)."""
+def _stay(pod: Pod, reporter: Any, signals: Signals, why: str, summary: str,
+          asked: Asked | None) -> None:
+    """Until a signal ends the stay: a line now and then, and RunPod asked again (at growing
+    intervals) while what it answered may pass."""
+    pause = ASK_AGAIN_AFTER
+    now = time.monotonic()
+    note_at, ask_at = now + STAY_NOTE_EVERY, now + pause
+    while True:
+        wake = min(note_at, ask_at) if asked is Asked.FAILED else note_at
+        signals.sleep(max(0.0, wake - time.monotonic()))
+        now = time.monotonic()
+        if asked is Asked.FAILED and now >= ask_at:
+            asked = _end_pod(pod, reporter, why, summary)
+            pause = min(2 * pause, STAY_NOTE_EVERY)
+            ask_at = now + pause
+            if asked is Asked.FAILED:
+                reporter.say(f"asking RunPod again in {pause:g} s")
+        if now >= note_at:
+            note_at = now + STAY_NOTE_EVERY
+            reporter.say(f"still staying: {summary}")
+
+
+def _end_pod(pod: Pod, reporter: Any, why: str, summary: str) -> Asked:
+    """Ask RunPod to end this pod: the whole run terminated (an `up` run's head given an
+    account key), else this pod stopped with its own key. Said in one line when asked."""
+    terminated = terminate_run(pod, reporter) if pod.account_key and pod.up_run else None
+    if terminated is Asked.DONE:
+        reporter.say(f"terminating: every pod of run {pod.up_run} is being terminated: "
+                     f"{summary}")
+        return terminated
+    stopped = _stop_pod(pod, reporter, why)
+    if stopped is Asked.DONE:
+        reporter.say(f"stopping: RunPod stops pod {pod.pod_id} ({why}): {summary}")
+        return stopped
+    return Asked.FAILED if Asked.FAILED in (terminated, stopped) else Asked.REFUSED
+
+
+def _stop_pod(pod: Pod, reporter: Any, why: str) -> Asked:
+    """Ask RunPod to stop this pod; it then sends SIGTERM, which ends the stay. Not DONE when
+    it cannot be asked, or RunPod refused or did not answer (said in one line)."""
     missing = [name for name, value in (("RUNPOD_POD_ID", pod.pod_id),
                                         (runpod_api.API_KEY, pod.api_key)) if not value]
     if missing:
         reporter.warn(f"cannot stop this pod through RunPod's API: {' and '.join(missing)} "
                       f"{'is' if len(missing) == 1 else 'are'} not set")
         reporter.event(Event.STOP_POD, pod=pod.pod_id, ok=False, error=f"{missing} not set")
-        return False
+        return Asked.REFUSED
     try:
         took = runpod_api.stop_pod(pod.pod_id or "", pod.api_key or "", pod.api_url,
-                                   say=reporter.warn)
+                                   timeout=pod.api_timeout, say=reporter.warn)
     except RunPodApiError as exc:
         # Exiting instead would only get the container started again: stay, and say so.
         reporter.warn(f"RunPod refused to stop pod {pod.pod_id} with the key it gave the pod "
                       f"({exc})")
         reporter.event(Event.STOP_POD, pod=pod.pod_id, ok=False, error=str(exc))
-        return False
+        return _after(exc)
     reporter.say(f"asked RunPod's API to stop pod {pod.pod_id}"
                  + ("" if took else " (it is being stopped already)"))
     reporter.event(Event.STOP_POD, pod=pod.pod_id, ok=True, why=why)
-    return True
+    return Asked.DONE
 
 
-def terminate_run(pod: Pod, reporter: Any) -> bool:
+def _after(exc: RunPodApiError) -> Asked:
+    """A refused key stays refused; anything else (no answer, RunPod's error) may pass."""
+    return Asked.REFUSED if isinstance(exc, RunPodAuthError) else Asked.FAILED
+
+
+def terminate_run(pod: Pod, reporter: Any) -> Asked:
     """The head of an `up` run given an account key, once its workers have left the run:
     every pod of the run is terminated (found by its label), this one last (an Instant
-    Cluster's: the cluster). False, said in one line, when RunPod refuses: the caller falls
-    back to stopping this pod with its own key."""
-    client = runpod_api.Client(pod.account_key or "", pod.api_url, timeout=30.0,
+    Cluster's: the cluster). Not DONE, said in one line, when RunPod refuses or does not
+    answer: the caller falls back to stopping this pod with its own key."""
+    client = runpod_api.Client(pod.account_key or "", pod.api_url, timeout=pod.api_timeout,
                                say=reporter.warn)
     try:
         pods = [p for p in client.list_pods(include_cluster_pods=True)
@@ -248,10 +300,10 @@ def terminate_run(pod: Pod, reporter: Any) -> bool:
         reporter.warn(f"could not terminate the pods of run {pod.up_run} with the account key "
                       f"({exc}); stopping this pod instead")
         reporter.event(Event.TERMINATE_RUN, run=pod.up_run, ok=False, error=str(exc))
-        return False
+        return _after(exc)
     finally:
         client.close()
-    return True
+    return Asked.DONE
 
 
 def ended(end: End, started: float, run_dir: Path, pod_name: str, kept: bool) -> str | None:

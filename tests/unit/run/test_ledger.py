@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import signal
@@ -213,6 +214,55 @@ def test_stop_pod_refused_stays_instead_of_exiting(refuse):
     assert "RunPod refused to stop pod pod-1 with the key it gave the pod" in out.getvalue()
     assert "staying up idle, not exiting" in out.getvalue() and key not in out.getvalue()
     assert "stop the pod yourself" in out.getvalue()
+
+
+def _sigterm_once(signals: Signals, done) -> threading.Thread:
+    """RunPod's SIGTERM, once the pod is stopped (`done()`), as RunPod sends it."""
+    def wait_then_term() -> None:
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signals._handle(signal.SIGTERM, None)
+
+    thread = threading.Thread(target=wait_then_term, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stop_runpod_did_not_answer_is_asked_again_until_it_is_taken(monkeypatch):
+    """An API blip as the run ends must not leave the pod idle and billing: the staying pod
+    asks again, at growing intervals, and RunPod's SIGTERM then ends the stay."""
+    monkeypatch.setattr(after_run, "ASK_AGAIN_AFTER", 0.2)
+    key = "rpa_" + "K" * 40
+    with FakeRunPodApi("127.0.0.1", 0, expected_key=key, fail_first=6, fail_status=503) as api:
+        reporter, out, events = _reporter()
+        signals = Signals()
+        _sigterm_once(signals, lambda: api.stopped == ["pod-1"])
+        settings = _settings(RUNPOD_API_KEY=key, RUNPOD_API_URL=api.url)
+        pod = dataclasses.replace(_pod(settings), api_timeout=0.8)
+        after_run.settle("stop-pod", pod, reporter, signals, "run r1 is over",
+                         "the run is over")
+    said = out.getvalue()
+    assert api.stopped == ["pod-1"] and len(api.calls) == 7, api.calls
+    assert "staying up idle, not exiting" in said and "asking RunPod again in 0.2 s" in said
+    assert "asking RunPod again in 0.4 s" in said  # the pause grows
+    assert "stopping: RunPod stops pod pod-1 (the run is over)" in said
+    assert said.index("stopping: RunPod stops") < said.index("stopped by SIGTERM: leaving")
+    assert [e["ok"] for e in events if e["event"] == "stop_pod"][-1] is True
+    assert key not in said and key not in json.dumps(events)
+
+
+def test_a_refused_stop_is_not_asked_again(monkeypatch):
+    monkeypatch.setattr(after_run, "ASK_AGAIN_AFTER", 0.05)
+    key = "right-key-" + "x" * 30
+    with FakeRunPodApi("127.0.0.1", 0, expected_key=key, refuse_key=True) as api:
+        reporter, out, _ = _reporter()
+        signals = Signals()
+        _sigterm_soon(signals, after=0.5)
+        settings = _settings(RUNPOD_API_KEY=key, RUNPOD_API_URL=api.url)
+        after_run.settle("stop-pod", _pod(settings), reporter, signals, "run r1 is over",
+                         "the run is over")
+    assert len(api.calls) == 1 and "asking RunPod again" not in out.getvalue()
 
 
 # --- which ends are left to RunPod's restart ---------------------------------------------------
