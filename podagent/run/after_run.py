@@ -16,9 +16,10 @@ end is judged (`final`):
 
 Over or final, the policy says what happens: `stop-pod` (the default on RunPod) asks RunPod's
 API to stop this pod with the pod-scoped key RunPod injects, which ends its GPU billing; when
-RunPod refuses, the pod stays idle and says why and how to stop it. `stay` stays idle until the
-pod is stopped, `exit` exits (and RunPod starts it again: asked for). Run by hand at a terminal,
-podagent only exits: a person is there.
+RunPod refuses, the pod stays idle and says why and how to stop it (when RunPod did not
+answer, it asks again while it stays). `stay` stays idle until the pod is stopped, `exit`
+exits (and RunPod starts it again: asked for). Run by hand at a terminal, podagent only exits:
+a person is there.
 """
 
 from __future__ import annotations
