@@ -146,6 +146,15 @@ def _rank(pid: int) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _identity(pid: int) -> tuple[int, str] | None:
+    """The RANK a process carries, with its LOCAL_RANK: what torchrun (or accelerate) gives each
+    process it starts, and what any process that one starts inherits. LOCAL_RANK tells a rank
+    from a launcher that has a RANK of its own from the pod's environment (and no LOCAL_RANK)."""
+    env = _environ(pid)
+    value = env.get("RANK", "")
+    return (int(value), env.get("LOCAL_RANK", "")) if value.isdigit() else None
+
+
 def _is_python(pid: int) -> bool:
     """A Python process (its program, or a libpython it loaded): a shell or `sleep` under
     the driver has no Python stack to dump."""
@@ -167,12 +176,28 @@ def _title(proc: psutil.Process) -> str:
 
 def training_targets() -> list[Target]:
     """A run without Ray: the launcher's ranks under this podagent (torchrun gives each its
-    RANK); the launcher itself waits on them and is left out."""
-    found = []
+    RANK); the launcher itself waits on them and is left out. What a rank starts (DataLoader
+    workers, forked or spawned, any subprocess of the training) inherits its RANK, but is no
+    rank: a process below one that carries the same RANK (and LOCAL_RANK) is left out, else
+    every rank's idle workers, in no collective, would be named culprits."""
+    carried: dict[int, tuple[int, str] | None] = {}
+    parent: dict[int, int] = {}
     for proc in process.descendants():
-        rank = _rank(proc.pid)
-        if rank is not None:
-            found.append(Target(proc.pid, f"rank {rank} (pid {proc.pid})", rank))
+        with contextlib.suppress(psutil.Error):
+            parent[proc.pid] = proc.ppid()
+            carried[proc.pid] = _identity(proc.pid)
+
+    def below_its_rank(pid: int) -> bool:  # an ancestor in this tree carries the same
+        seen, up = {pid}, parent[pid]
+        while up in carried and up not in seen:
+            if carried[up] == carried[pid]:
+                return True
+            seen.add(up)
+            up = parent[up]
+        return False
+
+    found = [Target(pid, f"rank {who[0]} (pid {pid})", who[0])
+             for pid, who in carried.items() if who is not None and not below_its_rank(pid)]
     return sorted(found, key=lambda t: (t.rank, t.pid))
 
 

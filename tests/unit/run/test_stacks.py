@@ -5,6 +5,8 @@ prints, a peer's summary off the wire whatever it holds, and real dumps of live 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import podagent
@@ -460,3 +463,120 @@ def test_a_process_without_a_handler_is_never_signalled(tmp_path, sleeper, monke
     assert "podagent.job.enable_stack_dumps()" in stack.error
     assert stack.error in Path(stack.file).read_text()
     assert stacks.culprits([stack, _wire(1), _wire(2)]) == []
+
+
+# --- a launcher's ranks and what they start -----------------------------------------------------
+
+class _Proc:
+    def __init__(self, pid: int, ppid: int):
+        self.pid, self._ppid = pid, ppid
+
+    def ppid(self) -> int:
+        return self._ppid
+
+
+def test_what_a_rank_starts_is_no_rank_however_deep_and_only_the_same_rank_hides_it(
+        monkeypatch):
+    """The process tree decides, on fakes: below podagent (pid 1) a launcher (10) that has a
+    RANK from the pod's environment but no LOCAL_RANK, its ranks 0 (20) and 1 (21); rank 0's
+    loader worker (30) and a shell (31) without RANK whose child (32) has rank 0's again."""
+    env = {10: {"RANK": "0"},
+           20: {"RANK": "0", "LOCAL_RANK": "0"}, 21: {"RANK": "1", "LOCAL_RANK": "1"},
+           30: {"RANK": "0", "LOCAL_RANK": "0"}, 31: {},
+           32: {"RANK": "0", "LOCAL_RANK": "0"}}
+    tree = [_Proc(10, 1), _Proc(20, 10), _Proc(21, 10), _Proc(30, 20), _Proc(31, 20),
+            _Proc(32, 31)]
+    monkeypatch.setattr(stacks.process, "descendants", lambda: tree)
+    monkeypatch.setattr(stacks, "_environ", lambda pid: env.get(pid, {}))
+    targets = {(t.rank, t.pid) for t in stacks.training_targets()}
+    assert {(0, 20), (1, 21)} <= targets  # the launcher's RANK hides none of its ranks
+    assert not {pid for _, pid in targets} & {30, 31, 32}
+
+
+LOADER_HANG = REPO / "tests" / "jobs" / "loader_hang.py"
+
+
+@pytest.fixture
+def ranks_with_loaders(tmp_path) -> Iterator[Callable[..., dict[int, int]]]:
+    """Starts tests/jobs/loader_hang.py under torchrun (2 ranks, gloo on CPU), each rank with
+    two DataLoader workers alive; once both ranks are there, gives {rank: its pid}. Every
+    process of it is killed at the end: the launcher and all it started (torch starts each
+    rank in a session of its own, so no process group holds them all)."""
+    pytest.importorskip("torch")
+    launchers: list[subprocess.Popen] = []
+    seen: dict[int, psutil.Process] = {}
+
+    def note_descendants() -> None:
+        for launcher in launchers:
+            with contextlib.suppress(psutil.Error):
+                for proc in psutil.Process(launcher.pid).children(recursive=True):
+                    seen.setdefault(proc.pid, proc)
+
+    def start(context: str, sleep_rank: int = 1) -> dict[int, int]:
+        out = tmp_path / f"loader-hang-{len(launchers)}"
+        out.mkdir()
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PODAGENT_STACKS")}
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        with (out / "launcher.log").open("w") as log:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "2", str(LOADER_HANG), str(out), "--sleep-rank",
+                 str(sleep_rank), "--context", context],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        launchers.append(launcher)
+        deadline = time.monotonic() + 90
+        files = {r: out / f"rank{r}.json" for r in (0, 1)}
+        while not all(f.exists() for f in files.values()):
+            note_descendants()
+            assert launcher.poll() is None, (
+                f"torchrun exited {launcher.returncode}: {(out / 'launcher.log').read_text()}")
+            assert time.monotonic() < deadline, "the ranks never got their loaders' workers up"
+            time.sleep(0.1)
+        note_descendants()
+        return {r: json.loads(f.read_text())["pid"] for r, f in files.items()}
+
+    try:
+        yield start
+    finally:
+        note_descendants()
+        for launcher in launchers:
+            launcher.kill()
+        for proc in seen.values():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        for launcher in launchers:
+            launcher.wait(10)
+        psutil.wait_procs(list(seen.values()), timeout=10)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_data_loader_workers_of_ranks_are_not_ranks(tmp_path, ranks_with_loaders, context):
+    """Torch's DataLoader workers (and whatever else a rank starts) inherit its RANK; idle, they
+    are not in a collective. Judged as ranks, they would make every rank's pod a culprit's:
+    only the processes the launcher started are ranks, and the one that sleeps is named."""
+    if stacks.py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    ranks = ranks_with_loaders(context, sleep_rank=1)
+    # The case at hand: below each rank, processes that carry its RANK.
+    for rank, pid in ranks.items():
+        inherited = [p for p in psutil.Process(pid).children(recursive=True)
+                     if stacks._rank(p.pid) == rank]
+        assert len(inherited) >= 2, f"rank {rank}'s loader workers are not there"
+    deadline = time.monotonic() + 30
+    while True:  # rank 0 wrote its file just before it entered the all-reduce
+        targets = stacks.training_targets()
+        dumped = stacks.dump_pod("podA", targets, tmp_path / "hang", None)
+        errors = [s.error for s in dumped.stacks if s.error.startswith("py-spy")]
+        if errors:
+            pytest.skip(f"py-spy cannot read a process here: {errors[0]}")
+        by_pid = {s.pid: s for s in dumped.stacks}
+        if ranks[0] in by_pid and by_pid[ranks[0]].in_collective:
+            break
+        assert time.monotonic() < deadline, "rank 0 never waited in its all-reduce"
+        time.sleep(0.2)
+    assert [(t.rank, t.pid) for t in targets] == [(0, ranks[0]), (1, ranks[1])]
+    found = stacks.culprits(dumped.stacks)
+    assert [(s.rank, s.pid) for s in found] == [(1, ranks[1])]
+    assert "sleep_instead_of_all_reduce" in found[0].where
