@@ -80,6 +80,10 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                          "rank's stack was dumped (the line names the likely culprit and where "
                          "the stacks are), the run stopped on every pod, and restarts were off "
                          "or used up"),
+    (errors.PodsLeftBilling, 26, "`podagent up`: whatever ended the run, its pods could not all "
+                                 "be terminated (RunPod refused or did not answer): they may "
+                                 "still bill; the line names them, and `podagent down RUN` "
+                                 "terminates them"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -87,7 +91,7 @@ EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 # a container again whenever its process exits. Codes a new start may mend exit, and RunPod
 # starts the pod's podagent again; every other code of a pod stops the pod (PODAGENT_AFTER_RUN).
 RESTARTABLE = frozenset({5, 6, 7, 8, 9, 10, 14, 22, EXIT_INTERNAL})
-NOT_A_POD = frozenset({15, 18, 19, 20, 21, 24})  # `podagent stop`, and the laptop's up/down/ls
+NOT_A_POD = frozenset({15, 18, 19, 20, 21, 24, 26})  # `podagent stop`, and the laptop's up/down/ls
 _ON_RUNPOD = {
     "stops": "stops itself (PODAGENT_AFTER_RUN)",
     "restarts": "exits; RunPod starts it again (a crash loop, 5 such ends in a row, or no "
@@ -527,6 +531,14 @@ def launcher_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+def _launcher_settings(ctx: click.Context, name: str, launcher_args: tuple[str, ...]
+                       ) -> config.Settings:
+    """The settings of `podagent torchrun|accelerate ARGS`, as PODAGENT_LAUNCHER and
+    PODAGENT_JOB would give them: the job's trainer (and so how it resumes) is read from
+    the launcher's arguments."""
+    return _build(_flags(ctx, {"launcher": name}), launcher_args or None)
+
+
 def _run_without_ray(settings: config.Settings, name: str, launcher_args: tuple[str, ...],
                      dry_run: bool, data_check: bool, loader: str | None) -> None:
     from podagent.gang import run as gang_run
@@ -563,8 +575,8 @@ def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool |
     Options you pass win over podagent's. podagent stays and watches: a pod lost, or a
     training that fails on one pod, stops the training on every pod within seconds.
     """
-    _run_without_ray(_build(_flags(ctx, {})), "torchrun", launcher_args, _dry(ctx, dry_run),
-                     data_check, loader)
+    _run_without_ray(_launcher_settings(ctx, "torchrun", launcher_args), "torchrun", launcher_args,
+                     _dry(ctx, dry_run), data_check, loader)
 
 
 @main.command(context_settings=LAUNCHER_CONTEXT)
@@ -579,8 +591,8 @@ def accelerate(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool
     --config_file is kept and each of its per-machine values podagent overrides is said.
     Supervised as `podagent torchrun` is.
     """
-    _run_without_ray(_build(_flags(ctx, {})), "accelerate", launcher_args,
-                     _dry(ctx, dry_run), data_check, loader)
+    _run_without_ray(_launcher_settings(ctx, "accelerate", launcher_args), "accelerate",
+                     launcher_args, _dry(ctx, dry_run), data_check, loader)
 
 
 @main.command(context_settings=CONTEXT)

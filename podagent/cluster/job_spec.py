@@ -12,11 +12,11 @@ from pathlib import Path
 
 from podagent import process
 from podagent.choices import JOB_TERMINAL
-from podagent.cluster import checkpoint
 from podagent.cluster.jobs import JobRunner
 from podagent.config import FIELD_BY_ATTR, Settings, is_secret
 from podagent.report import Reporter
 from podagent.run import hangs
+from podagent.run import resume as resuming
 from podagent.run.progress import HEARTBEAT_FILE, HEARTBEAT_VARIABLE
 from podagent.run.stacks import STACKS_VARIABLE
 from podagent.waiting import Deadline
@@ -27,18 +27,12 @@ CLUSTER_CHECK = (sys.executable, "-m", "podagent.checks.clustercheck")
 
 def entrypoint(settings: Settings, reporter: Reporter, resume: bool = True) -> tuple[str, ...]:
     """The job's argv: the user's, or the built-in cluster check. With `resume`, a checkpoint
-    of the run adds the trainer's resume flag (and says so)."""
+    of the run adds the trainer's resume flag where the trainer gets it (and says so)."""
     if not settings.job:
         return CLUSTER_CHECK
     if not resume:
         return settings.job
-    found = checkpoint.resume_args(settings)
-    if found.args:
-        reporter.say(found.reason)
-        reporter.event(Event.RESUME, checkpoint_dir=settings.checkpoint_dir, args=list(found.args))
-    elif found.reason:
-        reporter.say(found.reason)
-    return (*settings.job, *found.args)
+    return resuming.starting(settings, settings.job, reporter)
 
 
 def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str | None,

@@ -120,6 +120,13 @@ def _say_profile(settings: config.Settings, profile: trainers.Profile, node_ip: 
     if settings.resume_flag:
         reporter.say(f"after a lost pod: resubmitted with {shlex.join(settings.resume_flag)} "
                      f"({origin('resume_flag')}) when {where} holds a checkpoint")
+        try:
+            resumed = trainers.with_args(settings.job or (), settings.resume_flag,
+                                         profile.trainer)
+            reporter.say(f"  resumed, the job runs as: {shlex.join(resumed)}")
+        except ValueError as exc:
+            reporter.warn(f"the resume flag has no place in the job ({exc}): a resumed job "
+                          f"would start without it")
     else:
         reporter.say(f"after a lost pod: resubmitted as it is "
                      f"({profile.trainer.resumes_itself or origin('resume_flag')}); "

@@ -90,8 +90,9 @@ def build(
     values.setdefault("log_dir", _default_log_dir())
     profile = trainers.read(values["job"]) if values.get("job") else None
     if profile is not None and "resume_flag" not in values:
-        values["resume_flag"] = profile.trainer.resume
-        sources["resume_flag"] = f"derived from the job ({profile.trainer.name})"
+        launcher = values.get("launcher", FIELD_BY_ATTR["launcher"].default)
+        values["resume_flag"] = profile.trainer.resume_for(launcher)
+        sources["resume_flag"] = f"derived from the job ({profile.trainer.name}, {launcher})"
     if "checkpoint_dir" not in values and profile is not None and profile.checkpoint_dir:
         values["checkpoint_dir"] = profile.checkpoint_dir
         sources["checkpoint_dir"] = f"derived from the job's {profile.trainer.checkpoint[0]}"

@@ -23,11 +23,11 @@ from podagent.gang.launchers import (
     rendezvous_id,
     wait_limit,
 )
-from podagent.gang.supervisor import HeadSupervisor, Plan, WorkerSupervisor
+from podagent.gang.supervisor import TRAINING, HeadSupervisor, Plan, WorkerSupervisor
 from podagent.gang.supervisor import run as supervise
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.report import Reporter
-from podagent.run import beacon, policy
+from podagent.run import beacon, policy, resume
 from podagent.run.ledger import INTERNAL_ERROR, SUCCEEDED, Ledger, recall, record_or_warn
 from podagent.run.policy import Cause
 from podagent.waiting import Signals
@@ -195,7 +195,8 @@ def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
         steps.append(data_check_step(launcher, layout, settings.run_dir / "data-check",
                                      loader, setup.nccl.variables))
     if launcher.script:
-        steps.append(launcher.step("training", layout, launcher.script, setup.nccl.variables))
+        script = resume.starting(settings, launcher.script, reporter)
+        steps.append(launcher.step(TRAINING, layout, script, setup.nccl.variables))
     reporter.say(f"would hold podagent's rendezvous at {head}:{settings.supervisor_port} for "
                  f"{nodes} node(s), then run" + ("" if role is Role.HEAD else
                                                  f" (machine rank {rank} as an example)"))

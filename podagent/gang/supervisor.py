@@ -36,7 +36,7 @@ from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
-from podagent.run import hangs, policy, stacks
+from podagent.run import hangs, policy, resume, stacks
 from podagent.run.hangs import DUMP_WAIT
 from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
 from podagent.run.lifecycle import Lifecycle
@@ -49,6 +49,7 @@ SETTLE = 1.0  # seconds a first failure waits for a stronger cause (a lost pod) 
 POLL = 0.1  # how often the launcher's exit is looked at between events
 LOG_CHUNK = 1 << 18  # bytes of the training log per `podagent logs` answer
 TRAINING_LOG = "training.log"
+TRAINING = "training"  # the step that runs the user's script (the other: the data check)
 END_WAIT = 5.0  # seconds beyond the stop timeout the head waits for its workers to be out
 
 
@@ -145,7 +146,7 @@ class Supervisor(Lifecycle[GangPhase]):
             out.append(data_check_step(plan.launcher, layout, self.run_dir / "data-check",
                                        plan.loader, plan.nccl))
         if plan.script:
-            out.append(plan.launcher.step("training", layout, plan.script, plan.nccl))
+            out.append(plan.launcher.step(TRAINING, layout, plan.script, plan.nccl))
         return out
 
     def _layout(self, nodes: int, rank: int) -> Layout:
@@ -159,7 +160,19 @@ class Supervisor(Lifecycle[GangPhase]):
 
     # --- one step's launcher -------------------------------------------------------------------
 
+    def _as_it_starts(self, step: Step) -> Step:
+        """The training as it starts now: with the resume arguments while the checkpoint
+        directory holds a checkpoint (the kernel's rule, the same as for a Ray job), on its
+        first start, after a restart and in a restarted container alike."""
+        if step.name != TRAINING or self.layout is None:
+            return step
+        script = resume.starting(self.settings, self.plan.script, self.reporter)
+        if script == self.plan.script:
+            return step
+        return self.plan.launcher.step(step.name, self.layout, script, self.plan.nccl)
+
     def _launch(self, step: Step) -> process.ManagedProcess:
+        step = self._as_it_starts(step)
         self.step_name = step.name
         for said in step.lines:
             if said not in self._said:  # the same for every step: once is enough

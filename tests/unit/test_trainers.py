@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
+import os
+import subprocess
 
 import pytest
 
@@ -145,3 +148,79 @@ def test_a_job_that_would_not_ask_the_heads_reward_server_gets_one_line(job, war
     line = profile.reward_warning(True, HEAD_URL)
     assert (line is None) if warned is None else (warned in line), line
     assert profile.reward_warning(False, HEAD_URL) is None  # PODAGENT_REWARD=none
+
+
+# --- the resume flag inside a shell command: what the trainer itself receives ---------------
+
+FAKE_TRAINER = '''import json, os, sys
+with open(os.environ["ARGV_OUT"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+'''
+SHELL_JOBS = [
+    # (the job as the user wrote it, the trainer's arguments once resumed)
+    ("bash -c 'cd {w} && python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    ("bash -lc 'source {w}/env.sh; python -m openrlhf.cli.train_ppo_ray --ckpt.path {c} "
+     "--actor.model_name_or_path \"Qwen 7B\" 2>&1 | tee {w}/log; echo done'",
+     ["--ckpt.path", "{c}", "--actor.model_name_or_path", "Qwen 7B", "--ckpt.load_enable"]),
+    ("bash -o pipefail -ec 'python -m openrlhf.cli.train_ppo_ray --ckpt.path={c} \\\n"
+     "  --reward.remote_url $REMOTE_RM_URL # the trainer\n'",
+     ["--ckpt.path={c}", "--reward.remote_url", "http://h:5000/get_reward",
+      "--ckpt.load_enable"]),
+    ("sh -c 'if true; then exec python -m openrlhf.cli.train_ppo_ray --ckpt_path {c}; fi'",
+     ["--ckpt_path", "{c}", "--load_checkpoint"]),
+    ("env A=1 bash -c 'X=$(echo \"a)b\") python -m openrlhf.cli.train_ppo_ray --ckpt_path {c}'",
+     ["--ckpt_path", "{c}", "--load_checkpoint"]),
+    ("python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+]
+
+
+@pytest.mark.parametrize(("job", "received"), SHELL_JOBS)
+def test_a_resumed_shell_job_gives_the_flag_to_the_trainer_itself(job, received, tmp_path):
+    """bash makes an argument after `-c STRING` its $0: the flag goes inside the string, at the
+    end of the command that runs the trainer, and the trainer (a fake of its module) gets it
+    among its own arguments; what follows (a pipe, a comment, more commands) is untouched."""
+    work, ckpt = tmp_path / "w", tmp_path / "c"
+    (work / "openrlhf" / "cli").mkdir(parents=True)
+    for init in (work / "openrlhf", work / "openrlhf" / "cli"):
+        (init / "__init__.py").write_text("")
+    (work / "openrlhf" / "cli" / "train_ppo_ray.py").write_text(FAKE_TRAINER)
+    (work / "env.sh").write_text("export FROM_ENV_SH=1\n")
+    (ckpt / "global_step20").mkdir(parents=True)
+    fill = {"w": str(work), "c": str(ckpt)}
+    settings = config.build({"job": job.format(**fill)}, {})
+    command = job_spec.entrypoint(settings, Reporter("head", "pod", None,
+                                                     stream=io.StringIO()))
+    out = tmp_path / "argv.jsonl"
+    env = {**os.environ, "ARGV_OUT": str(out), "PYTHONPATH": str(work),
+           "REMOTE_RM_URL": "http://h:5000/get_reward"}
+    subprocess.run(command, env=env, cwd=work, check=True, timeout=60,
+                   stdout=subprocess.DEVNULL)
+    assert json.loads(out.read_text()) == [a.format(**fill) for a in received], command
+
+
+@pytest.mark.parametrize("job", [
+    "bash -c 'cd /w'",  # no command that runs anything
+    "bash -c 'python -m openrlhf.cli.train_ppo_ray --ckpt.path /c \"unclosed'",
+])
+def test_a_shell_job_with_no_place_for_the_flag_starts_as_it_is_and_says_so(job, tmp_path):
+    (tmp_path / "step1").mkdir()
+    settings = config.build({"job": job, "checkpoint_dir": str(tmp_path),
+                             "resume_flag": "--load_checkpoint"}, {})
+    screen = io.StringIO()
+    command = job_spec.entrypoint(settings, Reporter("head", "pod", None, stream=screen))
+    assert command == settings.job
+    assert "WARNING" in screen.getvalue() and "has no place in the job" in screen.getvalue()
+
+
+def test_a_script_of_your_own_under_a_launcher_gets_no_flag_unless_asked(tmp_path):
+    """torchrun/accelerate: such scripts resume by themselves; PODAGENT_RESUME_FLAG asks."""
+    launched = config.build({"launcher": "torchrun"}, {}, job_argv=("train.py", "--lr", "1"))
+    assert launched.resume_flag == () and "torchrun" in launched.sources["resume_flag"]
+    asked = config.build({"launcher": "torchrun"}, {"PODAGENT_RESUME_FLAG": "--resume"},
+                         job_argv=("train.py",))
+    assert asked.resume_flag == ("--resume",)
+    sft = config.build({"launcher": "torchrun"}, {},
+                       job_argv=("-m", "openrlhf.cli.train_sft", "--ckpt_path", "/c"))
+    assert sft.resume_flag == ("--load_checkpoint",) and sft.checkpoint_dir == "/c"
