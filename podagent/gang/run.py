@@ -74,7 +74,7 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
     else:
         outcome = SUCCEEDED
         try:
-            number = check_restarts(settings, ledger)
+            number = check_restarts(settings, ledger, reporter)
             if number:
                 _back_off(settings, number, reporter, signals)
             cause, me, head_addr = _supervised(settings, launcher, decision, reporter, signals,
@@ -115,17 +115,32 @@ def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str
 LOSSES = ("PeerLost", "WorkersTimeout", "HeadUnreachable")
 
 
-def check_restarts(settings: Settings, ledger: Ledger) -> int:
+def check_restarts(settings: Settings, ledger: Ledger,
+                   reporter: Reporter | None = None) -> int:
     """A run whose pods keep getting lost is restarted (RunPod starts the containers again,
-    the script resumes from its own checkpoint) as the kernel's restart policy allows: a pod
-    gone for good must not keep the others restarting, billing, for ever. The number of the
-    restart this start is (0: none)."""
-    losses = sum(1 for start in ledger.data["starts"][:-1] if start.get("outcome") in LOSSES)
-    if not losses:
-        return 0
-    return policy.admit(settings, losses - 1,
-                          f"run {settings.run_name}: a pod was lost or missing {losses} times, "
-                          f"more than PODAGENT_RESTARTS={settings.restarts} allows")
+    the script resumes from its checkpoint) as the kernel's restart policy allows: a pod
+    gone for good must not keep the others restarting, billing, for ever. Each earlier start
+    that ended so is one restart in the ledger's `restarts`, where a hang's restart is one too
+    (the supervisor's): one PODAGENT_RESTARTS budget, whatever the mix of causes. The number
+    of the restart this start is (0: none)."""
+    counted = {entry.get("after_start") for entry in ledger.restarts}
+    number = losses = 0
+    for index, start in enumerate(ledger.data["starts"][:-1]):
+        if start.get("outcome") not in LOSSES:
+            continue
+        losses += 1
+        if index in counted:
+            continue
+        why = f"a pod was lost or missing ({start['outcome']})"
+        number = policy.admit(settings, len(ledger.restarts),
+                              f"run {settings.run_name}: a pod was lost or missing {losses} "
+                              f"time(s)")
+        entry = {"n": number, "reason": why, "after_start": index}
+        if reporter is None:
+            ledger.restarting(entry)
+        else:  # counted in memory either way; a volume that refuses is a warning
+            record_or_warn(lambda entry=entry: ledger.restarting(entry), reporter)
+    return number
 
 
 def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Signals) -> None:

@@ -348,9 +348,15 @@ class HeadSupervisor(Supervisor):
             if own_rc == 0 and not waiting:
                 self.training = None
                 return self._judge(step, reports)
-            quiet = hub.quiet(self._quiet())
+            quiet = self._run_quiet(hub)
             if quiet is not None and quiet >= self.settings.hang_timeout:
                 return self._hang(hub, quiet, waiting)
+
+    def _run_quiet(self, hub: mesh.Hub) -> float | None:
+        """Seconds since any pod's training last made progress, as the head's own watch
+        judges a hang: None when the head does not watch (PODAGENT_HANG_TIMEOUT=0 on the
+        head), whatever a worker with a watch of its own reports in its beats."""
+        return hub.quiet(self._quiet()) if self.watch.enabled else None
 
     # --- a hang ------------------------------------------------------------------------------
 
@@ -402,7 +408,10 @@ class HeadSupervisor(Supervisor):
                             ) -> Cause | None:
         settings, ledger = self.settings, self.ledger
         why = policy.restart_reason(settings, cause) or ""
-        done = self.restarts_before + (len(ledger.restarts) if ledger else self.hangs - 1)
+        # The ledger's restarts are every restart of the run, a lost pod's too (gang/run.py):
+        # one budget.
+        done = len(ledger.restarts) if ledger is not None \
+            else self.restarts_before + self.hangs - 1
         try:
             number = policy.admit(settings, done, why, Ending.HUNG)
         except RunHung as final:
@@ -479,8 +488,7 @@ class HeadSupervisor(Supervisor):
         return {"kind": "no-ray", "run": self.settings.run_name,
                 "launcher": self.plan.launcher.name, "phase": self.phase.value,
                 "step": self.step_name, "uptime_s": round(time.time() - self.started, 1),
-                "hangs": self.hangs, "quiet_s": _rounded(hub.quiet(self._quiet()) if hub
-                                                          else None),
+                "hangs": self.hangs, "quiet_s": _rounded(self._run_quiet(hub) if hub else None),
                 "nodes": self.layout.nodes if self.layout else self.rv.workers + 1,
                 "pods": sorted(pods, key=lambda p: p["rank"])}
 

@@ -96,7 +96,8 @@ class Ledger:
 
     @property
     def restarts(self) -> list[dict[str, Any]]:
-        """The restarts after lost nodes (or failed jobs) so far, across container restarts."""
+        """Every restart of the run so far, whatever its cause (a lost pod, a hang, a failed
+        job), across container restarts: what PODAGENT_RESTARTS bounds."""
         return self.data.setdefault("restarts", [])
 
     # --- what the head records -----------------------------------------------------------------

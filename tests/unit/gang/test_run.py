@@ -4,6 +4,7 @@ samples (exit 23, with the numbers) before its training starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from podagent import cli, config, errors
 from podagent.gang.run import check_restarts
 from podagent.run import policy
 from podagent.run.ledger import Ledger
+from podagent.wire import Ending
 from tests.harness.agents import clean_environ
 
 BAD_INPUT = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.ConfigError)
@@ -107,6 +109,79 @@ def test_the_data_check_stops_a_run_whose_ranks_see_the_same_samples(tmp_path):
     assert os.listdir(tmp_path / "logs" / "one-pod")
 
 
+def _two_pods_here(tmp_path: Path, script: Path, head_env: dict[str, str],
+                   worker_env: dict[str, str], timeout: float = 120) -> tuple[
+                       subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """A head and a worker of a run without Ray, both podagents on 127.0.0.1 (each its own
+    log directory), running `script` under torchrun; their outcomes."""
+    common = {**clean_environ(), "PODAGENT_RUN_NAME": "two", "PODAGENT_AFTER_RUN": "exit",
+              "PODAGENT_NODE_IP": "127.0.0.1", "PODAGENT_HEAD_ADDR": "127.0.0.1",
+              "PODAGENT_SUPERVISOR_PORT": str(_free_port()),
+              "PODAGENT_RENDEZVOUS_PORT": str(_free_port()), "PODAGENT_WORKER_TIMEOUT": "60",
+              "PODAGENT_HEAD_TIMEOUT": "60"}
+    procs = []
+    for role, env in (("head", {"RAY_WORKER": "0", "EXPECTED_WORKERS": "1", **head_env}),
+                      ("worker", {"RAY_WORKER": "1", **worker_env})):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "podagent", "torchrun", "--nproc-per-node", "1",
+             str(script)], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**common, "PODAGENT_LOG_DIR": str(tmp_path / role), **env}))
+    done = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done[0], done[1]
+
+
+def test_a_head_whose_hang_watch_is_off_declares_no_hang_from_a_workers_beats(tmp_path):
+    """PODAGENT_HANG_TIMEOUT=0 on the head turns the watch off for the run: a worker whose
+    own watch is on reports its training's silence in its beats, and a training silent far
+    longer than that worker's timeout is no hang; both pods exit 0, nothing dumped."""
+    script = tmp_path / "silent.py"
+    script.write_text("import time\ntime.sleep(6)\nopen('trained-' + __import__('os')"
+                      ".environ['RANK'], 'w').close()\n")
+    head, worker = _two_pods_here(tmp_path, script, {"PODAGENT_HANG_TIMEOUT": "0"},
+                                  {"PODAGENT_HANG_TIMEOUT": "1"})
+    assert (head.returncode, worker.returncode) == (0, 0), head.stdout + worker.stdout
+    events = [json.loads(line) for path in tmp_path.glob("*/two/**/events.jsonl")
+              for line in path.read_text().splitlines()]
+    assert {e["event"] for e in events} >= {"role", "rendezvous_done"}, events
+    assert not [e for e in events if e["event"] in ("hang", "restart")], events
+    assert sorted(p.name for p in tmp_path.glob("trained-*")) == ["trained-0", "trained-1"]
+    assert not list(tmp_path.glob("*/two/**/hangs/*")), "stacks were dumped"
+
+
+def test_hang_restarts_and_lost_pod_restarts_share_one_budget(tmp_path):
+    """A run without Ray keeps one PODAGENT_RESTARTS budget whatever the mix of causes: a
+    hang's restart (the supervisor records it in the ledger) counts against the restarts
+    after lost pods, and each lost pod's restart is recorded there once for the hang's count."""
+    settings = config.build({}, {"PODAGENT_RESTARTS": "2", "PODAGENT_LOG_DIR": str(tmp_path)})
+    ledger = Ledger.load(tmp_path, "r")
+    ledger.started("pod")
+    assert check_restarts(settings, ledger) == 0
+    # a hang in the first start: restarted in place (what HeadSupervisor records)
+    ledger.restarting({"n": policy.admit(settings, len(ledger.restarts), "hang",
+                                         Ending.HUNG), "reason": "hang"})
+    ledger.ended("PeerLost", None)  # then a pod was lost: the containers start it again
+    ledger.started("pod")
+    assert check_restarts(settings, ledger) == 2  # the second restart of the run, not the first
+    assert check_restarts(settings, ledger) == 0  # counted once, however often it is asked
+    assert len(Ledger.load(tmp_path, "r").restarts) == 2  # on the volume, for the next start
+    with pytest.raises(errors.RunHung, match="already restarted 2 time"):
+        policy.admit(settings, len(ledger.restarts), "hang", Ending.HUNG)  # a hang now
+    ledger.ended("PeerLost", None)
+    ledger.started("pod")
+    with pytest.raises(errors.RestartsExhausted, match="already restarted 2 time"):
+        check_restarts(settings, ledger)
+
+
 def test_a_run_whose_pods_keep_getting_lost_is_started_again_only_so_often(tmp_path):
     settings = config.build({}, {"PODAGENT_RESTARTS": "2", "PODAGENT_LOG_DIR": str(tmp_path)})
     ledger = Ledger.load(tmp_path, "r")
@@ -117,8 +192,9 @@ def test_a_run_whose_pods_keep_getting_lost_is_started_again_only_so_often(tmp_p
     assert check_restarts(settings, ledger) == 2  # the second restart may run
     ledger.ended("PeerLost", None)
     ledger.started("pod")
-    with pytest.raises(errors.RestartsExhausted, match="lost or missing 3 times, more than "
-                                                       "PODAGENT_RESTARTS=2"):
+    with pytest.raises(errors.RestartsExhausted, match=r"lost or missing 3 time\(s\); the run "
+                                                       r"was already restarted 2 time\(s\) "
+                                                       r"\(PODAGENT_RESTARTS=2\)"):
         check_restarts(settings, ledger)
 
 
