@@ -10,6 +10,12 @@ So podagent watches what a healthy trainer always does sooner or later, on one c
 Once the job has sent one explicit heartbeat, only heartbeats and checkpoints count: its other
 output may come from threads that go on printing while its ranks hang.
 
+The files are looked at every LOOK_EVERY seconds, but what a look finds counts from the file's
+own modification time, not from the look: a hang is not called up to LOOK_EVERY late. That
+time is bounded to what can be true: not after now (a network volume's clock ahead of ours),
+not before the look that did not see it yet (a file copied in with an old time, a clock behind),
+and never before the progress already known.
+
 `ProgressWatch` only keeps the clock; the engines decide what a hang means (run/policy.py) and
 which pods it reaches (gang/supervisor.py without Ray, cluster/head.py with it).
 """
@@ -79,7 +85,7 @@ class ProgressWatch:
         self.clock = clock
         self.explicit = False  # the job sent a heartbeat: plain output no longer counts
         self.last_seen = ""  # what the last progress was, for the hang's line
-        self._last = clock()
+        self._last = self._looked = clock()  # the last progress; the last look at the files
         self._next_look = 0.0
         self._output_at = self._size(output)
         self._checkpoint_mark = newest_change(checkpoints) if checkpoints else 0.0
@@ -91,14 +97,17 @@ class ProgressWatch:
 
     def reset(self, why: str) -> None:
         """A step or a restart begins: the clock starts again (its start-up is no hang)."""
-        self._progress(why)
+        self._last, self.last_seen = self.clock(), why
 
     def saw_output(self, text: str) -> None:
+        self._saw(text, self.clock())
+
+    def _saw(self, text: str, at: float) -> None:
         if HEARTBEAT_MARKER in text:
             self.explicit = True
-            self._progress("a heartbeat line")
+            self._progress("a heartbeat line", at)
         elif not self.explicit and text.strip():
-            self._progress("output")
+            self._progress("output", at)
 
     def quiet(self) -> float:
         """Seconds since the last progress (the files are looked at every LOOK_EVERY)."""
@@ -115,21 +124,31 @@ class ProgressWatch:
         quiet = self.quiet()
         return quiet if quiet >= self.timeout else None
 
-    def _progress(self, what: str) -> None:
-        self._last, self.last_seen = self.clock(), what
+    def _progress(self, what: str, at: float) -> None:
+        """Progress at `at` (on the watch's clock); one older than what is known is no news."""
+        if at >= self._last:
+            self._last, self.last_seen = at, what
 
     def _look(self) -> None:
+        now, wall = self.clock(), time.time()
+        since, self._looked = self._looked, now
+
+        def when(mtime: float) -> float:
+            """A file's modification time on the watch's clock, within what can be true: after
+            the last look (which did not see it), not after now."""
+            return min(now, max(since, now - (wall - mtime)))
+
         beat = _mtime(self.heartbeat)
         if beat > self._beat_mark:
             self._beat_mark, self.explicit = beat, True
-            self._progress(f"a touch of {self.heartbeat}")
+            self._progress(f"a touch of {self.heartbeat}", when(beat))
         if self.checkpoints is not None:
             mark = newest_change(self.checkpoints)
             if mark > self._checkpoint_mark:
                 self._checkpoint_mark = mark
-                self._progress(f"a checkpoint in {self.checkpoints}")
+                self._progress(f"a checkpoint in {self.checkpoints}", when(mark))
         if self.output is not None:
-            self._read_output()
+            self._read_output(when)
 
     @staticmethod
     def _size(path: Path | None) -> int:
@@ -138,9 +157,13 @@ class ProgressWatch:
         except OSError:
             return 0
 
-    def _read_output(self) -> None:
+    def _read_output(self, when: Callable[[float], float]) -> None:
         assert self.output is not None
-        size = self._size(self.output)
+        try:
+            stat = self.output.stat()
+            size, changed = stat.st_size, stat.st_mtime
+        except OSError:
+            size, changed = 0, 0.0
         if size < self._output_at:  # a new file (a restart's): read from its start
             self._output_at = 0
         if size == self._output_at:
@@ -148,5 +171,6 @@ class ProgressWatch:
         start = max(self._output_at, size - READ_LIMIT)
         with contextlib.suppress(OSError), open(self.output, "rb") as f:
             f.seek(start)
-            self.saw_output(f.read(size - start).decode(errors="replace"))
+            # What was appended since the last look counts from the file's last change.
+            self._saw(f.read(size - start).decode(errors="replace"), when(changed))
         self._output_at = size

@@ -1,10 +1,13 @@
 """The progress watch (run/progress.py) on a fake clock: what counts as progress (output, a
-checkpoint, an explicit heartbeat), what stops counting once the job sends heartbeats, and the
-bounded look at the checkpoint directory. File times are set by hand, never waited for."""
+checkpoint, an explicit heartbeat), what stops counting once the job sends heartbeats, the
+bounded look at the checkpoint directory, and the time a file's progress counts from. File
+times are set by hand, never waited for: the wall clock the watch reads moves with the fake
+clock (EPOCH at 0)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,13 +17,40 @@ from podagent.run import progress
 from podagent.run.progress import HEARTBEAT_MARKER, LOOK_EVERY, ProgressWatch, newest_change
 
 OLD = 1_000_000.0  # an mtime long before anything the test writes
-NEW = OLD + 500.0  # the mtime of what the test writes after the watch started
+NEW = OLD + 500.0  # a newer one, for the look at a directory
+EPOCH = 1_800_000_000.0  # the wall clock when the fake one reads 0
 
 
-def _clock(start: float = 0.0) -> tuple[list[float], Callable[[], float]]:
-    """A clock the test moves by hand: (its one-element list, the clock)."""
-    now = [start]
-    return now, lambda: now[0]
+class _Wall:
+    """The `time` module as the watch sees it, its wall clock EPOCH + the fake clock."""
+
+    def __init__(self, now: list[float]):
+        self._now = now
+
+    def time(self) -> float:
+        return EPOCH + self._now[0]
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+@pytest.fixture(autouse=True)
+def now(monkeypatch) -> list[float]:
+    """The fake clock's reading, which the test moves by hand; the wall clock follows it."""
+    reading = [0.0]
+    monkeypatch.setattr(progress, "time", _Wall(reading))
+    return reading
+
+
+def _clock(now: list[float], start: float = 0.0) -> Callable[[], float]:
+    """The fake clock, set to `start`."""
+    now[0] = start
+    return lambda: now[0]
+
+
+def _at(moment: float) -> float:
+    """The file time of something written when the fake clock read `moment`."""
+    return EPOCH + moment
 
 
 def _age(*paths: Path, at: float = OLD) -> None:
@@ -35,8 +65,8 @@ def _append(path: Path, text: str) -> None:
 
 # --- the clock ----------------------------------------------------------------------------------
 
-def test_quiet_grows_without_progress_and_a_hang_is_called_only_at_the_timeout():
-    now, clock = _clock(100.0)
+def test_quiet_grows_without_progress_and_a_hang_is_called_only_at_the_timeout(now):
+    clock = _clock(now, 100.0)
     watch = ProgressWatch(10.0, clock=clock)
     now[0] = 105.0
     assert watch.quiet() == 5.0
@@ -48,8 +78,8 @@ def test_quiet_grows_without_progress_and_a_hang_is_called_only_at_the_timeout()
     assert watch.hung() == 25.0  # the quiet seconds, not the timeout
 
 
-def test_a_timeout_of_zero_turns_the_watch_off():
-    now, clock = _clock()
+def test_a_timeout_of_zero_turns_the_watch_off(now):
+    clock = _clock(now)
     watch = ProgressWatch(0, clock=clock)
     now[0] = 1e7
     assert not watch.enabled
@@ -57,9 +87,9 @@ def test_a_timeout_of_zero_turns_the_watch_off():
     assert watch.quiet() == 1e7  # the clock still runs; only the verdict is off
 
 
-def test_reset_starts_the_clock_again():
+def test_reset_starts_the_clock_again(now):
     # A restart's start-up is no hang: the time before it must not count.
-    now, clock = _clock()
+    clock = _clock(now)
     watch = ProgressWatch(10.0, clock=clock)
     now[0] = 50.0
     assert watch.hung() == 50.0
@@ -72,23 +102,25 @@ def test_reset_starts_the_clock_again():
 
 # --- output -------------------------------------------------------------------------------------
 
-def test_output_appended_to_the_output_file_is_progress_once_the_file_is_looked_at(tmp_path):
+def test_output_appended_to_the_output_file_is_progress_once_the_file_is_looked_at(tmp_path,
+                                                                                  now):
     log = tmp_path / "training.log"
     log.write_text("step 1\n")
-    now, clock = _clock()
+    clock = _clock(now)
     watch = ProgressWatch(60.0, output=log, clock=clock)
     now[0] = 30.0
     assert watch.quiet() == 30.0  # what was there before the watch is not news
     _append(log, "step 2\n")
+    _age(log, at=_at(30.0 + LOOK_EVERY / 2))
     now[0] = 30.0 + LOOK_EVERY / 2
     assert watch.quiet() == pytest.approx(LOOK_EVERY / 2 + 30.0)  # not looked at yet
     now[0] = 30.0 + LOOK_EVERY
-    assert watch.quiet() == 0.0
+    assert watch.quiet() == LOOK_EVERY / 2  # since the line was written, not since the look
     assert watch.last_seen == "output"
 
 
-def test_output_of_only_whitespace_is_no_progress():
-    now, clock = _clock()
+def test_output_of_only_whitespace_is_no_progress(now):
+    clock = _clock(now)
     watch = ProgressWatch(60.0, clock=clock)
     now[0] = 20.0
     watch.saw_output("  \n\t\n")
@@ -97,26 +129,28 @@ def test_output_of_only_whitespace_is_no_progress():
     assert watch.quiet() == 0.0
 
 
-def test_an_output_file_that_shrank_is_a_new_one_and_is_read_from_its_start(tmp_path):
+def test_an_output_file_that_shrank_is_a_new_one_and_is_read_from_its_start(tmp_path, now):
     log = tmp_path / "training.log"
     log.write_text("an earlier start's line\n" * 100)
-    now, clock = _clock()
+    clock = _clock(now)
     watch = ProgressWatch(60.0, output=log, clock=clock)
     now[0] = 10.0
     # A restart's log, shorter than the old one; its first line tells whether it was read
     # from the start (an offset kept from the old file would skip it).
     log.write_text(f"{HEARTBEAT_MARKER}\n")
+    _age(log, at=_at(10.0))
     assert watch.quiet() == 0.0
     assert watch.explicit and watch.last_seen == "a heartbeat line"
 
 
-def test_an_output_file_that_appears_later_is_read(tmp_path):
+def test_an_output_file_that_appears_later_is_read(tmp_path, now):
     log = tmp_path / "training.log"
-    now, clock = _clock()
+    clock = _clock(now)
     watch = ProgressWatch(60.0, output=log, clock=clock)
     now[0] = 10.0
     assert watch.quiet() == 10.0
     log.write_text("step 1\n")
+    _age(log, at=_at(10.0 + LOOK_EVERY))
     now[0] = 10.0 + LOOK_EVERY
     assert watch.quiet() == 0.0
 
@@ -125,18 +159,18 @@ def test_an_output_file_that_appears_later_is_read(tmp_path):
 
 @pytest.mark.parametrize("parts", [("step_10.pt",), ("global_step_10", "model", "shard-0.pt")],
                          ids=["top-level", "two-levels-down"])
-def test_a_new_checkpoint_file_is_progress(tmp_path, parts):
+def test_a_new_checkpoint_file_is_progress(tmp_path, parts, now):
     root = tmp_path / "checkpoints"
     folders = [root.joinpath(*parts[:i]) for i in range(len(parts))]  # root and the file's
     folders[-1].mkdir(parents=True)
     _age(*folders)
-    now, clock = _clock()
+    clock = _clock(now)
     watch = ProgressWatch(60.0, checkpoints=root, clock=clock)
     now[0] = 30.0
     assert watch.quiet() == 30.0
     new = root.joinpath(*parts)
     new.write_bytes(b"weights")
-    _age(new, at=NEW)
+    _age(new, at=_at(30.0 + LOOK_EVERY))
     _age(*folders)  # only the file itself can tell: the look must reach it
     now[0] = 30.0 + LOOK_EVERY
     assert watch.quiet() == 0.0
@@ -191,15 +225,15 @@ def test_newest_change_reads_no_more_than_its_limit_of_entries(tmp_path, monkeyp
 
 # --- explicit heartbeats ------------------------------------------------------------------------
 
-def test_a_touched_heartbeat_is_progress_and_then_only_heartbeats_count(tmp_path):
+def test_a_touched_heartbeat_is_progress_and_then_only_heartbeats_count(tmp_path, now):
     log = tmp_path / "training.log"
     log.write_text("")
     beat = tmp_path / "heartbeat"  # not there yet: the job creates it with its first touch
-    now, clock = _clock()
+    clock = _clock(now)
     watch = ProgressWatch(60.0, output=log, heartbeat=beat, clock=clock)
     now[0] = 10.0
     beat.touch()
-    _age(beat, at=NEW)
+    _age(beat, at=_at(10.0))
     assert watch.quiet() == 0.0
     assert watch.explicit and watch.last_seen == f"a touch of {beat}"
     # A job that sends heartbeats may print from threads that go on while its ranks hang.
@@ -207,21 +241,94 @@ def test_a_touched_heartbeat_is_progress_and_then_only_heartbeats_count(tmp_path
     now[0] = 20.0
     assert watch.quiet() == 10.0
     _append(log, f"step 5 {HEARTBEAT_MARKER}\n")
+    _age(log, at=_at(30.0))
     now[0] = 30.0
     assert watch.quiet() == 0.0 and watch.last_seen == "a heartbeat line"
     # The file's time unchanged is no new heartbeat; a newer one is.
     now[0] = 40.0
     assert watch.quiet() == 10.0
-    _age(beat, at=NEW + 1)
+    _age(beat, at=_at(40.0 + LOOK_EVERY))
     now[0] = 40.0 + LOOK_EVERY
     assert watch.quiet() == 0.0
 
 
-def test_a_heartbeat_line_makes_the_watch_explicit_too():
-    now, clock = _clock()
+def test_a_heartbeat_line_makes_the_watch_explicit_too(now):
+    clock = _clock(now)
     watch = ProgressWatch(60.0, clock=clock)
     watch.saw_output(f"{HEARTBEAT_MARKER}\n")
     assert watch.explicit
     now[0] = 15.0
     watch.saw_output("step 6\n")
     assert watch.quiet() == 15.0
+
+
+# --- when a file's progress was made -------------------------------------------------------------
+
+def _watched(tmp_path: Path, now: list[float]) -> tuple[ProgressWatch, dict[str, Path]]:
+    """A watch over all three kinds of file, looked at first at 30 s: nothing new then."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    log, beat = tmp_path / "training.log", tmp_path / "heartbeat"
+    log.write_text("step 1\n")
+    beat.touch()
+    _age(root, log, beat)
+    watch = ProgressWatch(600.0, output=log, checkpoints=root, heartbeat=beat,
+                          clock=_clock(now))
+    now[0] = 30.0
+    assert watch.quiet() == 30.0
+    return watch, {"checkpoint": root, "heartbeat": beat, "output": log}
+
+
+def _change(kind: str, files: dict[str, Path], at: float) -> None:
+    """A new checkpoint, a touch of the heartbeat, a line of output, its file time `at`."""
+    if kind == "checkpoint":
+        (files[kind] / "step_10.pt").write_bytes(b"weights")
+        _age(files[kind], files[kind] / "step_10.pt", at=at)
+    else:
+        _append(files[kind], "step 2\n")
+        _age(files[kind], at=at)
+
+
+SAID = {"checkpoint": "a checkpoint in {}", "heartbeat": "a touch of {}", "output": "output"}
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+def test_progress_in_a_file_counts_from_its_modification_time_not_from_the_look(tmp_path, now,
+                                                                                kind):
+    """The files are looked at every LOOK_EVERY: a change found 2 s after it was made is 2 s
+    old, or the hang is called up to LOOK_EVERY late."""
+    watch, files = _watched(tmp_path, now)
+    _change(kind, files, _at(30.5))
+    now[0] = 32.5  # the next look, 2 s after the change
+    assert watch.quiet() == 2.0
+    assert watch.last_seen == SAID[kind].format(files[kind])
+    now[0] = 40.0
+    assert watch.quiet() == 40.0 - 30.5
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+@pytest.mark.parametrize(("written", "quiet"), [
+    (30.5 + 3600.0, 0.0),  # a volume's clock an hour ahead: progress now, never a quiet < 0
+    (30.5 - 3600.0, 2.5),  # an hour behind, or a file copied in with its old time: it was not
+                           # there at the last look (30 s), so it came after that
+], ids=["ahead", "behind"])
+def test_a_file_time_counts_only_between_the_last_look_and_now(tmp_path, now, kind, written,
+                                                               quiet):
+    watch, files = _watched(tmp_path, now)
+    _change(kind, files, _at(written))
+    now[0] = 32.5
+    assert watch.quiet() == quiet
+    assert watch.last_seen == SAID[kind].format(files[kind])
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+def test_a_file_time_before_the_progress_already_known_is_no_news(tmp_path, now, kind):
+    # A restart began at 31 s; what its predecessor wrote at 30.5 s, seen at the next look,
+    # must not date the progress back before it.
+    watch, files = _watched(tmp_path, now)
+    now[0] = 31.0
+    watch.reset("restart 1")
+    _change(kind, files, _at(30.5))
+    now[0] = 32.5
+    assert watch.quiet() == 1.5
+    assert watch.last_seen == "restart 1"
