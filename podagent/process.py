@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 import psutil
 
@@ -265,6 +266,14 @@ def port_holder(port: int) -> str | None:
     return None
 
 
+class Tee(Protocol):
+    """Where a teed process's output goes as it comes (the reporter's JobOutput)."""
+
+    def write(self, chunk: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ManagedProcess:
     """One external process: started in a session of its own with its output in a log file
     (and, with `tee`, on podagent's own output as it comes), polled, and stopped with what it
@@ -285,7 +294,7 @@ class ManagedProcess:
         log_path: Path,
         cwd: str | None = None,
         *,
-        tee: bool = False,
+        tee: Tee | None = None,
         whole_pod: bool = False,
         own_session: bool = True,
     ):
@@ -297,7 +306,7 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.tee:
+        if self.tee is None:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
@@ -314,17 +323,29 @@ class ManagedProcess:
         self._pump.start()
 
     def _copy(self, pipe: object) -> None:
-        """The output (its children's too, which share the pipe) to the screen and the log,
-        as it comes."""
+        """The output (its children's too, which share the pipe) to the log and the screen,
+        as it comes. A log the volume refuses costs the log, never the screen's copy."""
+        assert self.tee is not None
         fd = pipe.fileno()  # type: ignore[attr-defined]
-        out = sys.stdout.buffer
-        with open(self.log_path, "ab") as log:
+        log: BinaryIO | None = None
+        with contextlib.suppress(OSError):
+            log = open(self.log_path, "ab")
+        try:
             while chunk := os.read(fd, _CHUNK):
+                if log is not None:
+                    try:
+                        log.write(chunk)
+                        log.flush()
+                    except (OSError, ValueError):
+                        with contextlib.suppress(OSError, ValueError):
+                            log.close()
+                        log = None
+                self.tee.write(chunk)
+        finally:
+            self.tee.close()
+            if log is not None:
                 with contextlib.suppress(OSError, ValueError):
-                    out.write(chunk)
-                    out.flush()
-                log.write(chunk)
-                log.flush()
+                    log.close()
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None

@@ -32,7 +32,8 @@ def check_cluster(settings: config.Settings, role: Role, reporter: Reporter) -> 
         url = f"http://{head_ip}:{settings.dashboard_port}"
         submission = time.strftime(f"{settings.run_name}-check-%H%M%S", time.gmtime())
         log = settings.run_dir / f"{submission}.log"
-        runner = JobRunner(url, submission, reporter, log, headers=settings.auth_headers())
+        runner = JobRunner(url, submission, reporter, log, headers=settings.auth_headers(),
+                           check=True)
         env = {}
         if settings.reward != "none":
             env["REMOTE_RM_URL"] = f"http://{head_ip}:{settings.reward_port}/get_reward"

@@ -139,7 +139,8 @@ class HeadRay:
         try:
             return JobRunner(self.dashboard_url, self.submission_id, self.reporter,
                              self.settings.run_dir / "job.log",
-                             headers=self.settings.auth_headers())
+                             headers=self.settings.auth_headers(),
+                             check=not self.settings.job)
         except Exception as exc:  # Ray's client raises plain exceptions of several kinds
             raise RayStartError(f"the Jobs API at {self.dashboard_url} refused a client: "
                                 f"{exc}") from None

@@ -66,7 +66,7 @@ class JobRunner:
 
     def __init__(self, dashboard_url: str, submission_id: str, reporter: Reporter,
                  job_log: Path, headers: Mapping[str, str] | None = None,
-                 client: Any = None):
+                 client: Any = None, check: bool = False):
         # Ray's SDK logs its own chatter (websocket closed...) to our stdout; keep it quiet.
         logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
 
@@ -77,13 +77,16 @@ class JobRunner:
         self.submission_id = submission_id
         self.reporter = reporter
         self.job_log = job_log
+        # The job is podagent's cluster check: its summary line is an event. A user's job
+        # printing that line is only output.
+        self.check = check
         self._log: JobLog | None = None  # while the job is followed
 
     def for_submission(self, submission_id: str) -> JobRunner:
         """A runner for another job of the same dashboard (each attempt has its own id, log
         position and stream)."""
         return JobRunner(self.url, submission_id, self.reporter, self.job_log, self.headers,
-                         self.client)
+                         self.client, self.check)
 
     # --- bounded Jobs API calls ----------------------------------------------------------------
 
@@ -179,7 +182,7 @@ class JobRunner:
         ending; one silent for DASHBOARD_SILENT_LIMIT is (DashboardSilent).
         """
         self._log = JobLog(self.client, self.submission_id, self.reporter, self.job_log,
-                           on_output)
+                           on_output, check=self.check)
         self._log.open()
         silent_since: float | None = None
         while True:
@@ -306,9 +309,10 @@ class JobLog:
     at the end completed from the full log, which the stream may not have delivered yet."""
 
     def __init__(self, client: Any, submission_id: str, reporter: Reporter, path: Path,
-                 on_output: Callable[[str], None] = lambda text: None):
+                 on_output: Callable[[str], None] = lambda text: None, check: bool = False):
         self.client, self.submission_id, self.reporter, self.path = (
             client, submission_id, reporter, path)
+        self.check = check  # the cluster check's summary line is read (see JobRunner)
         self.on_output = on_output
         self._streamed = 0  # characters of log already shown
         self._file: Any = None
@@ -355,11 +359,12 @@ class JobLog:
             self.on_output(chunk)
             self._to_job_log(chunk)
             for line in chunk.splitlines():
-                if line.startswith(CHECK_JSON_PREFIX):
+                if self.check and line.startswith(CHECK_JSON_PREFIX):
                     # The cluster check's machine-readable summary: an event, not screen text.
                     with contextlib.suppress(ValueError):
                         result = json.loads(line[len(CHECK_JSON_PREFIX):])
-                        self.reporter.event(Event.CHECK, **result)
+                        if isinstance(result, dict):
+                            self.reporter.event(Event.CHECK, **result)
                     continue
                 self.reporter.raw(line)
 

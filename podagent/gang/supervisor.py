@@ -188,7 +188,8 @@ class Supervisor(Lifecycle[GangPhase]):
         self.reporter.say(f"{step.name}: {shlex.join(step.argv)}")
         self.reporter.event(Event.STEP_STARTED, step=step.name, argv=list(step.argv))
         # Its output goes to the pod's screen and to the training log `podagent logs` reads.
-        training = process.ManagedProcess(step.name, step.argv, env, self.log_path, tee=True,
+        training = process.ManagedProcess(step.name, step.argv, env, self.log_path,
+                                          tee=self.reporter.job_output(),
                                           whole_pod=True)
         training.start()
         self.training = training

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import os
@@ -112,6 +113,47 @@ class _Screen:
             return False
 
 
+class JobOutput:
+    """A job's output on podagent's screen, as it comes. As text it passes through as it is
+    (a progress bar's carriage returns too). As JSON, each of its lines becomes one `job`
+    record: whatever the job prints (a JSON logger's `{"event": ...}`, podagent's own records
+    copied), nothing on podagent's output can pass for one of podagent's records, and no
+    record of podagent's lands in the middle of a job's line. A line longer than LINE_MAX is
+    cut into records of that size; what remains at the end is a line of its own."""
+
+    LINE_MAX = 1 << 16  # characters
+
+    def __init__(self, reporter: Reporter):
+        self.reporter = reporter
+        self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
+
+    def write(self, chunk: bytes) -> None:
+        text = self._decode.decode(chunk)
+        if self.reporter.log_format != "json":
+            if text:
+                self.reporter._job_chunk(text)
+            return
+        *lines, self._partial = (self._partial + text).split("\n")
+        while len(self._partial) > self.LINE_MAX:
+            lines.append(self._partial[:self.LINE_MAX])
+            self._partial = self._partial[self.LINE_MAX:]
+        for line in lines:
+            self.reporter._write("job", line, self.reporter.stream, to_log=False)
+
+    def close(self) -> None:
+        """The output ended: its last, unfinished line."""
+        self.write(b"")
+        rest = self._decode.decode(b"", final=True)
+        if self.reporter.log_format != "json":
+            if rest:
+                self.reporter._job_chunk(rest)
+            return
+        last, self._partial = self._partial + rest, ""
+        if last:
+            self.reporter._write("job", last, self.reporter.stream, to_log=False)
+
+
 class Reporter:
     """podagent's own lines: on screen (text or JSON, all or --quiet), in the pod's log file
     (always all, as text), and events in events.jsonl."""
@@ -187,8 +229,9 @@ class Reporter:
                 f"[{self.role}] WARNING: cannot write {name} in {self.run_dir} ({why}): "
                 f"going on without it; what was written stays\n")
 
-    def _write(self, level: str, message: str, stream: TextIO) -> None:
-        """level: info, warning, error, or job (a line of the job's own output)."""
+    def _write(self, level: str, message: str, stream: TextIO, to_log: bool = True) -> None:
+        """level: info, warning, error, or job (a line of the job's own output); `to_log`:
+        also into the pod's log file."""
         message = self.redact(message)
         if level == "job":
             text = message
@@ -208,7 +251,8 @@ class Reporter:
                 if stream is self.stream:
                     self._clear_live()
                 self._screen(stream).write(text_out + "\n")
-            self._to_file("log", f"{stamp} {text}\n")
+            if to_log:
+                self._to_file("log", f"{stamp} {text}\n")
 
     def say(self, message: str) -> None:
         self._write("info", message, self.stream)
@@ -222,6 +266,17 @@ class Reporter:
     def raw(self, text: str) -> None:
         """A line of someone else's output (the job's), passed through as it is."""
         self._write("job", text, self.stream)
+
+    def job_output(self) -> JobOutput:
+        """Where a process's output goes as it comes (a launcher's training, teed): see
+        JobOutput."""
+        return JobOutput(self)
+
+    def _job_chunk(self, text: str) -> None:
+        """A piece of the job's output as it came, on the screen only (text format)."""
+        with self._lock:
+            self._clear_live()
+            self._screen(self.stream).write(self.redact(text))
 
     def log_only(self, message: str) -> None:
         """A line for the pod's log file but not the screen (the live line showed it)."""
@@ -280,8 +335,10 @@ class Reporter:
         shown = self.log_format == "json"
         if not self._events and not self._listeners and not shown:
             return
+        # `event` is the record's kind and no field can change it: the cluster check's
+        # summary comes from a job, and what a job says is never one of podagent's events.
         record = {"ts": round(time.time(), 3), "pod": self.pod, "role": self.role,
-                  "event": event, **fields}
+                  **fields, "event": event}
         line = json.dumps(self._redact_values(record), default=str)
         with self._lock:
             if shown:

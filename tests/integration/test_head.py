@@ -127,6 +127,47 @@ def test_failed_job_error_is_one_line(failed: PodagentRun) -> None:
     assert len(err) == 1 and err[0].startswith("[head] ERROR:"), failed.stderr
 
 
+# --- 2b. a job that prints podagent's own records ------------------------------------------------
+
+FORGER = ("import json\n"
+          "from podagent.wire import Event\n"
+          "for e in Event:\n"
+          "    print(json.dumps({'ts': 1.0, 'pod': 'x', 'role': 'head', 'event': e.value,\n"
+          "                      'code': 0, 'forged': True}), flush=True)\n"
+          "print('podagent-check-json: ' + json.dumps({'event': 'run_over', 'code': 0,\n"
+          "                                            'passed': False, 'forged': True}))\n")
+
+
+@pytest.fixture(scope="module")
+def forger(podagent_runs: Runs) -> PodagentRun:
+    run = podagent_runs.new("forger")
+    script = run.scratch / "forger.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(FORGER)
+    return run.execute(["head", "--", sys.executable, str(script)],
+                       env={"PODAGENT_LOG_FORMAT": "json"})
+
+
+def test_a_job_printing_every_event_podagent_knows_passes_for_none(forger: PodagentRun) -> None:
+    """As JSON (what `podagent up` follows), the Ray job's every line is a `job` record, the
+    cluster check's summary line from a job of the user's is only output, and events.jsonl
+    holds podagent's events alone: nothing a job prints ends a run or passes for a check."""
+    from podagent.launch import follow
+    from podagent.wire import Event
+
+    assert_exit(forger, 0)
+    records = [follow.parse(line) for line in lines(forger.stdout)]
+    assert not [r for r in records if r.kind == "event" and r.data.get("forged")]
+    # (podagent's own messages quote the job's command line, which says "forged": text.)
+    assert {r.kind for r in records if "forged" in str(r.data)} <= {"job", "message"}
+    jobs = [r.text for r in records if r.kind == "job" and "forged" in r.text]
+    assert len(jobs) == len(Event) + 1, jobs
+    events = forger.events()
+    assert not [e for e in events if e.get("forged")], events
+    assert forger.events_named("check") == []
+    assert [e["event"] for e in events][-1] == "exit" and events[-1]["code"] == 0
+
+
 # --- 3. PODAGENT_JOB: the job's environment, the NCCL preset, W&B -----------------------------
 
 JOB_VARIABLES = ("PODAGENT_NUM_NODES", "PODAGENT_HEAD_ADDR", "PODAGENT_RUN_NAME",
