@@ -201,7 +201,7 @@ def run_podagent(run: Run, logdir: Path, timeout: float, setup: Setup = Setup())
                 run.exit_codes = harness.exit_codes(agents)
                 raise RunFailed(str(exc), last_lines(head.output)) from None
             run.exit_codes = harness.exit_codes(agents)
-            events = harness.read_events(logdir / "head" / "bench" / "events.jsonl")
+            events = harness.read_events(benchkit.pod_events(logdir / "head" / "bench"))
             submitted = [e for e in events
                          if e.get("event") == "job_submitted" and e.get("result") == "ok"]
             run.extra["join_latency_s"], run.extra["join_after_polling_s"] = (
@@ -214,7 +214,7 @@ def run_podagent(run: Run, logdir: Path, timeout: float, setup: Setup = Setup())
                        if e.get("event") in ("ray_head", "job_submitted", "job_finished")}
             if "job_finished" in moments:
                 run.extra["finished_s"] = round(moments["job_finished"] - t0, 3)
-            ended = marker_time(harness.read_text(logdir / "head" / "bench" / "job.log"),
+            ended = marker_time(harness.read_text(head.run_dir / "job.log"),
                                 EXIT_MARKER)
             if ended is not None:  # the job's own last line
                 run.extra["job_end_s"] = round(ended - t0, 3)
@@ -520,7 +520,7 @@ def run_headloss(run: Run, logdir: Path, timeout: float, grace: float,
                 run.exit_codes = harness.exit_codes(agents)
                 raise RunFailed(str(exc).splitlines()[0], last_lines(head.output)) from None
             run.extra["formed_s"] = round(time.time() - t0, 3)
-            events = harness.read_events(logdir / "head" / "bench" / "events.jsonl")
+            events = harness.read_events(benchkit.pod_events(logdir / "head" / "bench"))
             run.extra["join_latency_s"], run.extra["join_after_polling_s"] = (
                 join_latencies(events))
             if footprint:

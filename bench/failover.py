@@ -136,7 +136,7 @@ def run_podagent_workerloss(run: Run, logdir: Path, timeout: float, cap: float,
             steady()
             killed = time.time()
             worker_fault(c.workers[0], fault)
-            events_path = logdir / "head" / "bench" / "events.jsonl"
+            events_path = benchkit.pod_events(logdir / "head" / "bench")
 
             noticed = float(benchkit.await_event(
                 events_path, head, lambda e: e.get("event") == "worker_lost", cap,

@@ -118,7 +118,7 @@ def wait(until: Callable[[], Any], timeout: float, what: str, tail: Callable[[],
 
 
 def events(logs: Path, i: int, name: str) -> list[dict[str, Any]]:
-    path = logs / pods.pod_name(i) / pods.RUN_NAME / "events.jsonl"
+    path = benchkit.pod_events(logs / pods.pod_name(i) / pods.RUN_NAME)
     if not path.exists():
         return []
     out = []

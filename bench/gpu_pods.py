@@ -271,7 +271,7 @@ def run_cluster(run: Run, cpu: bool, logs: Path, timeout: float) -> None:
     run.exit_codes = {pod_name(i): p.returncode for i, p in enumerate(procs)}
     text = (logs / f"{pod_name(0)}.out").read_text()
     run.check_lines = [x for x in text.splitlines() if x.startswith("check:")]
-    events = logs / pod_name(0) / RUN_NAME / "events.jsonl"
+    events = benchkit.pod_events(logs / pod_name(0) / RUN_NAME)
     records = [json.loads(x) for x in events.read_text().splitlines()] if events.exists() else []
     ts = {r["event"]: r["ts"] for r in records if r.get("result", "ok") == "ok"}
     summary = next((r for r in reversed(records) if r["event"] == "check"), {})

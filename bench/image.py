@@ -114,7 +114,7 @@ def up_containers(run: UpRun, session: Session, image: str, timeout: float) -> N
             run.exit_s = round(time.time() - t0, 3)
             mount = net.docker("volume", "inspect", "--format", "{{.Mountpoint}}",
                                head.volume).stdout.strip()
-            events = Path(mount) / "podagent" / "logs" / RUN_NAME / "events.jsonl"
+            events = benchkit.pod_events(Path(mount) / "podagent" / "logs" / RUN_NAME)
             settle(run, t0, codes, harness.read_events(events), head.logs)
         finally:
             for pod in pods:
@@ -139,7 +139,8 @@ def up_namespaces(run: UpRun, timeout: float) -> None:
             harness.wait_agents_exit(agents, timeout)
             run.exit_s = round(time.time() - t0, 3)
             settle(run, t0, [a.proc.returncode for a in agents],
-                   harness.read_events(root / "head" / RUN_NAME / "events.jsonl"), agents[0].output)
+                   harness.read_events(benchkit.pod_events(root / "head" / RUN_NAME)),
+                   agents[0].output)
         finally:
             harness.close_agents(agents)
 

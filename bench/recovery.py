@@ -193,8 +193,8 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
             dashboard = f"http://{c.head.ip}:{harness.DASHBOARD_PORT}"
             run.extra["job_ended_s"] = job_end(dashboard, f"{RUN_NAME}-1", killed)
             run.extra["cold_job_own_s"] = round(first["t"] - float(next(
-                e["ts"] for e in harness.read_events(logdir / "head" / RUN_NAME /
-                                                     "events.jsonl")
+                e["ts"] for e in harness.read_events(benchkit.pod_events(
+                    logdir / "head" / RUN_NAME))
                 if e.get("event") == "job_submitted" and e.get("result") == "ok")), 3)
             run.exit_codes = harness.exit_codes(agents)
             said = head.output.partition(f"job {RESUBMITTED} submitted")[2].split("\n", 1)[0]
@@ -209,7 +209,7 @@ def run_podagent(run: Run, logdir: Path, timeout: float) -> None:
 def measure_podagent(run: Run, logdir: Path, killed: float, started: float, lost_ip: str,
                      new_ip: str, resumed: dict, checkpoints: Path) -> None:
     """The head's events after the kill, and the training's steps, into the run."""
-    events = [e for e in harness.read_events(logdir / "head" / RUN_NAME / "events.jsonl")
+    events = [e for e in harness.read_events(benchkit.pod_events(logdir / "head" / RUN_NAME))
               if float(e.get("ts", 0)) >= killed]
 
     def first(name: str, **match: Any) -> dict | None:
@@ -248,7 +248,7 @@ def measure_podagent(run: Run, logdir: Path, killed: float, started: float, lost
     if restarted:
         run.extra["ledger_time_lost_s"] = restarted.get("time_lost_s")
     # The replacement's own steps: podagent's start -> head found -> `ray start` done.
-    for e in harness.read_events(logdir / "r1" / RUN_NAME / "events.jsonl"):
+    for e in harness.read_events(benchkit.pod_events(logdir / "r1" / RUN_NAME)):
         if e.get("event") in ("head_found", "joined") and e.get("result") == "ok":
             run.extra[f"replacement_{e['event']}_s"] = round(float(e["ts"]) - started, 3)
             run.extra[f"replacement_{e['event']}_duration_s"] = e.get("duration_s")

@@ -132,7 +132,7 @@ def run_restart(run: Run, logdir: Path, timeout: float, grace: float) -> None:
             agents.append(new_head)
             started = time.time()
             new_head.start()
-            events_path = logdir / "head" / "bench" / "events.jsonl"
+            events_path = benchkit.pod_events(logdir / "head" / "bench")
 
             joined_ts = float(benchkit.await_event(
                 events_path, new_head, lambda e: e.get("event") == "worker_joined"

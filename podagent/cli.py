@@ -7,7 +7,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -488,7 +487,7 @@ def stop(ctx: click.Context, wait: float, **flags: Any) -> None:
     from podagent.control.channel import open_channel
 
     channel = open_channel(settings, role, reporter)
-    reporter.say(channel.stop(by=settings.pod_id or socket.gethostname(), timeout=wait))
+    reporter.say(channel.stop(by=settings.pod_name, timeout=wait))
 
 
 @main.command(context_settings=CONTEXT)

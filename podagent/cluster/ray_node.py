@@ -72,7 +72,7 @@ def node_labels(settings: Settings, role: Role) -> dict[str, str]:
     label value is at most 63 letters, digits, `-`, `_` and `.`, starting and ending with a
     letter or digit (Ray's rule, Kubernetes'): one that cannot be made so is left out."""
     labels = {runstate.LABEL_ROLE: role.value}
-    pod = re.sub(r"[^A-Za-z0-9_.-]", "-", settings.pod_id or socket.gethostname())[:63]
+    pod = re.sub(r"[^A-Za-z0-9_.-]", "-", settings.pod_name)[:63]
     pod = pod.strip("-_.")
     if pod:
         labels[runstate.LABEL_POD] = pod

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,7 +295,9 @@ FIELDS: tuple[Field, ...] = (
                           "Cluster), else podagent-RUNPOD_POD_ID, else podagent-YYYYmmdd-HHMMSS "
                           "(UTC, at start)"),
         Field("log_dir", "PODAGENT_LOG_DIR", "--log-dir", path,
-              "Parent of the per-run log directories.", default="podagent-logs",
+              "Parent of the per-run log directories; each pod writes in <run>/<its pod id>/ "
+              "(its host name off RunPod), so pods sharing one volume never collide.",
+              default="podagent-logs",
               default_doc="/workspace/podagent/logs if /workspace exists, else ./podagent-logs"),
         Field("job", "PODAGENT_JOB", "--job", command_line,
               "Job entrypoint (a command line); `podagent head -- CMD ...` also sets it. With "
@@ -364,14 +368,18 @@ FIELDS: tuple[Field, ...] = (
               default_doc="the job's own (--ckpt.path, --ckpt_path, trainer.default_local_dir), "
                           "else /workspace/checkpoints if /workspace exists, else unset"),
         Field("resume", "PODAGENT_RESUME", "--resume", choice("auto", "never"),
-              "auto: when PODAGENT_CHECKPOINT_DIR already holds a checkpoint, append "
-              "PODAGENT_RESUME_FLAG to the job; never: do not.", default="auto"),
+              "auto: every start of the job (the first, a restart, a restarted container's) "
+              "while PODAGENT_CHECKPOINT_DIR holds a checkpoint gets PODAGENT_RESUME_FLAG, "
+              "inside a bash -c command too; never: it does not.", default="auto"),
         Field("resume_flag", "PODAGENT_RESUME_FLAG", "--resume-flag", command_line,
-              "Arguments appended to the job to resume from a checkpoint.",
+              "Arguments the job gets to resume from a checkpoint (a Ray job's, or the "
+              "script torchrun/accelerate runs); set it for a script that resumes only when "
+              "told.",
               default=TRAINER_BY_NAME["script"].resume,
               default_doc="the job's trainer's: --ckpt.load_enable (OpenRLHF 0.10.2 or newer), "
-                          "--load_checkpoint (older OpenRLHF, OpenRLHF-M, a script of your "
-                          "own), none (verl resumes by itself)"),
+                          "--load_checkpoint (older OpenRLHF, OpenRLHF-M, a Ray job of your "
+                          "own), none (verl, and a script of your own under torchrun or "
+                          "accelerate: they resume by themselves)"),
     ),
     *_in("reward",
         Field("reward", "PODAGENT_REWARD", "--reward", choice(*REWARD_KINDS),
@@ -427,6 +435,13 @@ def settings_class(table: Iterable[Any]) -> Callable[[type], type]:
     return make
 
 
+def path_component(name: str) -> str:
+    """`name` as one safe directory name: letters, digits, `.`, `_` and `-`, at most 63, never
+    `.` or `..` (a pod id always is such a name; a host name nearly always)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:63].strip(".") or "pod"
+    return safe
+
+
 # The sources of a derived run name (build derives it; Settings.run_name_shared reads them).
 RUN_NAME_FROM_HEAD_POD_ID = "derived from HEAD_POD_ID"
 RUN_NAME_FROM_PRIMARY_ADDR = "derived from PRIMARY_ADDR/NUM_NODES"
@@ -453,8 +468,21 @@ class Settings:
     profile: Profile | None = None
 
     @property
+    def pod_name(self) -> str:
+        """This pod as podagent names it: its RunPod pod id, else its host name."""
+        return self.pod_id or socket.gethostname()
+
+    @property
+    def pod_dir_name(self) -> str:
+        """This pod's directory under the run's: its name made a safe path component."""
+        return path_component(self.pod_name)
+
+    @property
     def run_dir(self) -> Path:
-        return Path(self.log_dir) / self.run_name
+        """This pod's own directory of the run, under the run's: pods that share a volume (one
+        network volume on every pod) never write each other's ledger, logs, events or temp
+        files. Only what is meant to be shared (the checkpoints) is shared."""
+        return Path(self.log_dir) / self.run_name / self.pod_dir_name
 
     @property
     def auth_token(self) -> str | None:

@@ -7,7 +7,6 @@ Exit codes are the command line's: it hands its mapping in, as for the Ray path.
 from __future__ import annotations
 
 import shlex
-import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -162,7 +161,7 @@ def _supervised(settings: Settings, launcher: Launcher, decision: RoleDecision,
     from podagent.run import pod_setup
 
     role = decision.role
-    name = settings.pod_id or socket.gethostname()
+    name = settings.pod_name
     deadline = 0.0
     if role is Role.HEAD:
         setup = pod_setup.prepare(settings, Role.HEAD, reporter)

@@ -67,7 +67,9 @@ def conclude(settings: Settings, reporter: Reporter, n: int, quiet: float, last_
         reporter.say(f"hang {n}, {stacks.pod_line(dumped)}")
     found = stacks.culprits(every)
     where = folder(settings.run_dir, n)
-    line = f"{stacks.verdict(every)}; stacks in {where} on each pod"
+    # Each pod writes in its own directory of the run: <run>/<pod>/hangs/<n>.
+    each = folder(settings.run_dir.parent / "<pod>", n)
+    line = f"{stacks.verdict(every)}; stacks in {each} on each pod"
     reporter.warn(f"hang {n}: {line}")
     reporter.event(Event.HANG, n=n, quiet_s=round(quiet, 1), timeout_s=settings.hang_timeout,
                    last_progress=last_seen, dump_s=round(time.monotonic() - started, 3),

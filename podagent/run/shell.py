@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,7 @@ def reporter_for(settings: config.Settings, who: str, pod: str | None = None,
                  run_dir: Path | None = None, stream: TextIO | None = None) -> Reporter:
     """A reporter that hides the secrets and speaks as the settings say; on screen only unless
     given the run's directory. `pod`: this pod's id (or host name) unless given."""
-    return Reporter(who, pod or settings.pod_id or socket.gethostname(), run_dir,
+    return Reporter(who, pod or settings.pod_name, run_dir,
                     secrets=secret_values(settings), stream=stream,
                     log_format=settings.log_format, quiet=settings.quiet)
 

@@ -69,7 +69,7 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
     assert "RAY_WORKER=1" in workers[0].output
     assert "differs from HEAD_POD_ID" in workers[1].output
     # Per run: the pod's podagent log, job.log and events.jsonl.
-    run_dir = tmp_path / "head" / "e2e"
+    run_dir = head.run_dir
     assert "check: ALL CHECKS PASSED" in (run_dir / "job.log").read_text()
     assert (run_dir / f"podagent-head-{head.pod.pod_id}.log").exists()
     assert '"event": "worker_joined"' in (run_dir / "events.jsonl").read_text()
@@ -199,11 +199,11 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
     _no_secret_in_output_or_logs(tmp_path, head, *workers)
     for a in (head, *workers):
         assert checkpoints[a.pod.name].read_bytes() == b"weights", a.pod.name
-        run_dir = tmp_path / a.pod.name / "e2e"
+        run_dir = a.run_dir
         role = "head" if a is head else "worker"
         assert (run_dir / f"podagent-{role}-{a.pod.pod_id}.log").stat().st_size > 0
         assert (run_dir / "events.jsonl").stat().st_size > 0
-    assert "training" in (tmp_path / "head" / "e2e" / "job.log").read_text()
+    assert "training" in (head.run_dir / "job.log").read_text()
     assert "resuming: " in head.output  # the head saw the checkpoint (PODAGENT_RESUME=auto)
 
 

@@ -177,6 +177,9 @@ def test_entrypoint_brings_a_one_pod_cluster_up_and_runs_the_job(container):
     assert c.log_dir == c.workspace / "podagent" / "logs"
     (run_dir,) = _run_dirs(c)
     assert run_dir.name == f"podagent-{c.pod.pod_id}", run_dir.name
+    # Inside it, this pod's own directory: pods sharing a volume never collide.
+    assert [p.name for p in run_dir.iterdir()] == [c.pod.pod_id]
+    run_dir = run_dir / c.pod.pod_id
     assert "42" in (run_dir / "job.log").read_text().split()
     assert "job SUCCEEDED" in (run_dir / f"podagent-head-{c.pod.pod_id}.log").read_text()
     assert (run_dir / "events.jsonl").stat().st_size > 0
@@ -197,7 +200,7 @@ def test_entrypoint_passes_arguments_and_sigterm_to_podagent(container):
         if c.proc and c.proc.poll() is not None:
             raise AssertionError(f"exited {c.proc.returncode} before waiting for its worker:\n"
                                  f"{c.output[-3000:]}")
-        logs = [p.read_text() for d in _run_dirs(c) for p in d.glob("podagent-head-*.log")]
+        logs = [p.read_text() for d in _run_dirs(c) for p in d.glob("*/podagent-head-*.log")]
         return any("waiting for 1 worker(s)" in text for text in logs)
 
     wait_for(head_is_waiting, timeout=BRING_UP_TIMEOUT, interval=0.2,

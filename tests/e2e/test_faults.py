@@ -31,7 +31,7 @@ print("marker seen: done", flush=True)
 
 
 def _run_dir(agent: Agent) -> Path:
-    return Path(agent.env["PODAGENT_LOG_DIR"]) / agent.env["PODAGENT_RUN_NAME"]
+    return agent.run_dir
 
 
 def _events(agent: Agent) -> list[dict]:

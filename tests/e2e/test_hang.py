@@ -29,7 +29,7 @@ def _code(error: type[errors.PodagentError]) -> int:
 
 
 def events(agent: Agent, name: str) -> list[dict]:
-    path = Path(agent.env["PODAGENT_LOG_DIR"]) / "e2e" / "events.jsonl"
+    path = agent.run_dir / "events.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [e for e in map(json.loads, lines) if e.get("event") == name]
 

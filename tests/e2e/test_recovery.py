@@ -32,7 +32,7 @@ def _train_job(steps: int = STEPS, step_time: float = 0.1) -> str:
 
 
 def _run_dir(agent: Agent) -> Path:
-    return Path(agent.env["PODAGENT_LOG_DIR"]) / agent.env["PODAGENT_RUN_NAME"]
+    return agent.run_dir
 
 
 def _ledger(agent: Agent) -> dict:

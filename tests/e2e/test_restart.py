@@ -30,7 +30,7 @@ LONG_JOB = "python -c 'import time; print(\"step\", 1, flush=True); time.sleep(6
 
 
 def _run_dir(agent: Agent) -> Path:
-    return Path(agent.env["PODAGENT_LOG_DIR"]) / agent.env["PODAGENT_RUN_NAME"]
+    return agent.run_dir
 
 
 def _ledger(agent: Agent) -> dict:

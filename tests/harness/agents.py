@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from podagent.config.fields import path_component
 from tests.harness.pods import DnsServer, Pod, wait_for
 
 OWN_LINE = re.compile(r"\[[a-z][\w-]*\] ")  # podagent's lines start with its role
@@ -23,6 +24,12 @@ OWN_LINE = re.compile(r"\[[a-z][\w-]*\] ")  # podagent's lines start with its ro
 _SCRUB_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
 _SCRUB_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "NODE_ADDR",
                 "EXPECTED_WORKERS", "DEBUG_RAY", "CUDA_VISIBLE_DEVICES"}
+
+
+def pod_run_dir(log_dir: Path | str, run: str, pod: str) -> Path:
+    """A pod's own directory of a run, by podagent's rule (config.Settings.run_dir): under
+    the run's, named after the pod (its RUNPOD_POD_ID, else its host name)."""
+    return Path(log_dir) / run / path_component(pod)
 
 
 def clean_environ() -> dict[str, str]:
@@ -76,6 +83,12 @@ class Agent:
         self.proc = self.pod.popen(list(self.argv), env=self.env, stdout=self._out,
                                    stderr=subprocess.STDOUT, cwd=self.cwd)
         return self
+
+    @property
+    def run_dir(self) -> Path:
+        """This pod's own directory of the run."""
+        return pod_run_dir(self.env["PODAGENT_LOG_DIR"], self.env["PODAGENT_RUN_NAME"],
+                           self.env["RUNPOD_POD_ID"])
 
     @property
     def output(self) -> str:

@@ -65,6 +65,13 @@ class RunFailed(Exception):
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
+def pod_events(run_root: Path) -> Path:
+    """The events.jsonl of the pod that writes under `run_root` (a run's directory in that
+    pod's log dir: podagent writes in <run>/<its pod id>/); the first one when several do."""
+    found = sorted(run_root.glob("*/events.jsonl"))
+    return found[0] if found else run_root / "events.jsonl"
+
+
 def await_event(events: Path, agent: Any, match: Callable[[dict[str, Any]], bool],
                 timeout: float, what: str) -> dict[str, Any]:
     """The first event of podagent's events.jsonl that `match` accepts, once it is written.

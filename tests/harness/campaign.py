@@ -45,7 +45,7 @@ import psutil
 
 from podagent import cli
 from tests.fakes import reward_cmd
-from tests.harness.agents import Agent
+from tests.harness.agents import Agent, pod_run_dir
 from tests.harness.pods import DnsServer, Pod, PodNetwork, _ip, _kill_netns_processes
 
 CAMPAIGN_PREFIX = "pf"  # the campaign's networks (the e2e tests' are "pa", the benches' "pb")
@@ -353,7 +353,8 @@ class Container:
         return done
 
     def run_dir(self) -> Path:
-        return self.volume / "logs" / RUN
+        """This pod's own directory of the run (podagent's rule)."""
+        return pod_run_dir(self.volume / "logs", RUN, self.env["RUNPOD_POD_ID"])
 
     def events(self, this_start: bool = False) -> list[dict[str, Any]]:
         """events.jsonl (every start's), or only the current start's."""

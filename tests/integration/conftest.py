@@ -28,6 +28,8 @@ import psutil
 import pytest
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from podagent.config.fields import path_component
+
 T = TypeVar("T")
 
 # One podagent run: `ray start` (5-20 s here), the job, teardown. Generous for a loaded machine.
@@ -260,7 +262,10 @@ class PodagentRun:
 
     @property
     def run_dir(self) -> Path:
-        return self.log_dir / self.run_name
+        """This pod's own directory of the run (podagent's rule: without RUNPOD_POD_ID, the
+        pod is named by its host name)."""
+        return self.log_dir / self.run_name / path_component(
+            self.env.get("RUNPOD_POD_ID") or socket.gethostname())
 
     def read(self, name: str) -> str:
         path = self.run_dir / name

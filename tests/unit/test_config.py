@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import socket
 
 import pytest
 
 from podagent import config
+from podagent.config.fields import path_component
 from podagent.errors import ConfigError
 
 FIELD_BY_ENV = {f.env: f for f in config.FIELDS}
@@ -352,9 +354,21 @@ def test_run_name_default_uses_the_given_time():
     assert re.fullmatch(r"podagent-\d{8}-\d{6}", build().run_name)
 
 
-def test_run_dir_is_log_dir_slash_run_name(tmp_path):
-    s = build({"PODAGENT_LOG_DIR": str(tmp_path), "PODAGENT_RUN_NAME": "r1"})
-    assert s.run_dir == tmp_path / "r1"
+def test_run_dir_is_log_dir_slash_run_name_slash_this_pod(tmp_path):
+    """One directory per pod under the run's: pods sharing a volume never collide."""
+    s = build({"PODAGENT_LOG_DIR": str(tmp_path), "PODAGENT_RUN_NAME": "r1",
+               "RUNPOD_POD_ID": "abc123xyz"})
+    assert s.run_dir == tmp_path / "r1" / "abc123xyz" and s.pod_name == "abc123xyz"
+    off_runpod = build({"PODAGENT_LOG_DIR": str(tmp_path), "PODAGENT_RUN_NAME": "r1"})
+    assert off_runpod.run_dir == tmp_path / "r1" / path_component(socket.gethostname())
+
+
+@pytest.mark.parametrize(("name", "component"), [
+    ("abc123", "abc123"), ("host.example", "host.example"), ("..", "pod"), (".", "pod"),
+    ("a/b", "a-b"), ("x" * 80, "x" * 63), (".hidden", "hidden"),
+])
+def test_a_pods_directory_name_is_one_safe_path_component(name, component):
+    assert path_component(name) == component
 
 
 # --- the Settings object ------------------------------------------------------------------------
