@@ -21,9 +21,27 @@ from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
 TRAIN = Path(__file__).resolve().parents[1] / "jobs" / "tiny_train.py"
+FAKE_OPENRLHF = Path(__file__).resolve().parents[1] / "jobs" / "fake_openrlhf"
 EXIT_RESTARTS_EXHAUSTED, EXIT_JOB_FAILED = 16, 3
 STOPPED_WITHIN = 10.0  # the issue's bound: pod lost -> job stopped
 STEPS, EVERY = 120, 10
+
+
+def _openrlhf_in_bash(checkpoints: Path) -> str:
+    """The field's habit: `bash -c "cd ... && python -m openrlhf.cli.train_ppo_ray ..."` (the
+    trainer a fake of OpenRLHF's entry point over tiny_train, tests/jobs/fake_openrlhf). With
+    pipefail: without it a pipe's last command, not the trainer, is the job's outcome."""
+    trainer = shlex.join([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", "--ckpt.path",
+                          str(checkpoints), "--steps", str(STEPS), "--every", str(EVERY),
+                          "--step-time", "0.1"])
+    return shlex.join(["bash", "-o", "pipefail", "-c",
+                       f"cd {shlex.quote(str(FAKE_OPENRLHF))} && {trainer} 2>&1 | cat"])
+
+
+def _trainer_argv(checkpoints: Path) -> list[dict]:
+    """What the fake trainer itself received at each start (its own record)."""
+    path = checkpoints / ".argv.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _train_job(steps: int = STEPS, step_time: float = 0.1) -> str:
@@ -113,9 +131,12 @@ def test_lost_workers_replaced_or_restarted_and_the_training_finishes(make_pod, 
     the job is stopped within 10 s, submitted again once the replacement joined, resuming from
     the newest checkpoint. Then the other worker's pod is killed and the same pod restarted:
     the same again. Training reaches its target step; the ledger shows 3 attempts and the time
-    each restart lost."""
-    head, (w1, w2), checkpoints = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
-                                           PODAGENT_JOB=_train_job())
+    each restart lost. The job is an OpenRLHF command inside `bash -c`: each resubmitted job's
+    trainer itself receives `--ckpt.load_enable` (bash would make an argument after the
+    string its $0)."""
+    checkpoints = tmp_path / "ckpt"
+    head, (w1, w2), _ = _cluster(make_pod, dns_server, tmp_path, agents, workers=2,
+                                 PODAGENT_JOB=_openrlhf_in_bash(checkpoints))
 
     _wait_step(checkpoints, attempt=1, step=EVERY + 3, head=head)
     killed = _kill(w1, head)
@@ -140,7 +161,7 @@ def test_lost_workers_replaced_or_restarted_and_the_training_finishes(make_pod, 
     ledger = _ledger(head)
     assert [s["id"] for s in ledger["submissions"]] == ["e2e-1", "e2e-2"], ledger
     assert ledger["restarts"][0]["time_lost_s"] > 0, ledger
-    assert "--load_checkpoint" in head.output.split("job e2e-2 submitted")[1].splitlines()[0]
+    assert "--ckpt.load_enable" in head.output.split("job e2e-2 submitted")[1].splitlines()[0]
 
     killed = _kill(w2, head)
     second = _events(head, "restart")[-1]
@@ -161,6 +182,10 @@ def test_lost_workers_replaced_or_restarted_and_the_training_finishes(make_pod, 
     assert ledger["finished"]["outcome"] == "succeeded", ledger
     saved = sorted(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
     _assert_training_went_on(_steps(checkpoints), saved)
+    starts = _trainer_argv(checkpoints)
+    assert [s["attempt"] for s in starts] == [1, 2, 3], starts
+    assert "--ckpt.load_enable" not in starts[0]["argv"], starts
+    assert all(s["argv"][-1] == "--ckpt.load_enable" for s in starts[1:]), starts
     for w in (replacement, w2_again):
         assert w.wait_exit(30) == 0, w.output[-3000:]
 
