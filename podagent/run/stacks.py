@@ -203,7 +203,15 @@ def training_targets() -> list[Target]:
 
 def ray_job_targets(ray_processes: Iterable[psutil.Process]) -> list[Target]:
     """The Ray path: of this pod's Ray processes, the job's workers and actors (Ray gives each
-    RAY_JOB_ID) and the job's driver with what it started (under the JobSupervisor)."""
+    RAY_JOB_ID) and the job's driver with what it started (under the JobSupervisor). Ray
+    starts every worker from its raylet: a job process below another one is what that one
+    started (a DataLoader's workers, forked with its title and environment), no actor of its
+    own, and is left out, as a rank's are without Ray."""
+    ray_processes = list(ray_processes)
+    parent: dict[int, int] = {}
+    for proc in ray_processes:
+        with contextlib.suppress(psutil.Error):
+            parent[proc.pid] = proc.ppid()
     found: dict[int, Target] = {}
     for proc in ray_processes:
         title = _title(proc)
@@ -221,7 +229,19 @@ def ray_job_targets(ray_processes: Iterable[psutil.Process]) -> list[Target]:
         if "RAY_JOB_ID" in _environ(proc.pid):
             found[proc.pid] = Target(proc.pid, f"{title.split()[0]} (pid {proc.pid})",
                                      _rank(proc.pid))
-    return sorted(found.values(), key=lambda t: t.pid)
+    actors = {pid for pid, target in found.items() if not target.driver}
+
+    def started_by_an_actor(pid: int) -> bool:
+        seen, up = {pid}, parent.get(pid)
+        while up is not None and up not in seen:
+            if up in actors:
+                return True
+            seen.add(up)
+            up = parent.get(up)
+        return False
+
+    return sorted((t for pid, t in found.items() if t.driver or not started_by_an_actor(pid)),
+                  key=lambda t: t.pid)
 
 
 # --- dumping ------------------------------------------------------------------------------------

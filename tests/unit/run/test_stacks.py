@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -580,3 +582,65 @@ def test_the_data_loader_workers_of_ranks_are_not_ranks(tmp_path, ranks_with_loa
     found = stacks.culprits(dumped.stacks)
     assert [(s.rank, s.pid) for s in found] == [(1, ranks[1])]
     assert "sleep_instead_of_all_reduce" in found[0].where
+
+
+ACTOR_WITH_LOADER = r"""
+import json, os, sys, time
+import ray, torch
+
+ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[1], logging_level="ERROR")
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    def start(self):
+        self.loader = torch.utils.data.DataLoader(range(64), batch_size=4, num_workers=2,
+                                                  persistent_workers=True)
+        self.batches = iter(self.loader)
+        next(self.batches)
+        return os.getpid()
+
+trainer = Trainer.remote()
+print(json.dumps({"actor": ray.get(trainer.start.remote(), timeout=120)}), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_ray_actors_data_loader_workers_are_not_job_processes(tmp_path):
+    """Forked from an actor, a DataLoader's workers carry its `ray::` title and RAY_JOB_ID: the
+    job's processes on the Ray path are Ray's workers (each started by the raylet), not what an
+    actor starts, which would be named culprits, idle and in no collective."""
+    pytest.importorskip("ray")
+    pytest.importorskip("torch")
+    temp = tempfile.mkdtemp(prefix="pst-", dir="/tmp")  # short: Ray's sockets live under it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    driver = subprocess.Popen([sys.executable, "-c", ACTOR_WITH_LOADER, temp], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    tree: list[psutil.Process] = []
+    try:
+        line = _first_line(driver, timeout=180)
+        actor = json.loads(line)["actor"]
+        tree = psutil.Process(driver.pid).children(recursive=True)
+        forked = [p for p in psutil.Process(actor).children() if "RAY_JOB_ID" in
+                  stacks._environ(p.pid)]
+        assert len(forked) >= 2, "the actor's loader workers are not there"
+        targets = stacks.ray_job_targets(tree)
+        assert [t.pid for t in targets if not t.driver] == [actor], targets
+    finally:
+        tree = tree or psutil.Process(driver.pid).children(recursive=True)
+        driver.kill()
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        driver.wait(10)
+        psutil.wait_procs(tree, timeout=10)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line a process prints, within `timeout` (its exit first is a failure)."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert got and got[0].strip(), f"no line within {timeout:g} s (exit {proc.poll()})"
+    return got[0]
