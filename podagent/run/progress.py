@@ -110,9 +110,14 @@ class ProgressWatch:
             self._progress("output", at)
 
     def quiet(self) -> float:
-        """Seconds since the last progress (the files are looked at every LOOK_EVERY)."""
+        """Seconds since the last progress (the files are looked at every LOOK_EVERY, and
+        once more before the quiet seconds reach the timeout: a hang is never called on
+        progress written since the last look)."""
         now = self.clock()
-        if now >= self._next_look:
+        due = now >= self._next_look
+        if not due and self.enabled and now - self._last >= self.timeout:
+            due = self._looked < now
+        if due:
             self._next_look = now + LOOK_EVERY
             self._look()
         return self.clock() - self._last

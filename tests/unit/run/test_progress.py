@@ -332,3 +332,28 @@ def test_a_file_time_before_the_progress_already_known_is_no_news(tmp_path, now,
     now[0] = 32.5
     assert watch.quiet() == 1.5
     assert watch.last_seen == "restart 1"
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+def test_no_hang_is_called_on_progress_written_since_the_last_look(tmp_path, now, kind):
+    """The files are looked at every LOOK_EVERY; the quiet reaching the timeout between two
+    looks is looked at once more first: progress written since the last look counts."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    log, beat = tmp_path / "training.log", tmp_path / "heartbeat"
+    log.write_text("step 1\n")
+    beat.touch()
+    _age(root, log, beat)
+    files = {"checkpoint": root, "heartbeat": beat, "output": log}
+    watch = ProgressWatch(10.0, output=log, checkpoints=root, heartbeat=beat,
+                          clock=_clock(now))
+    now[0] = 8.5
+    assert watch.quiet() == 8.5  # a look: nothing new
+    _change(kind, files, _at(9.0))
+    now[0] = 10.0  # the timeout, before the next look is due (10.5 s)
+    assert watch.hung() is None
+    assert watch.quiet() == 1.0 and watch.last_seen == SAID[kind].format(files[kind])
+    now[0] = 18.5
+    assert watch.hung() is None
+    now[0] = 19.5  # past ten quiet seconds since the change: the look once more finds nothing
+    assert watch.hung() == 10.5
