@@ -374,3 +374,26 @@ def with_args(job: Sequence[str], args: Sequence[str], trainer: Trainer) -> tupl
     end = _end_of_words(script, *segment)
     placed = f"{script[:end]} {shlex.join(args)}{script[end:]}"
     return (*job[:at], placed, *job[at + 1:])
+
+
+def pipe_warning(job: Sequence[str], trainer: Trainer) -> str | None:
+    """One line when a shell job pipes its trainer's output (`... | tee log`) without
+    pipefail: the job's exit code is then the pipe's last command's, so a failed or lost
+    training ends the job as a success (and is not restarted). None otherwise."""
+    at = shell_script_index(job)
+    if at is None or any("pipefail" in arg for arg in job):
+        return None
+    script = job[at]
+    try:
+        segment = _trainer_segment(script, trainer)
+    except ValueError:
+        return None
+    if segment is None:
+        return None
+    end = segment[1]
+    if script[end:end + 1] != "|" or script[end + 1:end + 2] == "|":
+        return None
+    return (f"the job pipes its trainer's output ({script[end:].strip()[:40]!r}) without "
+            f"pipefail: its exit code is the pipe's last command's, so a failed training "
+            f"would end the job as SUCCEEDED, never restarted; run it with "
+            f"`bash -o pipefail -c ...` or put `set -o pipefail;` first in it")

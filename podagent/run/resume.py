@@ -47,6 +47,10 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return max(found, default=(0.0, None))[1]
 
 
+def _trainer(settings: Settings) -> trainers.Trainer:
+    return settings.profile.trainer if settings.profile else trainers.TRAINER_BY_NAME["script"]
+
+
 def resume(settings: Settings, job: Sequence[str]) -> Resume:
     """`job` (the Ray job's entrypoint, or the script a launcher runs with its arguments) as
     it starts now, and why."""
@@ -68,9 +72,8 @@ def resume(settings: Settings, job: Sequence[str]) -> Resume:
                                f"is left as it is")
     if flag[0] in trainers.words(job):
         return Resume(job, (), f"the job already has {flag[0]}: left as it is")
-    trainer = settings.profile.trainer if settings.profile else trainers.TRAINER_BY_NAME["script"]
     try:
-        command = trainers.with_args(job, flag, trainer)
+        command = trainers.with_args(job, flag, _trainer(settings))
     except ValueError as exc:
         return Resume(job, (), f"{directory} holds a checkpoint ({found.name}), but "
                                f"{shlex.join(flag)} has no place in the job ({exc}): it starts "
@@ -82,8 +85,11 @@ def resume(settings: Settings, job: Sequence[str]) -> Resume:
 
 def starting(settings: Settings, job: Sequence[str], reporter: Reporter) -> tuple[str, ...]:
     """`job` as it starts now (`resume()`), said in one line, with the `resume` event when it
-    resumes."""
+    resumes; a shell job whose pipe would hide its trainer's failure is warned of."""
     found = resume(settings, job)
+    piped = trainers.pipe_warning(job, _trainer(settings))
+    if piped:
+        reporter.warn(piped)
     if found.warning:
         reporter.warn(found.reason)
     elif found.reason:

@@ -224,3 +224,27 @@ def test_a_script_of_your_own_under_a_launcher_gets_no_flag_unless_asked(tmp_pat
     sft = config.build({"launcher": "torchrun"}, {},
                        job_argv=("-m", "openrlhf.cli.train_sft", "--ckpt_path", "/c"))
     assert sft.resume_flag == ("--load_checkpoint",) and sft.checkpoint_dir == "/c"
+
+
+@pytest.mark.parametrize(("job", "warned"), [
+    ("bash -c 'cd /w && python -m openrlhf.cli.train_ppo_ray --ckpt.path /c 2>&1 | tee l'",
+     True),
+    ("bash -c 'python train.py |& tee l'", True),
+    ("bash -o pipefail -c 'python train.py | tee l'", False),
+    ("bash -c 'set -euo pipefail; python train.py | tee l'", False),
+    ("bash -c 'python train.py || echo failed'", False),  # no pipe: || is no pipe
+    ("bash -c 'python train.py; echo done | tee l'", False),  # the trainer is not piped
+    ("python train.py", False),
+])
+def test_a_shell_job_that_pipes_its_trainer_without_pipefail_is_warned_of(job, warned, tmp_path):
+    """Without pipefail the pipe's last command is the job's exit code: a failed (or lost)
+    training would end the job as SUCCEEDED and never be restarted; bash proves it."""
+    settings = config.build({"job": job}, {})
+    screen = io.StringIO()
+    job_spec.entrypoint(settings, Reporter("head", "pod", None, stream=screen))
+    said = "without pipefail" in screen.getvalue()
+    assert said == warned, screen.getvalue()
+    if warned:  # the fact behind the warning, as bash has it
+        assert subprocess.run(["bash", "-c", "(exit 3) | cat"], timeout=30).returncode == 0
+        assert subprocess.run(["bash", "-o", "pipefail", "-c", "(exit 3) | cat"],
+                              timeout=30).returncode == 3
