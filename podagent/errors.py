@@ -190,6 +190,12 @@ class PodsNotReady(PodagentError):
     pod went into ERROR. Whatever was created has been terminated."""
 
 
+class PodsLeftBilling(PodagentError):
+    """`podagent up`: its clean-up could not terminate every pod of the run (RunPod refused,
+    did not answer past the retries, or answered nonsense), whatever ended the run: they may
+    still bill. The message names them and `podagent down RUN`, which finishes the job."""
+
+
 class NoHeadLocation(ConfigError, HeadUnreachable):
     """A worker was given no way to find the head (none of the settings that name it is set).
     Bad input, so a ConfigError (exit 2); also a HeadUnreachable, as HeadFinder.locate

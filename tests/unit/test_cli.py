@@ -245,6 +245,7 @@ EXIT_CODES = [
     (errors.DataOverlap("ranks 0 and 1 share 16 of 16 samples"), 23),
     (errors.PodGone("pod w1 was stopped at RunPod"), 24),
     (errors.RunHung("no progress for 600 s"), 25),
+    (errors.PodsLeftBilling("its pods may still bill"), 26),
     (errors.RunPodNonsense("answered 201 with an empty body"), 20),
     (errors.RunPodConflict("409"), 20),
     (errors.Interrupted(signal.SIGTERM), 143),
