@@ -60,10 +60,12 @@ def up(spec: UpSpec, key: str, explain: Callable[[int], str], interrupts: Interr
 
 
 def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: float,
-                  timeout: float | None) -> UpSpec:
+                  timeout: float | None,
+                  say: Callable[[str], None] | None = None) -> UpSpec:
     """`podagent up --name RUN` alone: the run's spec from this machine's record, else from
     its pods at RunPod (their number, their GPU type, a cluster or not)."""
-    record = state.load(state_dir, run)
+    say = say or (lambda line: print(f"[up] {line}", flush=True))
+    record = state.load_hint(state_dir, run, say)
     if record is not None and record.spec:
         try:
             return UpSpec.from_record(record.spec, api_url=url, api_timeout=api_timeout,
@@ -93,7 +95,7 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
     """Terminate the run's pods; how many there were."""
     api = client(key, url, say)
     try:
-        record = state.load(state_dir, run)
+        record = state.load_hint(state_dir, run, say)
         found = downs.find(api, run, record)
         if not found:
             say(f"run {run}: nothing of it at RunPod")
@@ -119,7 +121,8 @@ def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
     over; for pods still billing, their rate since RunPod created them). Returns how many
     pods are billing."""
     api = client(key, url, lambda line: out.write(f"[ls] {line}\n"))
-    records = {r.run: r for r in state.all_records(state_dir)}
+    records = {r.run: r for r in state.all_records(
+        state_dir, lambda line: out.write(f"[ls] {line}\n"))}
     try:
         pods = [p for p in api.list_pods(include_cluster_pods=True)
                 if specs.run_of(p) or any(specs.belongs(p, r) for r in records)]

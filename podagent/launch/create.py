@@ -39,7 +39,9 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
     gpu = specs.check_gpu(spec, client.gpu_types())
     data_centers = specs.check_data_centers(spec, client.data_centers())
     registry = specs.check_registry(spec, client.registries()) if spec.registry_auth else None
-    record = state.load(spec.state_dir, spec.run)
+    # The record is a hint: one that cannot be read is set aside, and the run's pods are
+    # found at RunPod by their names and label all the same.
+    record = state.load_hint(spec.state_dir, spec.run, say)
     found = down.find(client, spec.run, record)
     alive = [p for p in found.pods if p.get("status") != "TERMINATED"]
     if record is None or (record.status == state.DOWN and not found):

@@ -14,15 +14,26 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from podagent.errors import ConfigError, InputError
+from podagent.errors import InputError
 
 # A run's life as the record tells it (DETACHED: `up --detach` left it running on its own).
 CREATING, RUNNING, DETACHED, FINISHED, DOWN = ("creating", "running", "detached", "finished",
                                                "down")
+SET_ASIDE = ".unreadable"  # an unreadable record is renamed RUN.json.unreadable[.N], kept
+
+
+class Unreadable(InputError):
+    """A run's record that cannot be read, or is not one podagent wrote. It is only a hint:
+    the run's pods are found at RunPod by their names and label all the same."""
+
+    def __init__(self, run: str, path: Path, why: str):
+        self.run, self.path, self.why = run, path, why
+        super().__init__(f"the record of run {run} ({path}) cannot be read ({why})")
 
 
 @dataclass
@@ -130,15 +141,18 @@ def path_of(state_dir: Path, run: str) -> Path:
 
 
 def load(state_dir: Path, run: str) -> RunRecord | None:
+    """The run's record; None when there is none; Unreadable when it cannot be read (a
+    truncated file, garbage, a missing key, a field of the wrong type)."""
     path = path_of(state_dir, run)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise InputError(f"the record of run {run} ({path}) cannot be read ({exc}): "
-                          f"`podagent down {run}` still finds its pods by name") from None
+        raise Unreadable(run, path, f"{type(exc).__name__}: {exc}") from None
     try:
+        if not isinstance(data, dict) or not isinstance(data.get("resources", []), list):
+            raise TypeError("not a JSON object with a list of resources")
         resources = [Resource(**{k: v for k, v in r.items()
                                  if k in Resource.__dataclass_fields__ and k != "kind"},
                               kind=str(r["kind"]))
@@ -147,12 +161,62 @@ def load(state_dir: Path, run: str) -> RunRecord | None:
                  if k in RunRecord.__dataclass_fields__ and k not in ("path", "resources")}
         record = RunRecord(**known, resources=resources, path=path)
     except (TypeError, KeyError, AttributeError) as exc:
-        raise InputError(f"the record of run {run} ({path}) is not one podagent wrote "
-                         f"({type(exc).__name__}: {exc}): `podagent down {run}` still finds "
-                         f"its pods by name") from None
-    if not isinstance(record.run, str) or not isinstance(record.status, str):
-        raise InputError(f"the record of run {run} ({path}) is not one podagent wrote")
+        raise Unreadable(run, path, f"not one podagent wrote: {type(exc).__name__}: {exc}"
+                         ) from None
+    wrong = _wrong_field(record)
+    if wrong or record.run != run:
+        raise Unreadable(run, path, f"not one podagent wrote: "
+                                    f"{wrong or f'it is the record of run {record.run!r}'}")
     return record
+
+
+def _wrong_field(record: RunRecord) -> str:
+    """The first field whose value is not of the type podagent writes ('' if none)."""
+    optional_dicts = ("outcome", "spec", "cost")
+    for name in ("run", "api_url", "shape", "status"):
+        if not isinstance(getattr(record, name), str):
+            return f"its {name} is not a string"
+    if not isinstance(record.created_at, (int, float)) or isinstance(record.created_at, bool):
+        return "its created_at is not a number"
+    for name in optional_dicts:
+        if not isinstance(getattr(record, name), (dict, type(None))):
+            return f"its {name} is not an object"
+    for resource in record.resources:
+        if (resource.kind not in ("pod", "cluster") or not isinstance(resource.name, str)
+                or not isinstance(resource.id, (str, type(None)))
+                or not isinstance(resource.rank, (int, type(None)))
+                or not isinstance(resource.asked_at, (int, float))):
+            return f"a resource is not one podagent writes ({resource})"
+    return ""
+
+
+def set_aside(error: Unreadable) -> Path | None:
+    """Keep an unreadable record under another name (RUN.json.unreadable, .1, ...), so that
+    a new record of the run can be written; None when it cannot be moved (then it stays)."""
+    for n in range(1000):
+        target = error.path.with_name(error.path.name + SET_ASIDE + (f".{n}" if n else ""))
+        if target.exists():
+            continue
+        try:
+            os.rename(error.path, target)
+        except OSError:
+            return None
+        return target
+    return None
+
+
+def load_hint(state_dir: Path, run: str, say: Callable[[str], None]) -> RunRecord | None:
+    """The run's record for a command that needs it only as a hint (`down`, `up`'s check,
+    re-attaching): one that cannot be read is said in one line and set aside (kept, never
+    deleted), and the command goes on as without a record, finding the run's pods at RunPod
+    by name and label."""
+    try:
+        return load(state_dir, run)
+    except Unreadable as exc:
+        kept = set_aside(exc)
+        where = f"set aside as {kept}" if kept else "left as it is"
+        say(f"{exc}: {where}; looking for the run's pods at RunPod by their names and label")
+        return None
 
 
 def new(state_dir: Path, run: str, api_url: str, shape: str,
@@ -163,11 +227,17 @@ def new(state_dir: Path, run: str, api_url: str, shape: str,
     return record
 
 
-def all_records(state_dir: Path) -> list[RunRecord]:
+def all_records(state_dir: Path, say: Callable[[str], None] = lambda line: None
+                ) -> list[RunRecord]:
+    """Every readable record; one that cannot be read is said in one line and left as it
+    is (a look changes nothing), and the others are read on."""
     found = []
     for path in sorted(state_dir.glob("*.json")) if state_dir.is_dir() else []:
-        with contextlib.suppress(ConfigError):
+        try:
             record = load(state_dir, path.stem)
-            if record is not None:
-                found.append(record)
+        except Unreadable as exc:
+            say(f"{exc}: left as it is; its pods are listed by their label")
+            continue
+        if record is not None:
+            found.append(record)
     return found

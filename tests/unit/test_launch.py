@@ -199,6 +199,36 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     assert not list(tmp_path.glob(".*"))  # no temporary file left beside it
 
 
+@pytest.mark.parametrize("written", [
+    '{"run": "demo", "api_url": "https://api.runpod.io", "status": "runn',  # truncated
+    "\x00\xff garbage", "[1, 2]", '{"run": "demo", "status": "running"}',  # no api_url
+    '{"run": "demo", "api_url": "u", "outcome": 5}',  # a field of the wrong type
+    '{"run": "demo", "api_url": "u", "resources": [{"name": "x"}]}',  # a resource's kind
+    '{"run": "other", "api_url": "u"}',  # another run's record
+])
+def test_an_unreadable_record_is_one_line_set_aside_and_kept(tmp_path, written):
+    """A record is a hint: one that cannot be read is said in one line (which file, why) and
+    set aside as it was, and the command goes on as without one; `ls` leaves it and reads
+    the others."""
+    state.new(tmp_path, "good", "https://api.runpod.io", "2 x H100")
+    path = state.path_of(tmp_path, "demo")
+    path.write_text(written)
+    with pytest.raises(state.Unreadable):
+        state.load(tmp_path, "demo")
+    said: list[str] = []
+    assert [r.run for r in state.all_records(tmp_path, said.append)] == ["good"]
+    assert len(said) == 1 and str(path) in said[0] and "cannot be read (" in said[0], said
+    assert path.read_text() == written  # a look leaves it as it is
+    said.clear()
+    assert state.load_hint(tmp_path, "demo", said.append) is None
+    assert len(said) == 1 and str(path) in said[0] and "\n" not in said[0], said
+    assert not path.exists() and (tmp_path / "demo.json.unreadable").read_text() == written
+    path.write_text(written)  # broken again: the first one set aside is kept too
+    assert state.load_hint(tmp_path, "demo", said.append) is None
+    assert (tmp_path / "demo.json.unreadable.1").read_text() == written
+    assert state.load_hint(tmp_path, "demo", said.append) is None and len(said) == 2
+
+
 def test_the_policy():
     t0, shape = 100.0, "3 x H100"
     running = {"a": "RUNNING", "b": "RUNNING"}
