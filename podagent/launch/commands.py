@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from podagent import config, extras
+from podagent.choices import AfterRun
 from podagent.errors import InputError, PodsNotReady
 from podagent.launch import down as downs
 from podagent.launch import spec as specs
@@ -63,7 +64,7 @@ def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: fl
                   timeout: float | None,
                   say: Callable[[str], None] | None = None) -> UpSpec:
     """`podagent up --name RUN` alone: the run's spec from this machine's record, else from
-    its pods at RunPod (their number, their GPU type, a cluster or not)."""
+    its pods at RunPod (their number, their GPU type, a cluster or not, --keep's)."""
     say = say or (lambda line: print(f"[up] {line}", flush=True))
     record = state.load_hint(state_dir, run, say)
     if record is not None and record.spec:
@@ -82,10 +83,13 @@ def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: fl
                            f"`podagent up` needs --image (or --template) and --gpu to start "
                            f"it")
     gpu = pods[0].get("gpu") or {}
+    # The pods were told whether to stay up after the run (--keep): follow them alike.
+    keep = any((p.get("env") or {}).get("PODAGENT_AFTER_RUN") == AfterRun.STAY.value
+               for p in pods)
     return UpSpec(run=run, gpu_type=str(gpu.get("id") or "?"),
                   gpus_per_pod=int(gpu.get("count") or 1), pods=len(pods),
                   image=str(pods[0].get("image") or "") or None,
-                  cluster=any(p.get("cluster") for p in pods), api_url=url,
+                  cluster=any(p.get("cluster") for p in pods), keep=keep, api_url=url,
                   api_timeout=api_timeout, state_dir=state_dir,
                   **({"timeout": timeout} if timeout is not None else {}))
 

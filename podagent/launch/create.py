@@ -44,10 +44,15 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
     record = state.load_hint(spec.state_dir, spec.run, say)
     found = down.find(client, spec.run, record)
     alive = [p for p in found.pods if p.get("status") != "TERMINATED"]
+    if follow_only and not found:
+        told = (record.outcome or {}) if record is not None else {}
+        raise PodsNotReady(f"run {spec.run}: nothing of it at RunPod" + (
+            f" (its record here: {record.status}"
+            + (f", exit {told['code']}" if "code" in told else "") + ")"
+            if record is not None else ", and no record of it here"))
     if record is None or (record.status == state.DOWN and not found):
-        if follow_only:
-            raise PodsNotReady(f"run {spec.run}: nothing of it at RunPod, and no record of "
-                               f"it here")
+        # No record here (deleted, set aside, or the run started on another machine): a new
+        # one, also when re-attaching to pods that exist, so that `ls` and `down` know them.
         record = state.new(spec.state_dir, spec.run, spec.api_url, spec.shape(),
                            spec.to_record())
     checked = Checked(Placement(str(gpu["id"]), data_centers, registry), record,
@@ -56,11 +61,8 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
     if checked.exists:
         say(f"run {spec.run} exists at RunPod ({len(alive)} pod(s)): re-attaching to it"
             + ("" if follow_only else ", creating only what is missing"))
-    elif follow_only:
-        told = record.outcome or {}
-        raise PodsNotReady(f"run {spec.run}: nothing of it at RunPod (its record here: "
-                           f"{record.status}"
-                           + (f", exit {told['code']}" if "code" in told else "") + ")")
+        if follow_only and record.status == state.CREATING:  # the new record above
+            record.try_mark(state.RUNNING)
     price = specs.price_per_hour(spec, gpu)
     priced = f" at about ${price:.2f}/h (RunPod's list price)" if price is not None else ""
     where = f" in {', '.join(data_centers)}" if data_centers else ""

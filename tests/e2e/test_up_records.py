@@ -1,20 +1,27 @@
 """`podagent up`, `down` and `ls` when this machine's record of a run is no help: the record is
 a hint, RunPod's own list (the pods' names and label) is the truth. A record that cannot be read
-is said in one line and kept, and every command goes on. The pods run a stand-in for podagent
-(tests/fakes/pod_head.py): what counts here is what the laptop does."""
+is said in one line and kept, and every command goes on; no record at all (deleted, another
+laptop) still re-attaches. The pods run a stand-in for podagent (tests/fakes/pod_head.py): what
+counts here is what the laptop does."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from podagent.launch import state
 from tests.harness.laptop import (
     HEAD_IMAGE,
     billing,
+    creates,
     listed,
     run_cli,
     run_down,
@@ -81,3 +88,83 @@ def test_down_and_ls_go_on_past_an_unreadable_record(cloud, tmp_path, broken):
     assert billing(cloud, "other") == 2  # another run's pods are not touched
     assert run_down(cloud, tmp_path, "other").returncode == 0
     assert cloud.billing() == []
+
+
+class _Output:
+    """A running command's output as it comes, to act on what it says."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait(self, text: str, timeout: float = 60) -> None:
+        try:
+            wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
+                     what=repr(text))
+        except TimeoutError:
+            raise AssertionError(f"{text!r} never came (exit {self.proc.poll()}); it said: "
+                                 f"{self.lines[-20:]}") from None
+
+    def end(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=10)
+        return code
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.mark.parametrize("record", ["deleted", "unreadable", "deleted, --keep"])
+def test_up_name_alone_reattaches_to_the_pods_without_a_record(cloud, tmp_path, record):
+    """A detached run (or a --keep run whose laptop crashed), then this machine's record
+    deleted (or another laptop, or a record that cannot be read): `podagent up --name RUN`
+    alone finds the run's pods at RunPod, follows them to the run's end (its code), creates
+    nothing, and terminates them (a --keep run's stay up, as the pods were told)."""
+    go = tmp_path / "go"
+    keep = record.endswith("--keep")
+    first = _Output(start_up(cloud, tmp_path, up_argv(
+        "lost", 2, "--keep" if keep else "--detach", "-e", f"POD_HEAD_GO={go}",
+        "-e", "POD_HEAD_CODE=3", image=HEAD_IMAGE)))
+    if keep:
+        first.wait("job line 5")
+        first.proc.send_signal(signal.SIGKILL)  # the laptop crashed mid-run
+        first.end()
+    else:
+        assert first.end() == 0 and "detached" in first.text, first.text[-3000:]
+    assert billing(cloud, "lost") == 2
+    path = _record(tmp_path, "lost")
+    if record.startswith("deleted"):
+        shutil.rmtree(tmp_path / "state")
+    else:
+        path.write_text("{ not json")
+    made = len(creates(cloud))
+
+    up = _Output(start_up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name",
+                                            "lost"]))
+    up.wait("re-attaching")
+    up.wait("job line 5")  # following the head's log
+    assert up.proc.poll() is None  # the run goes on, and `up` with it
+    go.touch()
+    assert up.end() == 3, up.text[-3000:]  # the run's own code
+    assert "run lost ended" in up.text, up.text[-3000:]
+    assert len(creates(cloud)) == made  # nothing created
+    if record == "unreadable":
+        assert path.with_name(path.name + ".unreadable").read_text() == "{ not json"
+        said = [line for line in up.lines if "cannot be read" in line]
+        assert len(said) == 1 and str(path) in said[0], up.text
+    again = json.loads(path.read_text())  # a record of its own now, the run's end in it
+    assert again["outcome"]["code"] == 3
+    if keep:
+        assert "--keep: the pods stay up idle" in up.text, up.text[-3000:]
+        assert again["status"] == state.FINISHED and billing(cloud, "lost") == 2
+        assert run_down(cloud, tmp_path, "lost").returncode == 0
+    else:
+        assert "nothing of it is billing" in up.text and again["status"] == state.DOWN
+    assert cloud.billing() == [] and not listed(cloud, "lost")
