@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from podagent.errors import RunPodApiError
@@ -51,11 +51,32 @@ def find(client: Client, run: str, record: RunRecord | None) -> Found:
     return Found(pods, clusters)
 
 
-def _terminate_found(client: Client, found: Found) -> int:
+@dataclass
+class Sweep:
+    """What a termination saw, for when it fails: the run's pods as RunPod last listed them
+    (None: it never answered the list), and those whose terminate (or cluster's delete) it
+    accepted."""
+
+    listed: list[dict[str, Any]] | None = None
+    accepted: set[str] = field(default_factory=set)
+
+    def left(self) -> list[str] | None:
+        """'name (id)' of each pod RunPod last listed (those whose terminate it accepted but
+        still listed said so); None when it never listed them."""
+        if self.listed is None:
+            return None
+        return [f"{p.get('name')} ({p.get('id')}"
+                + (", terminate accepted)" if str(p.get("id")) in self.accepted else ")")
+                for p in self.listed if p.get("status") != "TERMINATED"]
+
+
+def _terminate_found(client: Client, found: Found, sweep: Sweep) -> int:
     """One round: every cluster deleted, every pod outside them terminated; how many pods."""
     in_cluster = {str(c["id"]) for c in found.clusters}
     for cluster in found.clusters:
         client.delete_cluster(str(cluster["id"]))
+        sweep.accepted |= {str(p.get("id")) for p in found.pods
+                           if str((p.get("cluster") or {}).get("id")) == str(cluster["id"])}
     count = 0
     for pod in found.pods:
         if pod.get("status") == "TERMINATED":
@@ -65,13 +86,17 @@ def _terminate_found(client: Client, found: Found) -> int:
         if isinstance(member, dict) and str(member.get("id")) in in_cluster:
             continue  # goes with its cluster (RunPod refuses a member's own delete)
         client.terminate_pod(str(pod["id"]))
+        sweep.accepted.add(str(pod["id"]))
     return count
 
 
 def terminate(client: Client, run: str, record: RunRecord | None,
-              say: Callable[[str], None], timeout: float = GONE_TIMEOUT) -> int:
+              say: Callable[[str], None], timeout: float = GONE_TIMEOUT,
+              sweep: Sweep | None = None) -> int:
     """Terminate every pod and cluster of the run, in rounds, until RunPod lists none of them.
-    Returns how many pods there were. Raises RunPodApiError when some are still there."""
+    Returns how many pods there were. Raises RunPodApiError when some may still be there
+    (`sweep`, if given, then says which)."""
+    sweep = sweep if sweep is not None else Sweep()
     started = time.monotonic()
     seen: set[str] = set()
     first = True
@@ -81,10 +106,11 @@ def terminate(client: Client, run: str, record: RunRecord | None,
         nonlocal first, rounds
         rounds += 1
         found = find(client, run, record)
+        sweep.listed = found.pods
         new = {str(p["id"]) for p in found.pods if p.get("status") != "TERMINATED"} - seen
         # Again now and then for what is still listed: a terminate RunPod lost is sent anew.
         if found and (first or new or rounds % AGAIN_EVERY == 0):
-            count = _terminate_found(client, found)
+            count = _terminate_found(client, found, sweep)
             seen.update(new)
             if first and (count or found.clusters):
                 say(f"terminating {count} pod(s) of run {run}"

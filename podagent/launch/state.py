@@ -21,9 +21,11 @@ from typing import Any
 
 from podagent.errors import InputError
 
-# A run's life as the record tells it (DETACHED: `up --detach` left it running on its own).
+# A run's life as the record tells it (DETACHED: `up --detach` left it running on its own;
+# LEFT_BILLING: `up` could not terminate its pods, which may still bill: `podagent down RUN`).
 CREATING, RUNNING, DETACHED, FINISHED, DOWN = ("creating", "running", "detached", "finished",
                                                "down")
+LEFT_BILLING = "clean-up failed"
 SET_ASIDE = ".unreadable"  # an unreadable record is renamed RUN.json.unreadable[.N], kept
 
 

@@ -23,11 +23,12 @@ import contextlib
 import enum
 import queue
 import time
+import traceback
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from podagent.errors import Interrupted, PodGone, PodsNotReady
+from podagent.errors import Interrupted, PodagentError, PodGone, PodsLeftBilling, PodsNotReady
 from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.create import Checked, Creator, check
@@ -147,6 +148,8 @@ class Up:
         self.exited_since: dict[str, float] = {}
         self.detached = False
         self.left = False  # a second interrupt: the pods were left as they are
+        self.clean_up_failed: Exception | None = None  # the pods may still bill
+        self.sweep = down.Sweep()  # what the clean-up saw of them
         self.started = time.monotonic()
         self.head = HeadProgress(spec.run, self.board, view, self.say, self._phase,
                                  self._head_name, self.started)
@@ -235,13 +238,12 @@ class Up:
             self.say(f"left the pods of run {run} as they are; they bill until `podagent down "
                      f"{run}` terminates them")
         except Exception as exc:  # an API that stays down; a bug in the clean-up itself
-            self.say(f"clean-up failed ({type(exc).__name__}: {exc}); the pods may still bill: "
-                     f"`podagent down {run}` tries again")
+            self.clean_up_failed = exc  # the end says it, with its own code (_outcome)
 
     def _terminate(self) -> None:
         """Every pod of the run terminated and gone from RunPod's list (else an error)."""
         self._phase(Phase.CLEANING)
-        down.terminate(self.client, self.spec.run, self.record, self.say)
+        down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep)
         if self.watch is not None:
             self.watch.cost.close(time.time())
         for row in self.board.pods.values():
@@ -252,6 +254,8 @@ class Up:
         if self.left:
             raise Interrupted(signum_of(failure) if isinstance(
                 failure, (Leave, KeyboardInterrupt)) else self.interrupts.first or 2)
+        if self.clean_up_failed is not None:
+            self._left_billing(failure, code)
         if failure is None:
             if self.detached:
                 return 0
@@ -331,7 +335,38 @@ class Up:
                  f"{run}` follows it again, `podagent ls` shows it, `podagent down {run}` "
                  f"terminates it")
 
-    def _summary(self, code: int) -> None:
+    def _left_billing(self, failure: BaseException | None, code: int | None) -> NoReturn:
+        """The pods could not all be terminated: whatever ended the run, `up` ends with
+        PodsLeftBilling, naming what may still bill and `podagent down RUN`; the record says
+        so too (not DOWN), for `podagent ls` and `podagent down`."""
+        run, error = self.spec.run, self.clean_up_failed
+        left = self.sweep.left()
+        if left is None:  # RunPod never listed them: what this run asked for or found
+            known = {r.name: r.id for r in self.record.resources} if self.record else {}
+            known.update(self.checked.pod_ids if self.checked else {})
+            left = [f"{name} ({pod_id or 'id unknown'})" for name, pod_id in known.items()]
+        if failure is None and code is not None:
+            self._summary(code, mark=False)
+            ended = f"the run {'succeeded' if code == 0 else 'ended'} (exit {code})"
+        elif isinstance(failure, KeyboardInterrupt):
+            ended = f"stopped by {self.interrupts.name}"
+        elif isinstance(failure, PodagentError):
+            ended = str(failure).removeprefix(f"run {run}: ")
+        elif failure is not None:  # a bug: its traceback, then the pods' line
+            for line in traceback.format_exception(failure):
+                self.view.line(line.rstrip("\n"))
+            ended = f"a bug in podagent ({type(failure).__name__}: {failure}; traceback above)"
+        else:
+            ended = "the run ended"
+        if self.record is not None:
+            self.record.try_mark(state.LEFT_BILLING, run_code=code, may_bill=left,
+                                 why=f"{type(error).__name__}: {error}")
+        raise PodsLeftBilling(
+            f"run {run}: {ended}; its pods could not all be terminated ({type(error).__name__}"
+            f": {error}) and may still bill: {', '.join(left) or 'none known'}; `podagent "
+            f"down {run}` terminates them") from None
+
+    def _summary(self, code: int, mark: bool = True) -> None:
         """The run's last line: its outcome, what it cost, the API calls it made."""
         took = time.monotonic() - self.started
         cost = self.watch.cost if self.watch else CostMeter()
@@ -347,7 +382,7 @@ class Up:
                  f"RunPod's rates; {pace.calls} RunPod API calls (at most "
                  f"{pace.busiest_minute()} in a minute{allowed})")
         record = self.record
-        if record is not None:
+        if record is not None and mark:
             record.cost = {"pod_hours": round(hours, 4), "dollars": round(dollars, 2)}
             record.try_mark(state.FINISHED if self.spec.keep else state.DOWN, code=code,
                             took=round(took, 1))

@@ -7,6 +7,7 @@ order), its exit code, and what is left at RunPod."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -16,12 +17,16 @@ from typing import Any
 import pytest
 import requests
 
+from podagent.launch import state
 from tests.harness.laptop import (
     HEAD_IMAGE,
     KEY,
+    billing,
     creates,
     listed,
     of_run,
+    run_cli,
+    run_down,
     run_up,
     start_up,
     up_argv,
@@ -142,3 +147,45 @@ def test_a_private_image_needs_its_registry_credential(make_cloud, tmp_path):
     assert {r.body.get("registry") for r in creates(cloud)
             if r.body["name"].startswith("podagent-creds-")} == {"r1"}
     assert cloud.billing() == []
+
+
+@pytest.mark.parametrize("fault", ["503", "429", "nonsense"])
+def test_a_clean_up_that_fails_is_exit_26_and_down_finishes_it(make_cloud, tmp_path, fault):
+    """The run succeeds, then RunPod does not terminate its pods (503 or 429 past
+    --api-timeout; a list answered with nonsense): `up` exits 26, its last line names what
+    may bill and `podagent down RUN`; the record is not DOWN, `ls` shows the run, and `down`
+    finishes the job."""
+    cloud = make_cloud()
+    if fault == "nonsense":
+        # From the clean-up's first terminate on, RunPod's list makes no sense.
+        def garble(record: Any) -> None:
+            if record.method == "DELETE":
+                cloud.clear_after_response()
+                cloud.garble_next(10_000, body=b'{"pods": 5}', match=r"^GET /v2/pods$")
+
+        cloud.after_response(garble)
+    else:
+        cloud.fail_next(10_000, int(fault), match=r"^DELETE ")
+    result = run_up(cloud, tmp_path, up_argv("stuck", 2, "--api-timeout", "3",
+                                             image=HEAD_IMAGE), timeout=180)
+    out = result.stdout + result.stderr
+    record_of = tmp_path / "state" / "podagent" / "runs" / "stuck.json"
+    assert result.returncode == 26, out[-3000:]
+    assert "run stuck succeeded (exit 0)" in result.stdout, out[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "may still bill: podagent-stuck-" in last and last.endswith(
+        "`podagent down stuck` terminates them"), last
+    assert "nothing of it is billing" not in out
+    record = json.loads(record_of.read_text())
+    assert record["status"] == state.LEFT_BILLING, record
+    assert record["outcome"]["run_code"] == 0 and len(record["outcome"]["may_bill"]) == 2
+    cloud.clear_faults()
+    cloud.clear_after_response()
+    ls = run_cli(cloud, tmp_path, "ls")
+    assert ls.returncode == 0 and "clean-up failed" in ls.stdout, ls.stdout + ls.stderr
+    if fault != "nonsense":  # its terminates were refused: both pods bill on
+        assert billing(cloud, "stuck") == 2 and "2 pod(s) billing" in ls.stdout, ls.stdout
+    down = run_down(cloud, tmp_path, "stuck")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert cloud.billing() == [] and not listed(cloud, "stuck")
+    assert json.loads(record_of.read_text())["status"] == state.DOWN
