@@ -1,9 +1,14 @@
 """What `podagent up` shows: at a terminal, a live board (the run's phase and a table of its
 pods: status, for how long, cost) redrawn in place under the scrolling output; elsewhere
-(a pipe, a file, CI) plain lines, one per change. Both read the same Board."""
+(a pipe, a file, CI) plain lines, one per change. Both read the same Board.
+
+Output is best effort: a stream that breaks (a closed terminal, `| tee` or `| head` gone) is
+silenced, never an error, so that nothing `up` says can stop it terminating the pods."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -64,6 +69,18 @@ class Board:
         return sum(p.cost or 0.0 for p in self.pods.values())
 
 
+def _silence(stream: TextIO) -> None:
+    """A broken stream's file descriptor onto /dev/null: what is still buffered, or written
+    by anyone later (an error line, the interpreter's last flush), goes nowhere quietly."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+
+
 def _ago(since: float) -> str:
     seconds = int(time.monotonic() - since)
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
@@ -77,10 +94,17 @@ class PlainView:
         self._seen: dict[str, str] = {}
         self._phase = ""
         self._joined = -1
+        self.broken = False  # the stream failed once: nothing more is written to it
 
     def _put(self, text: str) -> None:
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        if self.broken:
+            return
+        try:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # EPIPE, EIO (a hung-up terminal), a closed file
+            self.broken = True
+            _silence(self.stream)
 
     def update(self, board: Board) -> None:
         for row in board.pods.values():
@@ -102,7 +126,9 @@ class PlainView:
         self._put(text)
 
     def close(self) -> None:
-        self.stream.flush()
+        if not self.broken:
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.flush()
 
 
 class LiveView:
@@ -112,7 +138,9 @@ class LiveView:
         from rich.console import Console
         from rich.live import Live
 
-        self.console = Console(file=stream or sys.stdout)
+        self.stream = stream or sys.stdout
+        self.console = Console(file=self.stream)
+        self.broken = False  # as PlainView's
         self._board: Board | None = None
         self._live = Live(console=self.console, refresh_per_second=4, transient=False,
                           get_renderable=self._render)
@@ -148,11 +176,27 @@ class LiveView:
     def line(self, text: str) -> None:
         from rich.text import Text
 
-        self._live.console.print(Text(text), soft_wrap=True)
+        if self.broken:
+            return
+        try:
+            self._live.console.print(Text(text), soft_wrap=True)
+        except (OSError, ValueError):
+            self._broke()
+
+    def _broke(self) -> None:
+        self.broken = True
+        _silence(self.stream)
+        with contextlib.suppress(Exception):
+            self._live.stop()
 
     def close(self) -> None:
-        self._live.refresh()
-        self._live.stop()
+        if self.broken:
+            return
+        try:
+            self._live.refresh()
+            self._live.stop()
+        except (OSError, ValueError):
+            self._broke()
 
 
 def choose(stream: TextIO | None = None) -> PlainView | LiveView:

@@ -23,6 +23,7 @@ from tests.harness.laptop import (
     IMAGES,
     KEY,
     after_call,
+    billing,
     gone_within,
     laptop_env,
     listed,
@@ -32,7 +33,7 @@ from tests.harness.laptop import (
     start_up,
     up_argv,
 )
-from tests.harness.pods import DnsServer, PodNetwork
+from tests.harness.pods import DnsServer, PodNetwork, wait_for
 
 # The calls of a 3-pod run, in order (the workers' two creates go out together).
 CALLS = ("GPUs", "data centers", "list pods", "list clusters", "head create", "worker create",
@@ -166,6 +167,30 @@ def test_the_first_ctrl_c_during_the_final_teardown_does_not_stop_it(cloud, tmp_
     assert "podagent down" not in out and "nothing of it is billing" in out, out
     deletes = [r.time for r in cloud.requests if r.method == "DELETE"]
     report.append(("SIGINT in teardown", "DELETE", code, gone_within(cloud, name, deletes[0])))
+
+
+@pytest.mark.parametrize("end", ["timeout", "SIGINT"])
+def test_an_output_that_breaks_does_not_stop_the_teardown(cloud, tmp_path, report, end):
+    """`podagent up ... | tee log`, and tee gone (Ctrl-C reaches the whole pipeline; the
+    window closed): every line `up` says from then on fails (EPIPE). The run ends as it would
+    (its pods never start: exit 21; or the Ctrl-C: 130) and its pods are terminated all the
+    same."""
+    name = f"pipe{end.lower()}"
+    proc = subprocess.Popen(up_argv(name, 3, "--timeout", TIMEOUT),
+                            env=laptop_env(cloud, tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    wait_for(lambda: billing(cloud, name) == 3, timeout=60, what="three pods billing")
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone
+    closed = time.time()
+    if end == "SIGINT":
+        proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    code = proc.wait(timeout=120)
+    took = gone_within(cloud, name, closed)
+    assert code == (130 if end == "SIGINT" else 21), err
+    assert "Traceback" not in err and not listed(cloud, name), err
+    report.append((f"output gone, {end}", "-", code, took))
 
 
 # A bug, planted: the look at the pods raises something podagent never expects.
