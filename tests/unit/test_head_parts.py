@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -317,8 +318,9 @@ def test_job_env_carries_wandb_settings_never_the_key():
                    "REMOTE_RM_URL": "http://10.0.0.1:5000/get_reward", "RAY_DEBUG": "legacy",
                    "WANDB_PROJECT": "p",
                    # the hang watch's, absolute: the job's working directory is its own
-                   "PODAGENT_HEARTBEAT": os.path.abspath("podagent-logs/r1/heartbeat"),
-                   "PODAGENT_STACKS": os.path.abspath("podagent-logs/r1/stacks")}
+                   "PODAGENT_HEARTBEAT": os.path.abspath(settings.run_dir / "heartbeat"),
+                   "PODAGENT_STACKS": os.path.abspath(settings.run_dir / "stacks")}
+    assert settings.run_dir.parent == Path("podagent-logs", "r1")  # this pod's own
 
 
 def test_entrypoint_is_the_cluster_check_without_a_job_and_unchanged_on_reattach():
