@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from podagent.waiting import Backoff, Expired, NotYet, retry
 GONE_TIMEOUT = 120.0  # terminated pods are gone from RunPod's list within this
 GONE_POLL = Backoff(0.5, 2.0)  # a first look soon after the terminate, then every 2 s
 AGAIN_EVERY = 10  # rounds: pods still listed this long after their terminate get another
+PARALLEL = 8  # terminates asked at once
 
 
 @dataclass(frozen=True)
@@ -71,23 +73,36 @@ class Sweep:
 
 
 def _terminate_found(client: Client, found: Found, sweep: Sweep) -> int:
-    """One round: every cluster deleted, every pod outside them terminated; how many pods."""
+    """One round: every cluster deleted, every pod outside them terminated; how many pods.
+    Each is asked whatever became of the others, at once (a RunPod that does not answer
+    costs one call's time, not one per pod): one pod RunPod refused must not leave the rest
+    billing. The first refusal is raised once all were asked."""
     in_cluster = {str(c["id"]) for c in found.clusters}
+    live = [p for p in found.pods if p.get("status") != "TERMINATED"]
+    asks: list[tuple[Callable[[], Any], set[str]]] = []
     for cluster in found.clusters:
-        client.delete_cluster(str(cluster["id"]))
-        sweep.accepted |= {str(p.get("id")) for p in found.pods
-                           if str((p.get("cluster") or {}).get("id")) == str(cluster["id"])}
-    count = 0
-    for pod in found.pods:
-        if pod.get("status") == "TERMINATED":
-            continue
-        count += 1
+        members = {str(p.get("id")) for p in found.pods
+                   if str((p.get("cluster") or {}).get("id")) == str(cluster["id"])}
+        asks.append((lambda c=str(cluster["id"]): client.delete_cluster(c), members))
+    for pod in live:
         member = pod.get("cluster")
         if isinstance(member, dict) and str(member.get("id")) in in_cluster:
             continue  # goes with its cluster (RunPod refuses a member's own delete)
-        client.terminate_pod(str(pod["id"]))
-        sweep.accepted.add(str(pod["id"]))
-    return count
+        asks.append((lambda i=str(pod["id"]): client.terminate_pod(i), {str(pod["id"])}))
+    failures: list[BaseException] = []
+    if asks:
+        with ThreadPoolExecutor(max_workers=min(len(asks), PARALLEL),
+                                thread_name_prefix="terminate") as pool:
+            futures = [(pool.submit(ask), ids) for ask, ids in asks]
+        for future, ids in futures:
+            failure = future.exception()
+            if failure is None:
+                sweep.accepted |= ids
+            else:
+                failures.append(failure)
+    if failures:
+        raise failures[0]
+    return len(live)
 
 
 def terminate(client: Client, run: str, record: RunRecord | None,

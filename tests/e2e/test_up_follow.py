@@ -149,6 +149,33 @@ def test_a_private_image_needs_its_registry_credential(make_cloud, tmp_path):
     assert cloud.billing() == []
 
 
+def test_a_pod_runpod_will_not_terminate_leaves_no_other_pod_billing(make_cloud, tmp_path):
+    """RunPod refuses to terminate one pod (503 past --api-timeout): every other pod of the
+    run is still asked, and terminated; `up` exits 26 naming what may bill."""
+    cloud = make_cloud()
+    refused: list[str] = []
+
+    def refuse_the_heads_terminate(record: Any) -> None:
+        head = [p for p in of_run(cloud, "one") if p.name.endswith("-head")]
+        if head and not refused:
+            refused.append(head[0].id)
+            cloud.fail_next(10_000, 503, match=rf"^DELETE /v2/pods/{head[0].id}$")
+
+    cloud.after_response(refuse_the_heads_terminate)
+    result = run_up(cloud, tmp_path, up_argv("one", 3, "--api-timeout", "3",
+                                             image=HEAD_IMAGE), timeout=180)
+    out = result.stdout + result.stderr
+    assert result.returncode == 26, out[-3000:]
+    deletes = {r.path for r in cloud.requests if r.method == "DELETE" and not r.fault}
+    workers = [p for p in of_run(cloud, "one") if not p.name.endswith("-head")]
+    assert len(workers) == 2 and {f"/v2/pods/{p.id}" for p in workers} <= deletes, deletes
+    assert [p.id for p in listed(cloud, "one")] == refused, listed(cloud, "one")
+    cloud.clear_faults()
+    cloud.clear_after_response()
+    assert run_down(cloud, tmp_path, "one").returncode == 0
+    assert cloud.billing() == []
+
+
 @pytest.mark.parametrize("fault", ["503", "429", "nonsense"])
 def test_a_clean_up_that_fails_is_exit_26_and_down_finishes_it(make_cloud, tmp_path, fault):
     """The run succeeds, then RunPod does not terminate its pods (503 or 429 past
