@@ -44,6 +44,11 @@ class Interrupts:
         if not self._shielded:
             raise KeyboardInterrupt(signum)
 
+    def hold(self) -> None:
+        """From now on a first signal is only noted (the command is ending and terminates
+        what it created either way); a second one is still `Leave`."""
+        self._shielded += 1
+
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
         """While pods are being terminated: a first signal does not stop it."""

@@ -179,7 +179,13 @@ class Up:
         failure: BaseException | None = None
         code: int | None = None
         try:
-            code = self._drive()
+            try:
+                code = self._drive()
+            finally:
+                # From the run's end on, a first signal only notes itself: the end below
+                # terminates the pods anyway, and one raised before its clean-up began would
+                # leave them all billing (a second one still leaves them, as it says).
+                self.interrupts.hold()
         except BaseException as exc:  # whatever it is, a bug included: the pods go first
             failure = exc
         if self.created and not self._leaves_pods(failure):

@@ -201,6 +201,29 @@ _BUG = ("import sys; import podagent.launch.watch as w\n"
         "from podagent.cli import main; main()")
 
 
+# A first Ctrl-C, planted at the moment the run is over and before its clean-up began.
+_LATE_SIGNAL = ("import os, signal, sys; import podagent.launch.up as u\n"
+                "decide = u.Up._leaves_pods\n"
+                "def late(self, failure):\n"
+                "    os.kill(os.getpid(), signal.SIGINT)\n"
+                "    return decide(self, failure)\n"
+                "u.Up._leaves_pods = late\n"
+                "sys.argv = ['podagent', *sys.argv[1:]]\n"
+                "from podagent.cli import main; main()")
+
+
+def test_a_first_signal_as_the_run_ends_does_not_skip_the_clean_up(cloud, tmp_path, report):
+    """Between the end of the run and the start of its clean-up a first signal used to escape
+    as KeyboardInterrupt and leave every pod billing; from the run's end on, a first signal
+    only notes itself and the pods are terminated all the same (a second still leaves them)."""
+    name = "late"
+    proc = _up(cloud, tmp_path, name, python=(_LATE_SIGNAL,))
+    code, out = _outcome(cloud, proc, name)
+    assert code == 21, out  # the run's own end: its pods never started within --timeout
+    assert "nothing of it is billing" in out and "Traceback" not in out, out
+    report.append(("signal as the run ends", "-", code, 0.0))
+
+
 def test_a_bug_is_its_traceback_and_exit_70_after_the_pods_are_gone(cloud, tmp_path, report):
     name = "bug"
     proc = _up(cloud, tmp_path, name, python=(_BUG,))
