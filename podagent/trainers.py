@@ -21,7 +21,8 @@ The facts, from each trainer's own parser or config:
 A job is often a shell command (`bash -c "cd /w && python -m openrlhf..."`): bash makes an
 argument after the command string `$0`, never an argument of the trainer, so the resume flag
 is placed inside the string, at the end of the simple command that runs the trainer
-(`with_args()`).
+(`with_args()`, reading the string with shell_command.py), or not at all where that command
+cannot be told with certainty.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from podagent import shell_command
 from podagent.choices import RAY_LAUNCHER
 
 # The variable the head gives the job with its reward server's URL (cluster/job_spec.py).
@@ -135,25 +137,27 @@ class Profile:
 
 
 def words(job: Sequence[str]) -> list[str]:
-    """The job's words, a shell command (`bash -c "python -m ...; echo"`) split as well, its
-    operators (`;`, `&&`, `|`) words of their own."""
+    """The job's words, a shell command string (`bash -c "python -m ...; echo"`) split as the
+    shell reads it: its comments left out, its operators (`;`, `&&`, `|`) words of their own.
+    A string that cannot be read is one word."""
     out: list[str] = []
     for arg in job:
         if any(ch.isspace() for ch in arg):
             try:
-                out.extend(_shell_words(arg))
+                out.extend(_string_words(arg))
                 continue
-            except ValueError:  # unbalanced quotes: read it as one word
+            except ValueError:  # unbalanced quotes, a here-document: read it as one word
                 pass
         out.append(arg)
     return out
 
 
-def _shell_words(text: str) -> list[str]:
-    lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|()<>")
-    lexer.whitespace_split = True
-    lexer.commenters = ""
-    return list(lexer)
+def _string_words(text: str) -> list[str]:
+    found: list[str] = []
+    for segment in shell_command.segments(text):
+        found.extend(shell_command.split_words(text[segment.start:segment.end]))
+        found.append(";")
+    return found[:-1]
 
 
 def _value(argv: Sequence[str], options: Sequence[str], hydra: bool) -> tuple[str, str] | None:
@@ -184,216 +188,88 @@ def read(job: Sequence[str]) -> Profile:
 
 # --- the resume step placed where the trainer gets it -------------------------------------------
 
-SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
-_SHELL_OPTION_ARG = frozenset({"-o", "+o", "-O", "+O", "--rcfile", "--init-file"})
-# Words that start a simple command without being the program it runs.
-_PREFIX_WORDS = frozenset({"exec", "time", "then", "else", "do", "{", "!", "nohup", "env"})
-# Commands of a shell script that set the stage and are no training.
-_SETUP_COMMANDS = frozenset({"cd", "source", ".", "export", "set", "unset", "echo", "printf",
-                             "true", "false", "wait", "fi", "done", "}", "ulimit", "mkdir",
-                             "trap", "sleep", "tee", "cat", "ls", "pip", "uv", "nvidia-smi"})
-_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+# What runs a trainer in a script of your own: a Python, a launcher, a .py file.
+_PROGRAM = re.compile(r"(python[0-9.]*|torchrun|deepspeed|accelerate|.*\.py)$")
 
 
-def shell_script_index(job: Sequence[str]) -> int | None:
-    """Where the command string of a shell job is (`bash -c STRING`, `bash -lc STRING`,
-    `env A=1 sh -euc STRING`), or None when the job is not one."""
-    i = 0
-    if job and os.path.basename(job[0]) == "env":
-        i = 1
-        while i < len(job) and _ASSIGNMENT.match(job[i]):
-            i += 1
-    if i >= len(job) or os.path.basename(job[i]) not in SHELLS:
-        return None
-    i += 1
-    command_string = False
-    while i < len(job):
-        arg = job[i]
-        if arg == "--":
-            i += 1
-            break
-        if arg in _SHELL_OPTION_ARG:
-            i += 2
-            continue
-        if arg.startswith("--") or (arg[:1] in "-+" and len(arg) > 1):
-            command_string = command_string or (arg[0] == "-" and not arg.startswith("--")
-                                                 and "c" in arg[1:])
-            i += 1
-            continue
-        break
-    return i if command_string and i < len(job) else None
+def _runs_a_program(found: Sequence[str]) -> bool:
+    return bool(found) and bool(_PROGRAM.match(os.path.basename(found[0])))
 
 
-def _segments(script: str) -> list[tuple[int, int]]:
-    """(start, end) of each simple command of a shell script, as offsets into it: the text
-    between the operators `;` `&` `|` `(` `)` and newlines, quotes, `$( )` and backticks
-    honoured, a comment cut off. Raises ValueError where quoting does not close."""
-    out: list[tuple[int, int]] = []
-    start, i, n = 0, 0, len(script)
-
-    def close(end: int) -> None:
-        out.append((start, end))
-
-    while i < n:
-        ch = script[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "'":
-            j = script.find("'", i + 1)
-            if j < 0:
-                raise ValueError("a single quote does not close")
-            i = j + 1
-            continue
-        if ch == '"':
-            i = _skip_double(script, i + 1)
-            continue
-        if ch == "`":
-            j = script.find("`", i + 1)
-            if j < 0:
-                raise ValueError("a backquote does not close")
-            i = j + 1
-            continue
-        if ch == "$" and script.startswith("(", i + 1):
-            i = _skip_parens(script, i + 2)
-            continue
-        if ch == "#" and (i == start or script[i - 1].isspace()):
-            j = script.find("\n", i)
-            close(i)
-            i = n if j < 0 else j
-            start = i
-            continue
-        if ch == "&" and (script[i - 1:i] in ("<", ">") or script[i + 1:i + 2] == ">"):
-            i += 1  # a redirection (2>&1, &>log), not an operator
-            continue
-        if ch in ";&|()\n":
-            close(i)
-            i += 1
-            start = i
-            continue
-        i += 1
-    close(n)
-    return out
+def _training(found: list[shell_command.Segment]) -> list[shell_command.Segment]:
+    """Of several commands, those whose words say `train` (train.py, train_ppo_ray), if any."""
+    if len(found) < 2:
+        return found
+    return [s for s in found if any("train" in w for w in s.words)] or found
 
 
-def _skip_double(script: str, i: int) -> int:
-    """The offset after the double quote that closes one opened before `i`."""
-    while i < len(script):
-        ch = script[i]
-        if ch == "\\":
-            i += 2
-        elif ch == '"':
-            return i + 1
-        elif ch == "$" and script.startswith("(", i + 1):
-            i = _skip_parens(script, i + 2)
-        else:
-            i += 1
-    raise ValueError("a double quote does not close")
-
-
-def _skip_parens(script: str, i: int) -> int:
-    """The offset after the `)` that closes a `$(` opened before `i`."""
-    depth = 1
-    while i < len(script):
-        ch = script[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "'":
-            j = script.find("'", i + 1)
-            if j < 0:
-                break
-            i = j + 1
-            continue
-        if ch == '"':
-            i = _skip_double(script, i + 1)
-            continue
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        i += 1
-        if depth == 0:
-            return i
-    raise ValueError("a $( does not close")
-
-
-def _command_words(text: str) -> list[str]:
-    """The words of one simple command from the program on (assignments and `exec`, `time`,
-    `then`... before it left out); [] when it has none."""
-    try:
-        found = _shell_words(text)
-    except ValueError:
-        return []
-    while found and (found[0] in _PREFIX_WORDS or _ASSIGNMENT.match(found[0])):
-        found.pop(0)
-    return found
-
-
-def _trainer_segment(script: str, trainer: Trainer) -> tuple[int, int] | None:
-    """The simple command of the script that runs the trainer: the last one its row
-    recognises, else (a script of your own) the last one that is not stage-setting (`cd`,
-    `source`, `export`, `echo`, a pipe's `tee`...)."""
-    recognised = other = None
-    for start, end in _segments(script):
-        found = _command_words(script[start:end])
-        if not found or os.path.basename(found[0]) in _SETUP_COMMANDS:
-            continue
-        other = (start, end)
-        if trainer.name != "script" and trainer.recognise(found):
-            recognised = (start, end)
-    return recognised or other
-
-
-def _end_of_words(script: str, start: int, end: int) -> int:
-    """The offset after a command's last word: its trailing blanks and line continuations
-    (a backslash before a newline) left after the insertion point."""
-    while end > start:
-        blank = script[end - 1] in " \t\n"
-        continued = (script[end - 1] == "\\" and end < len(script)
-                     and script[end] == "\n")
-        if not (blank or continued):
-            break
-        end -= 1
-    return end
+def _trainer_segment(script: str, trainer: Trainer) -> shell_command.Segment:
+    """The simple command of a command string that runs the trainer: the last one its row
+    recognises (of several, the last whose words say `train`); for a script of your own, the
+    one command that runs a program (a Python, a launcher, a .py file), or of several the one
+    whose words say `train`. Raises
+    shell_command.Unreadable (saying why) where none can be told."""
+    found = shell_command.segments(script)
+    if trainer.name != "script":
+        recognised = _training([s for s in found if trainer.recognise(s.words)])
+        if recognised:
+            return recognised[-1]
+    programs = _training([s for s in found if _runs_a_program(s.words)])
+    if len(programs) == 1:
+        return programs[0]
+    if not programs:
+        raise shell_command.Unreadable("no command in it runs a Python, a launcher or a .py "
+                                       "file")
+    raise shell_command.Unreadable(
+        f"{len(programs)} of its commands could be the trainer: "
+        + "; ".join(shlex.join(s.words[:3]) for s in programs))
 
 
 def with_args(job: Sequence[str], args: Sequence[str], trainer: Trainer) -> tuple[str, ...]:
     """The job with `args` given to its trainer: appended to the argv, or, for a shell job,
     placed at the end of the simple command in its command string that runs the trainer,
-    quoted as that shell reads them. Raises ValueError (saying why) where no such command
-    can be told."""
+    quoted as that shell reads them. Raises ValueError (shell_command.Unreadable, saying why)
+    where that command cannot be told with certainty."""
     job = tuple(job)
     if not args:
         return job
-    at = shell_script_index(job)
+    at = shell_command.command_string_index(job)
     if at is None:
         return (*job, *args)
     script = job[at]
-    segment = _trainer_segment(script, trainer)
-    if segment is None:
-        raise ValueError(f"no command in the shell command string {script!r} runs the "
-                         f"trainer")
-    end = _end_of_words(script, *segment)
+    end = shell_command.end_of_words(script, _trainer_segment(script, trainer))
     placed = f"{script[:end]} {shlex.join(args)}{script[end:]}"
     return (*job[:at], placed, *job[at + 1:])
+
+
+def has_args(job: Sequence[str], args: Sequence[str], trainer: Trainer) -> bool:
+    """Whether the trainer's own command already has `args[0]` (a shell job: the command of
+    its string that runs the trainer, not a comment or an `echo`)."""
+    job = tuple(job)
+    try:
+        at = shell_command.command_string_index(job)
+        if at is not None:
+            return args[0] in _trainer_segment(job[at], trainer).words
+    except ValueError:
+        return False
+    return args[0] in job
 
 
 def pipe_warning(job: Sequence[str], trainer: Trainer) -> str | None:
     """One line when a shell job pipes its trainer's output (`... | tee log`) without
     pipefail: the job's exit code is then the pipe's last command's, so a failed or lost
     training ends the job as a success (and is not restarted). None otherwise."""
-    at = shell_script_index(job)
-    if at is None or any("pipefail" in arg for arg in job):
-        return None
-    script = job[at]
     try:
+        at = shell_command.command_string_index(job)
+        if at is None or any("pipefail" in arg for arg in job):
+            return None
+        script = job[at]
         segment = _trainer_segment(script, trainer)
     except ValueError:
         return None
-    if segment is None:
+    if not shell_command.piped(script, segment):
         return None
-    end = segment[1]
-    if script[end:end + 1] != "|" or script[end + 1:end + 2] == "|":
-        return None
-    return (f"the job pipes its trainer's output ({script[end:].strip()[:40]!r}) without "
-            f"pipefail: its exit code is the pipe's last command's, so a failed training "
-            f"would end the job as SUCCEEDED, never restarted; run it with "
+    return (f"the job pipes its trainer's output ({script[segment.end:].strip()[:40]!r}) "
+            f"without pipefail: its exit code is the pipe's last command's, so a failed "
+            f"training would end the job as SUCCEEDED, never restarted; run it with "
             f"`bash -o pipefail -c ...` or put `set -o pipefail;` first in it")

@@ -70,15 +70,16 @@ def resume(settings: Settings, job: Sequence[str]) -> Resume:
         return Resume(job, (), f"{directory} holds a checkpoint ({found.name}); "
                                f"{itself or 'no resume flag (PODAGENT_RESUME_FLAG)'}: the job "
                                f"is left as it is")
-    if flag[0] in trainers.words(job):
+    if trainers.has_args(job, flag, _trainer(settings)):
         return Resume(job, (), f"the job already has {flag[0]}: left as it is")
     try:
         command = trainers.with_args(job, flag, _trainer(settings))
     except ValueError as exc:
         return Resume(job, (), f"{directory} holds a checkpoint ({found.name}), but "
-                               f"{shlex.join(flag)} has no place in the job ({exc}): it starts "
-                               f"without it; make the trainer's command the last one of the "
-                               f"shell command, or pass the flag yourself", warning=True)
+                               f"{shlex.join(flag)} has no certain place in the job's shell "
+                               f"command ({exc}): it starts without it; give the trainer its "
+                               f"resume flag yourself, or make its command the only one that "
+                               f"runs a program", warning=True)
     return Resume(command, flag, f"resuming: {directory} holds a checkpoint ({found.name}), so "
                                  f"the job gets {shlex.join(flag)}")
 

@@ -13,6 +13,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import subprocess
 
 import pytest
@@ -173,45 +174,103 @@ SHELL_JOBS = [
      ["--ckpt_path", "{c}", "--load_checkpoint"]),
     ("python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}",
      ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    # the strict-mode idiom: -o takes pipefail, alone or last of a cluster
+    ("bash -euo pipefail -c 'python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    ("bash -ceo pipefail 'python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    # wrappers in front of the shell
+    ("env -u NOTHING timeout 600 nohup nice -n 1 bash -c "
+     "'python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    # redirections and process substitution are no operators
+    ("bash -c 'python -m openrlhf.cli.train_ppo_ray --ckpt.path {c} > >(cat > {w}/out) 2>&1'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    ("bash -c 'python -m openrlhf.cli.train_ppo_ray --ckpt.path {c} >| {w}/out'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    ("bash -c '[[ -d {w} && -n x ]] && python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    ("bash -c 'case a in a) python -m openrlhf.cli.train_ppo_ray --ckpt.path {c};; esac'",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    # a comment with an apostrophe, one naming the flag, an echo of it: today's OpenRLHF
+    ("bash -c \"# don't touch (add --ckpt.load_enable by hand)\n"
+     "echo --ckpt.load_enable; python -m openrlhf.cli.train_ppo_ray --ckpt.path {c}\"",
+     ["--ckpt.path", "{c}", "--ckpt.load_enable"]),
+    # a script of your own: the one command that runs a Python, not what comes after it
+    ("bash -c 'python train.py --lr 1; rc=$?; exit $rc'", ["--lr", "1", "--load_checkpoint"]),
+    ("bash -c 'python train.py --lr 1 || exit 1'", ["--lr", "1", "--load_checkpoint"]),
+    ("bash -c 'python train.py --lr 1 && python upload.py'",
+     ["--lr", "1", "--load_checkpoint"]),
+    ("bash -c 'train() {{ python train.py --lr 1; }}; train'",
+     ["--lr", "1", "--load_checkpoint"]),
 ]
 
 
 @pytest.mark.parametrize(("job", "received"), SHELL_JOBS)
 def test_a_resumed_shell_job_gives_the_flag_to_the_trainer_itself(job, received, tmp_path):
     """bash makes an argument after `-c STRING` its $0: the flag goes inside the string, at the
-    end of the command that runs the trainer, and the trainer (a fake of its module) gets it
-    among its own arguments; what follows (a pipe, a comment, more commands) is untouched."""
+    end of the command that runs the trainer, and the trainer (a fake of its module, or a
+    train.py) gets it among its own arguments; what follows (a pipe, a comment, more
+    commands) is untouched, and the shell still exits as the trainer did."""
     work, ckpt = tmp_path / "w", tmp_path / "c"
     (work / "openrlhf" / "cli").mkdir(parents=True)
     for init in (work / "openrlhf", work / "openrlhf" / "cli"):
         (init / "__init__.py").write_text("")
     (work / "openrlhf" / "cli" / "train_ppo_ray.py").write_text(FAKE_TRAINER)
+    (work / "train.py").write_text(FAKE_TRAINER)
+    (work / "upload.py").write_text("import sys\nassert len(sys.argv) == 1, sys.argv\n")
     (work / "env.sh").write_text("export FROM_ENV_SH=1\n")
     (ckpt / "global_step20").mkdir(parents=True)
     fill = {"w": str(work), "c": str(ckpt)}
-    settings = config.build({"job": job.format(**fill)}, {})
-    command = job_spec.entrypoint(settings, Reporter("head", "pod", None,
-                                                     stream=io.StringIO()))
+    settings = config.build({"job": job.format(**fill), "checkpoint_dir": str(ckpt)}, {})
+    screen = io.StringIO()
+    command = job_spec.entrypoint(settings, Reporter("head", "pod", None, stream=screen))
+    assert "resuming: " in screen.getvalue(), screen.getvalue()
     out = tmp_path / "argv.jsonl"
     env = {**os.environ, "ARGV_OUT": str(out), "PYTHONPATH": str(work),
            "REMOTE_RM_URL": "http://h:5000/get_reward"}
-    subprocess.run(command, env=env, cwd=work, check=True, timeout=60,
-                   stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, env=env, cwd=work, timeout=60, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 0, (command, done.stderr)
     assert json.loads(out.read_text()) == [a.format(**fill) for a in received], command
 
 
 @pytest.mark.parametrize("job", [
     "bash -c 'cd /w'",  # no command that runs anything
     "bash -c 'python -m openrlhf.cli.train_ppo_ray --ckpt.path /c \"unclosed'",
+    "bash -c 'python train.py <<EOF\nsome input\nEOF\n'",  # a here-document
+    "bash -c 'python prepare.py && python run.py'",  # which one is the trainer?
+    "bash -euo pipefail -c",  # -c and no string
 ])
-def test_a_shell_job_with_no_place_for_the_flag_starts_as_it_is_and_says_so(job, tmp_path):
+def test_a_shell_job_with_no_certain_place_for_the_flag_starts_as_it_is_and_says_so(job,
+                                                                                   tmp_path):
     (tmp_path / "step1").mkdir()
     settings = config.build({"job": job, "checkpoint_dir": str(tmp_path),
                              "resume_flag": "--load_checkpoint"}, {})
     screen = io.StringIO()
     command = job_spec.entrypoint(settings, Reporter("head", "pod", None, stream=screen))
     assert command == settings.job
-    assert "WARNING" in screen.getvalue() and "has no place in the job" in screen.getvalue()
+    assert "WARNING" in screen.getvalue() and "has no certain place" in screen.getvalue(), \
+        screen.getvalue()
+
+
+def test_a_resume_flag_given_by_the_user_is_quoted_whatever_it_holds(tmp_path):
+    """PODAGENT_RESUME_FLAG's words reach the trainer as they are: no shell code in them
+    runs."""
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "train.py").write_text(FAKE_TRAINER)
+    (tmp_path / "c" / "step1").mkdir(parents=True)
+    flag = "--from=$(touch PWNED) 'a;b' \"`id`\""
+    settings = config.build({"job": "bash -c 'cd . && python train.py'",
+                             "checkpoint_dir": str(tmp_path / "c"), "resume_flag": flag}, {})
+    command = job_spec.entrypoint(settings, Reporter("head", "pod", None,
+                                                     stream=io.StringIO()))
+    out = tmp_path / "argv.jsonl"
+    subprocess.run(command, env={**os.environ, "ARGV_OUT": str(out)}, cwd=work, timeout=60,
+                   check=True)
+    assert json.loads(out.read_text()) == shlex.split(flag)  # as the setting splits it
+    assert not (work / "PWNED").exists()
 
 
 def test_a_script_of_your_own_under_a_launcher_gets_no_flag_unless_asked(tmp_path):
