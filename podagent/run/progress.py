@@ -116,7 +116,10 @@ class ProgressWatch:
         now = self.clock()
         due = now >= self._next_look
         if not due and self.enabled and now - self._last >= self.timeout:
-            due = self._looked < now
+            # Once per crossing: not looked at since the quiet reached the timeout. (A head
+            # whose own quiet stays past it while a worker's output keeps the run alive would
+            # otherwise scan the checkpoints at every poll.)
+            due = self._looked < self._last + self.timeout
         if due:
             self._next_look = now + LOOK_EVERY
             self._look()

@@ -357,3 +357,22 @@ def test_no_hang_is_called_on_progress_written_since_the_last_look(tmp_path, now
     assert watch.hung() is None
     now[0] = 19.5  # past ten quiet seconds since the change: the look once more finds nothing
     assert watch.hung() == 10.5
+
+
+def test_past_the_timeout_the_files_are_looked_at_once_more_not_at_every_call(tmp_path, now,
+                                                                              monkeypatch):
+    """A head whose own training stays quiet while a worker's keeps the run going asks its
+    watch at every poll: one look more when the timeout is crossed, then one every
+    LOOK_EVERY, never a scan of the checkpoints per call."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    looks = []
+    real = progress.newest_change
+    monkeypatch.setattr(progress, "newest_change",
+                        lambda *a, **k: looks.append(now[0]) or real(*a, **k))
+    watch = ProgressWatch(10.0, checkpoints=root, clock=_clock(now))
+    looks.clear()
+    for tick in range(0, 300):  # 30 s of 0.1 s polls
+        now[0] = tick / 10
+        watch.quiet()
+    assert len(looks) <= 30 / progress.LOOK_EVERY + 2, looks
