@@ -207,7 +207,8 @@ class Supervisor(Lifecycle[GangPhase]):
 
     def _dump(self, n: int) -> stacks.PodDump:
         """This pod's ranks' stacks, into the hang's folder."""
-        dumped = stacks.dump_pod(str(self.me), stacks.training_targets(),
+        launcher = self.training.pid if self.training is not None else None
+        dumped = stacks.dump_pod(str(self.me), stacks.training_targets(launcher),
                                  hangs.folder(self.run_dir, n), self.stacks_dir)
         self.reporter.say(f"hang {n}: this pod's stacks dumped in {dumped.seconds:.1f} s to "
                           f"{dumped.folder}")

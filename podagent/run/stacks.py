@@ -174,15 +174,18 @@ def _title(proc: psutil.Process) -> str:
     return "?"
 
 
-def training_targets() -> list[Target]:
+def training_targets(launcher: int | None = None) -> list[Target]:
     """A run without Ray: the launcher's ranks under this podagent (torchrun gives each its
-    RANK); the launcher itself waits on them and is left out. What a rank starts (DataLoader
-    workers, forked or spawned, any subprocess of the training) inherits its RANK, but is no
-    rank: a process below one that carries the same RANK (and LOCAL_RANK) is left out, else
-    every rank's idle workers, in no collective, would be named culprits."""
+    RANK); the launcher itself (`launcher`, its pid) waits on them and is left out, whatever
+    RANK the pod's environment gave it. What a rank starts (DataLoader workers, forked or
+    spawned, any subprocess of the training) inherits its RANK, but is no rank: a process
+    below one that carries the same RANK (and LOCAL_RANK) is left out, else every rank's idle
+    workers, in no collective, would be named culprits."""
     carried: dict[int, tuple[int, str] | None] = {}
     parent: dict[int, int] = {}
     for proc in process.descendants():
+        if proc.pid == launcher:
+            continue
         with contextlib.suppress(psutil.Error):
             parent[proc.pid] = proc.ppid()
             carried[proc.pid] = _identity(proc.pid)

@@ -493,6 +493,10 @@ def test_what_a_rank_starts_is_no_rank_however_deep_and_only_the_same_rank_hides
     targets = {(t.rank, t.pid) for t in stacks.training_targets()}
     assert {(0, 20), (1, 21)} <= targets  # the launcher's RANK hides none of its ranks
     assert not {pid for _, pid in targets} & {30, 31, 32}
+    # The supervisor names its launcher: never a rank, whatever the pod's environment gave it
+    # (with RANK and LOCAL_RANK both, it would otherwise hide its own rank 0 and stand in).
+    env[10] = {"RANK": "0", "LOCAL_RANK": "0"}
+    assert [(t.rank, t.pid) for t in stacks.training_targets(launcher=10)] == [(0, 20), (1, 21)]
 
 
 LOADER_HANG = REPO / "tests" / "jobs" / "loader_hang.py"
