@@ -267,11 +267,14 @@ def port_holder(port: int) -> str | None:
 
 
 class Tee(Protocol):
-    """Where a teed process's output goes as it comes (the reporter's JobOutput)."""
+    """Where a teed process's output goes as it comes (the reporter's JobOutput), and one
+    line when its log is given up."""
 
     def write(self, chunk: bytes) -> None: ...
 
     def close(self) -> None: ...
+
+    def warn(self, message: str) -> None: ...
 
 
 class ManagedProcess:
@@ -328,18 +331,25 @@ class ManagedProcess:
         assert self.tee is not None
         fd = pipe.fileno()  # type: ignore[attr-defined]
         log: BinaryIO | None = None
-        with contextlib.suppress(OSError):
+        try:
             log = open(self.log_path, "ab")
+        except OSError as exc:
+            self.tee.warn(f"cannot open {self.log_path} ({exc.strerror}): the output goes to "
+                          f"the screen only")
         try:
             while chunk := os.read(fd, _CHUNK):
                 if log is not None:
                     try:
                         log.write(chunk)
                         log.flush()
-                    except (OSError, ValueError):
+                    except (OSError, ValueError) as exc:
                         with contextlib.suppress(OSError, ValueError):
                             log.close()
                         log = None
+                        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                        self.tee.warn(f"cannot write {self.log_path} ({why}): going on "
+                                      f"without it; what was written stays, the screen gets "
+                                      f"the rest")
                 self.tee.write(chunk)
         finally:
             self.tee.close()

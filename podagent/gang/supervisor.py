@@ -35,7 +35,7 @@ from podagent.errors import (
 from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import RoleDecision
-from podagent.report import Reporter
+from podagent.report import JobOutput, Reporter
 from podagent.run import hangs, policy, resume, stacks
 from podagent.run.hangs import DUMP_WAIT
 from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
@@ -98,7 +98,10 @@ class Supervisor(Lifecycle[GangPhase]):
         self._said: set[str] = set()
         self.ledger, self.restarts_before = ledger, restarts_before
         checkpoints = settings.checkpoint_dir
-        self.watch = ProgressWatch(settings.hang_timeout, output=self.log_path,
+        # The training's output reaches the watch as it comes (_Watched), not read back
+        # from the training log: a volume that refuses the log must not make a run that
+        # prints look hung.
+        self.watch = ProgressWatch(settings.hang_timeout,
                                    checkpoints=Path(checkpoints) if checkpoints else None,
                                    heartbeat=run_dir / HEARTBEAT_FILE)
         self.hangs = 0  # hangs seen in this start
@@ -189,7 +192,7 @@ class Supervisor(Lifecycle[GangPhase]):
         self.reporter.event(Event.STEP_STARTED, step=step.name, argv=list(step.argv))
         # Its output goes to the pod's screen and to the training log `podagent logs` reads.
         training = process.ManagedProcess(step.name, step.argv, env, self.log_path,
-                                          tee=self.reporter.job_output(),
+                                          tee=_Watched(self.reporter.job_output(), self.watch),
                                           whole_pod=True)
         training.start()
         self.training = training
@@ -242,6 +245,24 @@ class Supervisor(Lifecycle[GangPhase]):
         name = signal.Signals(self.signals.received).name
         return Cause(Ending.LOST, str(self.me), f"its podagent was stopped by {name}")
 
+
+
+class _Watched:
+    """The training's output as it comes: on the pod's screen (the reporter's JobOutput) and,
+    as progress, to the hang watch."""
+
+    def __init__(self, screen: JobOutput, watch: ProgressWatch):
+        self.screen, self.watch = screen, watch
+
+    def write(self, chunk: bytes) -> None:
+        self.screen.write(chunk)
+        self.watch.saw_output(chunk.decode(errors="replace"))
+
+    def close(self) -> None:
+        self.screen.close()
+
+    def warn(self, message: str) -> None:
+        self.screen.warn(message)
 
 
 class HeadSupervisor(Supervisor):

@@ -141,6 +141,9 @@ class JobOutput:
         for line in lines:
             self.reporter._write("job", line, self.reporter.stream, to_log=False)
 
+    def warn(self, message: str) -> None:
+        self.reporter.warn(message)
+
     def close(self) -> None:
         """The output ended: its last, unfinished line."""
         self.write(b"")

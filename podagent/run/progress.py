@@ -34,7 +34,6 @@ HEARTBEAT_FILE = "heartbeat"  # its name in the run's directory
 LOOK_EVERY = 2.0  # seconds between looks at the files: a hang is minutes, a stat is cheap
 SCAN_LIMIT = 2000  # directory entries one look at the checkpoint directory reads at most
 SCAN_DEPTH = 3  # run/global_step_10/model/...: deeper files are written with their parents
-READ_LIMIT = 1 << 16  # bytes of new output read per look, for the marker
 
 
 def newest_change(root: Path, limit: int = SCAN_LIMIT, depth: int = SCAN_DEPTH) -> float:
@@ -73,21 +72,20 @@ def _mtime(path: Path | None) -> float:
 
 
 class ProgressWatch:
-    """The seconds since the run last made progress, from the sources above. `output` is a
-    file the job's output is appended to (a run without Ray's training log); streamed output
-    comes through `saw_output` instead (the Ray head's copy of the job's log)."""
+    """The seconds since the run last made progress, from the sources above. The job's output
+    comes as it is printed, through `saw_output` (the Ray head's stream of the job's log; a
+    run without Ray's teed training), never read back from a file: a volume that refuses the
+    log must not make a run that prints look hung."""
 
-    def __init__(self, timeout: float, *, output: Path | None = None,
+    def __init__(self, timeout: float, *,
                  checkpoints: Path | None = None, heartbeat: Path | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.timeout, self.output, self.checkpoints, self.heartbeat = (
-            timeout, output, checkpoints, heartbeat)
+        self.timeout, self.checkpoints, self.heartbeat = timeout, checkpoints, heartbeat
         self.clock = clock
         self.explicit = False  # the job sent a heartbeat: plain output no longer counts
         self.last_seen = ""  # what the last progress was, for the hang's line
         self._last = self._looked = clock()  # the last progress; the last look at the files
         self._next_look = 0.0
-        self._output_at = self._size(output)
         self._checkpoint_mark = newest_change(checkpoints) if checkpoints else 0.0
         self._beat_mark = _mtime(heartbeat)
 
@@ -155,30 +153,3 @@ class ProgressWatch:
             if mark > self._checkpoint_mark:
                 self._checkpoint_mark = mark
                 self._progress(f"a checkpoint in {self.checkpoints}", when(mark))
-        if self.output is not None:
-            self._read_output(when)
-
-    @staticmethod
-    def _size(path: Path | None) -> int:
-        try:
-            return path.stat().st_size if path is not None else 0
-        except OSError:
-            return 0
-
-    def _read_output(self, when: Callable[[float], float]) -> None:
-        assert self.output is not None
-        try:
-            stat = self.output.stat()
-            size, changed = stat.st_size, stat.st_mtime
-        except OSError:
-            size, changed = 0, 0.0
-        if size < self._output_at:  # a new file (a restart's): read from its start
-            self._output_at = 0
-        if size == self._output_at:
-            return
-        start = max(self._output_at, size - READ_LIMIT)
-        with contextlib.suppress(OSError), open(self.output, "rb") as f:
-            f.seek(start)
-            # What was appended since the last look counts from the file's last change.
-            self._saw(f.read(size - start).decode(errors="replace"), when(changed))
-        self._output_at = size

@@ -158,6 +158,39 @@ def test_a_head_whose_hang_watch_is_off_declares_no_hang_from_a_workers_beats(tm
     assert not list(tmp_path.glob("*/two/**/hangs/*")), "stacks were dumped"
 
 
+@pytest.fixture
+def full_volume(tmp_path):
+    """A 1 MB volume (a tmpfs; root only) that a printing training fills within seconds."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(volume)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield volume
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+def test_a_training_that_prints_is_no_hang_when_its_log_volume_is_full(tmp_path, full_volume):
+    """The watch hears the training's output as it comes, not from the training log: a volume
+    that refuses the log (said once) must not make a run that prints look hung."""
+    train = tmp_path / "train.py"
+    train.write_text("import time\nt = time.time()\nwhile time.time() - t < 12:\n"
+                     "    print('step', 'x' * 50000, flush=True)\n    time.sleep(0.1)\n")
+    one_pod = {"EXPECTED_WORKERS": "0", "PODAGENT_NODE_IP": "127.0.0.1",
+               "PODAGENT_SUPERVISOR_PORT": str(_free_port()),
+               "PODAGENT_RENDEZVOUS_PORT": str(_free_port()), "PODAGENT_HANG_TIMEOUT": "5",
+               "PODAGENT_RESTARTS": "0", "PODAGENT_LOG_DIR": str(full_volume)}
+    done = _podagent(tmp_path, "torchrun", "--nproc-per-node", "1", str(train), env=one_pod,
+                     timeout=180)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert "HANG" not in said
+    assert said.count("training.log (No space left on device): going on without it") == 1
+
+
 def test_hang_restarts_and_lost_pod_restarts_share_one_budget(tmp_path):
     """A run without Ray keeps one PODAGENT_RESTARTS budget whatever the mix of causes: a
     hang's restart (the supervisor records it in the ledger) counts against the restarts

@@ -102,23 +102,6 @@ def test_reset_starts_the_clock_again(now):
 
 # --- output -------------------------------------------------------------------------------------
 
-def test_output_appended_to_the_output_file_is_progress_once_the_file_is_looked_at(tmp_path,
-                                                                                  now):
-    log = tmp_path / "training.log"
-    log.write_text("step 1\n")
-    clock = _clock(now)
-    watch = ProgressWatch(60.0, output=log, clock=clock)
-    now[0] = 30.0
-    assert watch.quiet() == 30.0  # what was there before the watch is not news
-    _append(log, "step 2\n")
-    _age(log, at=_at(30.0 + LOOK_EVERY / 2))
-    now[0] = 30.0 + LOOK_EVERY / 2
-    assert watch.quiet() == pytest.approx(LOOK_EVERY / 2 + 30.0)  # not looked at yet
-    now[0] = 30.0 + LOOK_EVERY
-    assert watch.quiet() == LOOK_EVERY / 2  # since the line was written, not since the look
-    assert watch.last_seen == "output"
-
-
 def test_output_of_only_whitespace_is_no_progress(now):
     clock = _clock(now)
     watch = ProgressWatch(60.0, clock=clock)
@@ -126,32 +109,6 @@ def test_output_of_only_whitespace_is_no_progress(now):
     watch.saw_output("  \n\t\n")
     assert watch.quiet() == 20.0
     watch.saw_output("loss 0.31\n")
-    assert watch.quiet() == 0.0
-
-
-def test_an_output_file_that_shrank_is_a_new_one_and_is_read_from_its_start(tmp_path, now):
-    log = tmp_path / "training.log"
-    log.write_text("an earlier start's line\n" * 100)
-    clock = _clock(now)
-    watch = ProgressWatch(60.0, output=log, clock=clock)
-    now[0] = 10.0
-    # A restart's log, shorter than the old one; its first line tells whether it was read
-    # from the start (an offset kept from the old file would skip it).
-    log.write_text(f"{HEARTBEAT_MARKER}\n")
-    _age(log, at=_at(10.0))
-    assert watch.quiet() == 0.0
-    assert watch.explicit and watch.last_seen == "a heartbeat line"
-
-
-def test_an_output_file_that_appears_later_is_read(tmp_path, now):
-    log = tmp_path / "training.log"
-    clock = _clock(now)
-    watch = ProgressWatch(60.0, output=log, clock=clock)
-    now[0] = 10.0
-    assert watch.quiet() == 10.0
-    log.write_text("step 1\n")
-    _age(log, at=_at(10.0 + LOOK_EVERY))
-    now[0] = 10.0 + LOOK_EVERY
     assert watch.quiet() == 0.0
 
 
@@ -226,23 +183,20 @@ def test_newest_change_reads_no_more_than_its_limit_of_entries(tmp_path, monkeyp
 # --- explicit heartbeats ------------------------------------------------------------------------
 
 def test_a_touched_heartbeat_is_progress_and_then_only_heartbeats_count(tmp_path, now):
-    log = tmp_path / "training.log"
-    log.write_text("")
     beat = tmp_path / "heartbeat"  # not there yet: the job creates it with its first touch
     clock = _clock(now)
-    watch = ProgressWatch(60.0, output=log, heartbeat=beat, clock=clock)
+    watch = ProgressWatch(60.0, heartbeat=beat, clock=clock)
     now[0] = 10.0
     beat.touch()
     _age(beat, at=_at(10.0))
     assert watch.quiet() == 0.0
     assert watch.explicit and watch.last_seen == f"a touch of {beat}"
     # A job that sends heartbeats may print from threads that go on while its ranks hang.
-    _append(log, "dataloader: prefetching\n")
+    watch.saw_output("dataloader: prefetching\n")
     now[0] = 20.0
     assert watch.quiet() == 10.0
-    _append(log, f"step 5 {HEARTBEAT_MARKER}\n")
-    _age(log, at=_at(30.0))
     now[0] = 30.0
+    watch.saw_output(f"step 5 {HEARTBEAT_MARKER}\n")
     assert watch.quiet() == 0.0 and watch.last_seen == "a heartbeat line"
     # The file's time unchanged is no new heartbeat; a newer one is.
     now[0] = 40.0
@@ -272,15 +226,14 @@ def _watched(tmp_path: Path, now: list[float]) -> tuple[ProgressWatch, dict[str,
     log.write_text("step 1\n")
     beat.touch()
     _age(root, log, beat)
-    watch = ProgressWatch(600.0, output=log, checkpoints=root, heartbeat=beat,
-                          clock=_clock(now))
+    watch = ProgressWatch(600.0, checkpoints=root, heartbeat=beat, clock=_clock(now))
     now[0] = 30.0
     assert watch.quiet() == 30.0
-    return watch, {"checkpoint": root, "heartbeat": beat, "output": log}
+    return watch, {"checkpoint": root, "heartbeat": beat}
 
 
 def _change(kind: str, files: dict[str, Path], at: float) -> None:
-    """A new checkpoint, a touch of the heartbeat, a line of output, its file time `at`."""
+    """A new checkpoint, or a touch of the heartbeat, its file time `at`."""
     if kind == "checkpoint":
         (files[kind] / "step_10.pt").write_bytes(b"weights")
         _age(files[kind], files[kind] / "step_10.pt", at=at)
@@ -289,10 +242,10 @@ def _change(kind: str, files: dict[str, Path], at: float) -> None:
         _age(files[kind], at=at)
 
 
-SAID = {"checkpoint": "a checkpoint in {}", "heartbeat": "a touch of {}", "output": "output"}
+SAID = {"checkpoint": "a checkpoint in {}", "heartbeat": "a touch of {}"}
 
 
-@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat"])
 def test_progress_in_a_file_counts_from_its_modification_time_not_from_the_look(tmp_path, now,
                                                                                 kind):
     """The files are looked at every LOOK_EVERY: a change found 2 s after it was made is 2 s
@@ -306,7 +259,7 @@ def test_progress_in_a_file_counts_from_its_modification_time_not_from_the_look(
     assert watch.quiet() == 40.0 - 30.5
 
 
-@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat"])
 @pytest.mark.parametrize(("written", "quiet"), [
     (30.5 + 3600.0, 0.0),  # a volume's clock an hour ahead: progress now, never a quiet < 0
     (30.5 - 3600.0, 2.5),  # an hour behind, or a file copied in with its old time: it was not
@@ -321,7 +274,7 @@ def test_a_file_time_counts_only_between_the_last_look_and_now(tmp_path, now, ki
     assert watch.last_seen == SAID[kind].format(files[kind])
 
 
-@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat"])
 def test_a_file_time_before_the_progress_already_known_is_no_news(tmp_path, now, kind):
     # A restart began at 31 s; what its predecessor wrote at 30.5 s, seen at the next look,
     # must not date the progress back before it.
@@ -334,7 +287,7 @@ def test_a_file_time_before_the_progress_already_known_is_no_news(tmp_path, now,
     assert watch.last_seen == "restart 1"
 
 
-@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat", "output"])
+@pytest.mark.parametrize("kind", ["checkpoint", "heartbeat"])
 def test_no_hang_is_called_on_progress_written_since_the_last_look(tmp_path, now, kind):
     """The files are looked at every LOOK_EVERY; the quiet reaching the timeout between two
     looks is looked at once more first: progress written since the last look counts."""
@@ -344,9 +297,8 @@ def test_no_hang_is_called_on_progress_written_since_the_last_look(tmp_path, now
     log.write_text("step 1\n")
     beat.touch()
     _age(root, log, beat)
-    files = {"checkpoint": root, "heartbeat": beat, "output": log}
-    watch = ProgressWatch(10.0, output=log, checkpoints=root, heartbeat=beat,
-                          clock=_clock(now))
+    files = {"checkpoint": root, "heartbeat": beat}
+    watch = ProgressWatch(10.0, checkpoints=root, heartbeat=beat, clock=_clock(now))
     now[0] = 8.5
     assert watch.quiet() == 8.5  # a look: nothing new
     _change(kind, files, _at(9.0))
