@@ -138,8 +138,8 @@ class JobOutput:
         while len(self._partial) > self.LINE_MAX:
             lines.append(self._partial[:self.LINE_MAX])
             self._partial = self._partial[self.LINE_MAX:]
-        for line in lines:
-            self.reporter._write("job", line, self.reporter.stream, to_log=False)
+        if lines:
+            self.reporter._job_records(lines)
 
     def warn(self, message: str) -> None:
         self.reporter.warn(message)
@@ -154,7 +154,7 @@ class JobOutput:
             return
         last, self._partial = self._partial + rest, ""
         if last:
-            self.reporter._write("job", last, self.reporter.stream, to_log=False)
+            self.reporter._job_records([last])
 
 
 class Reporter:
@@ -232,9 +232,8 @@ class Reporter:
                 f"[{self.role}] WARNING: cannot write {name} in {self.run_dir} ({why}): "
                 f"going on without it; what was written stays\n")
 
-    def _write(self, level: str, message: str, stream: TextIO, to_log: bool = True) -> None:
-        """level: info, warning, error, or job (a line of the job's own output); `to_log`:
-        also into the pod's log file."""
+    def _write(self, level: str, message: str, stream: TextIO) -> None:
+        """level: info, warning, error, or job (a line of the job's own output)."""
         message = self.redact(message)
         if level == "job":
             text = message
@@ -254,8 +253,7 @@ class Reporter:
                 if stream is self.stream:
                     self._clear_live()
                 self._screen(stream).write(text_out + "\n")
-            if to_log:
-                self._to_file("log", f"{stamp} {text}\n")
+            self._to_file("log", f"{stamp} {text}\n")
 
     def say(self, message: str) -> None:
         self._write("info", message, self.stream)
@@ -274,6 +272,17 @@ class Reporter:
         """Where a process's output goes as it comes (a launcher's training, teed): see
         JobOutput."""
         return JobOutput(self)
+
+    def _job_records(self, lines: list[str]) -> None:
+        """Lines of the job's output as JSON `job` records, on the screen only, in one write:
+        a job that prints fast is not held to one lock and one write per line."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        text = "".join(json.dumps({"ts": stamp, "level": "job", "role": self.role,
+                                   "pod": self.pod, "message": self.redact(line)}) + "\n"
+                       for line in lines)
+        with self._lock:
+            self._clear_live()
+            self._screen(self.stream).write(text)
 
     def _job_chunk(self, text: str) -> None:
         """A piece of the job's output as it came, on the screen only (text format)."""
