@@ -39,6 +39,7 @@ from podagent import config
 from podagent.choices import AfterRun
 from podagent.errors import Interrupted, RunPodApiError, RunPodAuthError
 from podagent.platform import runpod_api
+from podagent.run.ledger import legacy
 from podagent.waiting import Signals
 from podagent.wire import Event
 
@@ -87,8 +88,10 @@ class StartBook:
         self.pod = pod
 
     def _read(self) -> list[dict[str, Any]]:
+        # Before per-pod directories this file lay in the run's directory: its count goes on.
+        source = self.path if self.path.exists() else legacy(self.path)
         try:
-            data = json.loads(self.path.read_text())
+            data = json.loads(source.read_text())
         except (OSError, ValueError):
             return []
         ends = data.get(self.pod) if isinstance(data, dict) else None

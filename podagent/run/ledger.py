@@ -44,24 +44,31 @@ class Ledger:
 
     @classmethod
     def load(cls, run_dir: Path, run_name: str) -> Ledger:
-        """The run's ledger; an unreadable one is kept beside under another name, not lost."""
+        """The run's ledger; an unreadable one is kept beside under another name, not lost.
+        A pod whose run began under the layout before per-pod directories (the ledger
+        directly in the run's directory) carries on from that one, left where it is: a run
+        it finished stays finished, its restarts stay counted."""
         path = run_dir / LEDGER
+        earlier = legacy(path)
+        source = earlier if not path.exists() and earlier.is_file() else path
         data: dict[str, Any] = {}
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(source.read_text())
             if not isinstance(data, dict):
                 raise ValueError("not an object")
         except FileNotFoundError:
             data = {}
         except ValueError:
-            try:
-                path.replace(path.with_name(f"{LEDGER}.unreadable-{int(time.time())}"))
-            except OSError as exc:
-                raise LedgerError(f"the run's ledger {path} is unreadable and cannot be set "
-                                  f"aside: {exc.strerror}") from None
+            if source is path:
+                try:
+                    path.replace(path.with_name(f"{LEDGER}.unreadable-{int(time.time())}"))
+                except OSError as exc:
+                    raise LedgerError(f"the run's ledger {path} is unreadable and cannot be "
+                                      f"set aside: {exc.strerror}") from None
             data = {}
         except OSError as exc:
-            raise LedgerError(f"cannot read the run's ledger {path}: {exc.strerror}") from None
+            raise LedgerError(f"cannot read the run's ledger {source}: {exc.strerror}"
+                              ) from None
         data.setdefault("run", run_name)
         for key in ("starts", "submissions"):
             data.setdefault(key, [])
@@ -171,6 +178,12 @@ class Ledger:
             raise LedgerError(f"cannot write the run's ledger {self.path} "
                               f"({exc.strerror or exc}): a restarted head will not know what "
                               f"this one did") from None
+
+
+def legacy(path: Path) -> Path:
+    """Where the layout before per-pod directories kept this pod file of the run: in the
+    run's directory itself (<log dir>/<run>/), not in the pod's (<log dir>/<run>/<pod>/)."""
+    return path.parent.parent / path.name
 
 
 def record_or_warn(write: Callable[[], None], reporter: Reporter) -> None:

@@ -306,3 +306,29 @@ def test_only_a_volume_or_a_given_log_dir_is_kept(tmp_path):
     assert not after_run.persistent("podagent-logs", given=False)
     # /workspace here is no mount point (an image's own directory would be container disk)
     assert not after_run.persistent("/workspace/podagent/logs", given=False)
+
+
+def test_a_pods_ledger_carries_on_from_the_layout_before_per_pod_directories(tmp_path):
+    """A pod upgraded mid-run finds its run's ledger where the earlier layout kept it,
+    directly in the run's directory: a run it finished stays finished (never run again),
+    and the first write goes to the pod's own directory, the earlier file left as it was."""
+    from podagent.run.ledger import Ledger
+
+    run_root = tmp_path / "logs" / "r1"
+    run_root.mkdir(parents=True)
+    earlier = {"run": "r1", "starts": [{"at": 1.0, "pod": "abc", "pid": 7}],
+               "submissions": [], "restarts": [{"n": 1, "reason": "lost"}],
+               "finished": {"outcome": "succeeded", "job_status": None, "at": 2.0,
+                            "exit_code": 0}}
+    (run_root / "ledger.json").write_text(json.dumps(earlier))
+    ledger = Ledger.load(run_root / "abc", "r1")
+    assert ledger.finished == earlier["finished"] and len(ledger.restarts) == 1
+    ledger.exit_code(0)
+    assert json.loads((run_root / "abc" / "ledger.json").read_text())["finished"]["outcome"] \
+        == "succeeded"
+    assert json.loads((run_root / "ledger.json").read_text()) == earlier
+    # a pod that already has its own ledger never reads the earlier one
+    (run_root / "ledger.json").write_text("not json")
+    assert Ledger.load(run_root / "abc", "r1").finished is not None
+    assert Ledger.load(run_root / "other", "r1").finished is None  # unreadable: kept as it is
+    assert (run_root / "ledger.json").read_text() == "not json"
