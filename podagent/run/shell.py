@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
+import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import IO, TextIO
 
 import psutil
 
 from podagent import config, process
 from podagent.choices import AfterRun
-from podagent.errors import Interrupted
+from podagent.errors import ConfigError, Interrupted
 from podagent.report import Reporter
 from podagent.run import after_run
 from podagent.run.ledger import SUCCEEDED
@@ -40,10 +42,48 @@ def secret_values(settings: config.Settings) -> list[str]:
 def reporter_for(settings: config.Settings, who: str, pod: str | None = None,
                  run_dir: Path | None = None, stream: TextIO | None = None) -> Reporter:
     """A reporter that hides the secrets and speaks as the settings say; on screen only unless
-    given the run's directory. `pod`: this pod's id (or host name) unless given."""
+    given the run's directory, which this process then holds as its own (`claim`). `pod`:
+    this pod's id (or host name) unless given."""
+    if run_dir is not None:
+        claim(settings, run_dir)
     return Reporter(who, pod or settings.pod_name, run_dir,
                     secrets=secret_values(settings), stream=stream,
                     log_format=settings.log_format, quiet=settings.quiet)
+
+
+CLAIM_FILE = "pod.lock"
+_claims: dict[Path, IO[str]] = {}  # held open for the life of this process
+
+
+def claim(settings: config.Settings, run_dir: Path) -> None:
+    """This pod's run directory is this podagent's alone while it runs (an exclusive lock,
+    which its end releases, however it ends): two pods whose directories coincide (the same
+    host name without a RUNPOD_POD_ID each, on one volume) would write each other's ledger
+    and data check. Where the volume has no locks, nothing is checked."""
+    run_dir = run_dir.absolute()
+    if run_dir in _claims:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    held = open(run_dir / CLAIM_FILE, "a+")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.seek(0)
+        holder = held.read().strip()[:120] or "another process"
+        held.close()
+        raise ConfigError(
+            settings.source_name("log_dir"), settings.log_dir,
+            f"holds this pod's run directory {run_dir}, which another podagent holds "
+            f"({holder}): pods that share a volume need a RUNPOD_POD_ID (or a "
+            f"PODAGENT_LOG_DIR) each") from None
+    except OSError:  # a volume without locks
+        held.close()
+        return
+    held.seek(0)
+    held.truncate()
+    held.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    held.flush()
+    _claims[run_dir] = held
 
 
 def report_end(exc: Exception, settings: config.Settings, reporter: Reporter,

@@ -19,6 +19,7 @@ from podagent.run import policy
 from podagent.run.ledger import Ledger
 from podagent.wire import Ending
 from tests.harness.agents import clean_environ
+from tests.harness.pods import wait_for
 
 BAD_INPUT = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.ConfigError)
 OVERLAP = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.DataOverlap)
@@ -189,6 +190,41 @@ def test_a_training_that_prints_is_no_hang_when_its_log_volume_is_full(tmp_path,
     assert done.returncode == 0, said[-3000:]
     assert "HANG" not in said
     assert said.count("training.log (No space left on device): going on without it") == 1
+
+
+def test_two_pods_whose_run_directories_coincide_are_refused_not_mixed(tmp_path):
+    """The same host name and no RUNPOD_POD_ID on one volume (containers on a host's network):
+    both pods would write one ledger and one data check. The second podagent finds the
+    directory held and exits 2 naming the holder and the fix; the first runs on, unharmed."""
+    train = tmp_path / "train.py"
+    train.write_text("import time\ntime.sleep(15)\n")
+    env = {"EXPECTED_WORKERS": "0", "PODAGENT_NODE_IP": "127.0.0.1",
+           "PODAGENT_SUPERVISOR_PORT": str(_free_port()),
+           "PODAGENT_RENDEZVOUS_PORT": str(_free_port())}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "podagent", "torchrun", "--nproc-per-node", "1", str(train)],
+        env={**clean_environ(), "PODAGENT_LOG_DIR": str(tmp_path / "logs"),
+             "PODAGENT_RUN_NAME": "one-pod", "PODAGENT_AFTER_RUN": "exit", **env},
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: "training: " in _read(tmp_path / "logs"), timeout=60,
+                 what="the first podagent's training to start")
+        second = _podagent(tmp_path, "torchrun", "--nproc-per-node", "1", str(train), env=env)
+        assert second.returncode == BAD_INPUT, second.stdout + second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert "PODAGENT_LOG_DIR=" in line and "another podagent holds (pid" in line, line
+        assert "RUNPOD_POD_ID" in line, line
+        out, _ = first.communicate(timeout=120)
+        assert first.returncode == 0, out
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def _read(logs: Path) -> str:
+    """Every pod log under `logs`, as text."""
+    return "".join(p.read_text(errors="replace") for p in logs.glob("*/*/podagent-*.log"))
 
 
 def test_hang_restarts_and_lost_pod_restarts_share_one_budget(tmp_path):
