@@ -32,7 +32,7 @@ def entrypoint(settings: Settings, reporter: Reporter, resume: bool = True) -> t
         return CLUSTER_CHECK
     if not resume:
         return settings.job
-    return resuming.starting(settings, settings.job, reporter)
+    return resuming.starting(settings, settings.job, reporter).command
 
 
 def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str | None,

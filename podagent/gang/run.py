@@ -209,7 +209,7 @@ def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
         steps.append(data_check_step(launcher, layout, settings.run_dir / "data-check",
                                      loader, setup.nccl.variables))
     if launcher.script:
-        script = resume.starting(settings, launcher.script, reporter)
+        script = resume.starting(settings, launcher.script, reporter).command
         steps.append(launcher.step(TRAINING, layout, script, setup.nccl.variables))
     reporter.say(f"would hold podagent's rendezvous at {head}:{settings.supervisor_port} for "
                  f"{nodes} node(s), then run" + ("" if role is Role.HEAD else

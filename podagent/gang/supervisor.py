@@ -51,6 +51,7 @@ LOG_CHUNK = 1 << 18  # bytes of the training log per `podagent logs` answer
 TRAINING_LOG = "training.log"
 TRAINING = "training"  # the step that runs the user's script (the other: the data check)
 END_WAIT = 5.0  # seconds beyond the stop timeout the head waits for its workers to be out
+RESUME_WORDS, RESUME_WORD = 64, 4096  # what a head's resume word may hold
 
 
 # --- mechanism ---------------------------------------------------------------------------
@@ -166,13 +167,17 @@ class Supervisor(Lifecycle[GangPhase]):
     def _as_it_starts(self, step: Step) -> Step:
         """The training as it starts now: with the resume arguments while the checkpoint
         directory holds a checkpoint (the kernel's rule, the same as for a Ray job), on its
-        first start, after a restart and in a restarted container alike."""
+        first start, after a restart and in a restarted container alike; the head decides
+        for every pod (`_training_script`)."""
         if step.name != TRAINING or self.layout is None:
             return step
-        script = resume.starting(self.settings, self.plan.script, self.reporter)
+        script = self._training_script()
         if script == self.plan.script:
             return step
         return self.plan.launcher.step(step.name, self.layout, script, self.plan.nccl)
+
+    def _training_script(self) -> tuple[str, ...]:
+        raise NotImplementedError
 
     def _launch(self, step: Step) -> process.ManagedProcess:
         step = self._as_it_starts(step)
@@ -271,6 +276,7 @@ class HeadSupervisor(Supervisor):
     on a hang, has every pod dump its stacks, then restarts the step or ends the run."""
 
     _again = False  # the step runs again (a restart after a hang)
+    _resumed: tuple[str, ...] | None = None  # the training as decided for its next start
 
     def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
         return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
@@ -285,8 +291,10 @@ class HeadSupervisor(Supervisor):
                              self.settings.min_workers)
         self.layout = layout = self._layout(len(members) + 1, 0)
         self._steps = list(self.steps(layout))
+        first = self._steps[0].name if self._steps else ""
+        told = self._resume_word() if first == TRAINING else {}
         hub.start(lambda m: {"rank": m.rank, "nodes": layout.nodes, "head": self.me.pod,
-                             "step": self._steps[0].name if self._steps else ""})
+                             "step": first, **told})
         self._say_layout(members)
         return self._after(-1)
 
@@ -302,7 +310,8 @@ class HeadSupervisor(Supervisor):
         assert hub is not None and step is not None
         index = self._steps.index(step)
         if index or self._again:
-            hub.broadcast({"go": {"step": step.name, "check": self.check_line}})
+            told = self._resume_word() if step.name == TRAINING else {}
+            hub.broadcast({"go": {"step": step.name, "check": self.check_line, **told}})
         self._again = False
         cause = self._head_step(step, hub)
         if self._again:  # restarted after a hang: the same step again, on every pod
@@ -313,6 +322,17 @@ class HeadSupervisor(Supervisor):
         assert self._hub is not None and self.cause is not None
         self._head_end(self._hub, self.cause)
         return GangPhase.DONE
+
+    def _resume_word(self) -> dict[str, Any]:
+        """Whether the training about to start resumes, decided once for every pod (a
+        worker's checkpoint directory may be its own, and ranks of one run must never start
+        at different steps): the head's word in the `go` that starts it."""
+        found = resume.starting(self.settings, self.plan.script, self.reporter)
+        self._resumed = found.command
+        return {"resume": list(found.args)}
+
+    def _training_script(self) -> tuple[str, ...]:
+        return self._resumed if self._resumed is not None else self.plan.script
 
     def _teardown(self, outcome: str) -> None:
         super()._teardown(outcome)
@@ -529,6 +549,27 @@ class HeadSupervisor(Supervisor):
 class WorkerSupervisor(Supervisor):
     """A worker: joins, runs each step the head starts, and follows the head's word."""
 
+    _told: list[str] | None = None  # the head's resume arguments for the next training
+
+    def _resume_told(self, body: Mapping[str, Any]) -> list[str] | None:
+        """The resume arguments in the head's `go`; None where it says none (a head of an
+        earlier podagent: this pod decides as it did) or says it so that it is not a list of
+        at most RESUME_WORDS short strings (said once: this pod decides then)."""
+        told = body.get("resume")
+        if told is None:
+            return None
+        if isinstance(told, list) and len(told) <= RESUME_WORDS and all(
+                isinstance(w, str) and len(w) <= RESUME_WORD for w in told):
+            return told
+        self.reporter.warn("the head's resume word is not a list of short strings: this pod "
+                           "decides by its own checkpoint directory")
+        return None
+
+    def _training_script(self) -> tuple[str, ...]:
+        if self._told is None:
+            return resume.starting(self.settings, self.plan.script, self.reporter).command
+        return resume.as_told(self.settings, self.plan.script, self._told, self.reporter)
+
     def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
         return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
                 GangPhase.ENDING: self._end}
@@ -548,6 +589,7 @@ class WorkerSupervisor(Supervisor):
                             rank=layout.machine_rank)
         self._by_name = {s.name: s for s in self.steps(layout)}
         self._next = self._step_named(self._by_name, go.get("step"))
+        self._told = self._resume_told(go)
         return GangPhase.RUNNING
 
     def _running(self) -> GangPhase:
@@ -613,6 +655,7 @@ class WorkerSupervisor(Supervisor):
             if isinstance(event, mesh.FromHead) and event.kind == "go" and reported:
                 if event.body.get("check"):
                     self.reporter.say(str(event.body["check"]))
+                self._told = self._resume_told(event.body)
                 return None, str(event.body.get("step"))
 
 

@@ -84,8 +84,8 @@ def resume(settings: Settings, job: Sequence[str]) -> Resume:
                                  f"the job gets {shlex.join(flag)}")
 
 
-def starting(settings: Settings, job: Sequence[str], reporter: Reporter) -> tuple[str, ...]:
-    """`job` as it starts now (`resume()`), said in one line, with the `resume` event when it
+def starting(settings: Settings, job: Sequence[str], reporter: Reporter) -> Resume:
+    """How `job` starts now (`resume()`), said in one line, with the `resume` event when it
     resumes; a shell job whose pipe would hide its trainer's failure is warned of."""
     found = resume(settings, job)
     piped = trainers.pipe_warning(job, _trainer(settings))
@@ -97,4 +97,22 @@ def starting(settings: Settings, job: Sequence[str], reporter: Reporter) -> tupl
         reporter.say(found.reason)
     if found.args:
         reporter.event(Event.RESUME, checkpoint_dir=settings.checkpoint_dir, args=list(found.args))
-    return found.command
+    return found
+
+
+def as_told(settings: Settings, job: Sequence[str], args: Sequence[str],
+            reporter: Reporter) -> tuple[str, ...]:
+    """`job` with the resume arguments another pod decided (a run without Ray's head, for
+    every pod alike: ranks of one run never start at different steps), said in one line."""
+    job = tuple(job)
+    if not args:
+        return job
+    try:
+        command = trainers.with_args(job, args, _trainer(settings))
+    except ValueError as exc:
+        reporter.warn(f"the head resumes the training with {shlex.join(args)}, which has no "
+                      f"certain place in this pod's job ({exc}): it starts without it")
+        return job
+    reporter.say(f"resuming as the head decided: the training gets {shlex.join(args)}")
+    reporter.event(Event.RESUME, checkpoint_dir=settings.checkpoint_dir, args=list(args))
+    return command

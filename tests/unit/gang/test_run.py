@@ -174,6 +174,27 @@ def full_volume(tmp_path):
         subprocess.run(["umount", "-l", str(volume)], check=False)
 
 
+def test_the_head_decides_for_every_pod_whether_the_training_resumes(tmp_path):
+    """A worker whose checkpoint directory is its own (no shared volume) and empty still
+    starts with the resume flag when the head's holds a checkpoint: the ranks of one run
+    never start at different steps. Each rank records the argv it received."""
+    script = tmp_path / "train.py"
+    script.write_text("import json, os, sys\n"
+                      "open(f'argv-{os.environ[\"RANK\"]}.json', 'w').write("
+                      "json.dumps(sys.argv[1:]))\n")
+    (tmp_path / "head-ckpt" / "step-100").mkdir(parents=True)
+    flag = {"PODAGENT_RESUME_FLAG": "--resume-from latest"}
+    head, worker = _two_pods_here(
+        tmp_path, script, {**flag, "PODAGENT_CHECKPOINT_DIR": str(tmp_path / "head-ckpt")},
+        {**flag, "PODAGENT_CHECKPOINT_DIR": str(tmp_path / "worker-ckpt")})
+    assert (head.returncode, worker.returncode) == (0, 0), head.stdout + worker.stdout
+    for rank in (0, 1):
+        argv = json.loads((tmp_path / f"argv-{rank}.json").read_text())
+        assert argv == ["--resume-from", "latest"], (rank, argv)
+    assert "resuming as the head decided: the training gets --resume-from latest" \
+        in worker.stdout, worker.stdout
+
+
 def test_a_training_that_prints_is_no_hang_when_its_log_volume_is_full(tmp_path, full_volume):
     """The watch hears the training's output as it comes, not from the training log: a volume
     that refuses the log (said once) must not make a run that prints look hung."""
