@@ -22,9 +22,9 @@ from tests.unit.test_wandb_run import OfflineRun
 KEY = "1tk3y" * 8  # a fake key of a real key's length (40 characters)
 GATE_TIMEOUT = 120.0
 
-# The job: reports a passed cluster check the way the built-in check does (one JSON line, which
-# podagent turns into an event), shows whether wandb's service address leaked into it, then
-# waits (bounded) until the test opens the gate.
+# The job: prints a passed cluster check's line the way the built-in check does (from a job
+# of the user's it is only output: no check event, nothing in W&B), shows whether wandb's
+# service address leaked into it, then waits (bounded) until the test opens the gate.
 JOB = f"""
 import json, os, pathlib, sys, time
 print({JSON_PREFIX!r} + json.dumps({{"passed": True, "backend": "gloo", "world": 1,
@@ -111,8 +111,9 @@ def test_bringup_run_holds_stages_cluster_check_and_outcome(
     (ray_head,) = [e for e in run.events() if e["event"] == "ray_head"]
     assert wb.values("stage/ray_head_s") == [ray_head["duration_s"]]
     assert wb.values("cluster/nodes")[-1] == 1
-    assert wb.values("check/passed") == [1]
-    assert wb.summary["check/busbw"] == 2.5
+    # The cluster check's summary counts from podagent's own check only (test_wandb_run.py
+    # turns one into W&B's check/*); the user's job printing its line is output.
+    assert wb.values("check/passed") == [] and "check/busbw" not in wb.summary
     assert wb.summary["job_status"] == "SUCCEEDED"
     assert wb.summary["exit_code"] == 0 and wb.exit.exit_code == 0
     assert [(n["role"], n["ip"]) for n in wb.table("cluster/node_table")] == [
