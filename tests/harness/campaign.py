@@ -13,10 +13,11 @@ outcome is checked against invariants, never against a log line:
 A pod is a container as RunPod runs one: podagent is its main process, and when it ends the
 runtime kills what is left in the pod (tini's exit) and starts it again with the same volume
 while the run is not over (the head's ledger does not say it finished, a worker left with an
-error, podagent was killed), at most MAX_RESTARTS times a cell (PODAGENT_AFTER_RUN=exit stands
-in for `stay`: a finished run stays finished). A pod sent SIGTERM is being stopped: it is not
-started again. A pod cut off the network is a host that vanished: a worker is replaced by a new
-pod, a head is not.
+error, podagent was killed), at most MAX_RESTARTS times a cell after the fault
+(PODAGENT_AFTER_RUN=exit stands in for `stay`: a finished run stays finished); before the
+fault, only a pod that gave up waiting for the other (exit 5 or 6: a slow bring-up), as often.
+A pod sent SIGTERM is being stopped: it is not started again. A pod cut off the network is a
+host that vanished: a worker is replaced by a new pod, a head is not.
 
 A seed picks each cell's schedule (where a fault has several targets or variants, which one;
 the pauses between the steps after the fault). The same seed runs the same schedule again.
@@ -58,6 +59,7 @@ FORM_TIMEOUT = 240.0  # a loaded 2-core machine: bring-up to the state of the ce
 LEFTOVER_GRACE = 3.0  # after podagent exits, what it stopped gets this long to be gone
 PROCESS_TIMEOUT = 30.0  # a process the fault kills is awaited this long (it may be starting)
 MAX_RESTARTS = 2  # a pod's container started again after its process ended, in one cell
+GAVE_UP_WAITING = (5, 6)  # the head's workers, a worker's head: not there within the timeout
 CELL_BOUND = BOUND * (1 + MAX_RESTARTS)  # each start of a pod gets BOUND
 VOLUME_SIZE = "16m"  # the tmpfs of a cell whose fault fills the volume
 CHECKPOINT = "weights"
@@ -571,11 +573,20 @@ class CellRun:
     def _tick(self) -> None:
         for c in list(self.containers):
             done = c.poll()
-            if done:
-                self.note(f"{c.name} podagent exited {done.code}")
-                if self.fault_at is not None and c.restarts(done):
+            if not done:
+                continue
+            self.note(f"{c.name} podagent exited {done.code}")
+            if self.fault_at is not None:
+                if c.restarts(done):
                     c.restart()
                     self.note(f"{c.name} started again (its container, as RunPod does)")
+            elif done.code in GAVE_UP_WAITING and len(c.exits) <= MAX_RESTARTS:
+                # Before the fault: a pod that gave up waiting for the other is started again,
+                # as RunPod does. On a loaded machine a bring-up can outlast the 45 s the pods
+                # give each other, and neither would come back. These starts are not the
+                # fault's: it still gets MAX_RESTARTS of its own.
+                c.start()
+                self.note(f"{c.name} started again before the fault (as RunPod does)")
 
     def idle(self, seconds: float) -> None:
         """The schedule's pause (not a readiness wait): exits are noticed meanwhile."""
