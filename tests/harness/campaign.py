@@ -356,7 +356,7 @@ class Container:
 
     def run_dir(self) -> Path:
         """This pod's own directory of the run (podagent's rule)."""
-        return pod_run_dir(self.volume / "logs", RUN, self.env["RUNPOD_POD_ID"])
+        return pod_run_dir(self.volume / "logs", RUN, self.pod.pod_id)
 
     def events(self, this_start: bool = False) -> list[dict[str, Any]]:
         """events.jsonl (every start's), or only the current start's."""
