@@ -7,15 +7,16 @@ so `podagent down` finds it whatever happens next."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from podagent.errors import NoCapacity, PodsNotReady
+from podagent.errors import NoCapacity, PodsNotReady, RunPodApiError
 from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.spec import Placement, UpSpec
-from podagent.launch.view import Board, LiveView, PlainView
+from podagent.launch.view import Board, View
 from podagent.platform.runpod_api import Client
 
 CREATES_AT_ONCE = 8  # workers created in parallel once the head's id is known
@@ -76,7 +77,7 @@ class Creator:
     on something may exist at RunPod, and the run's end must terminate it."""
 
     def __init__(self, spec: UpSpec, client: Client, checked: Checked, board: Board,
-                 view: PlainView | LiveView):
+                 view: View):
         self.spec, self.client, self.checked = spec, client, checked
         self.board, self.view = board, view
         self.created = False
@@ -113,8 +114,8 @@ class Creator:
         if head_name not in pod_ids:
             asked = record.asking("pod", head_name, 0)
             self.created = True  # from the moment the call may go out
-            self._got(asked, head_name, self.client.create_pod(
-                specs.pod_body(spec, 0, None, placement)))
+            self._got(asked, head_name, self._answered(asked, lambda: self.client.create_pod(
+                specs.pod_body(spec, 0, None, placement))))
         head_id = pod_ids[head_name]
         missing = [(rank, name) for rank, name in enumerate(spec.names())
                    if rank and name not in pod_ids]
@@ -125,13 +126,26 @@ class Creator:
         self.created = True
         self._pool = concurrent.futures.ThreadPoolExecutor(
             min(CREATES_AT_ONCE, len(missing)), thread_name_prefix="create")
-        futures = {self._pool.submit(self.client.create_pod,
-                                     specs.pod_body(spec, rank, head_id, placement)): name
-                   for rank, name in missing}
+        bodies = {name: specs.pod_body(spec, rank, head_id, placement)
+                  for rank, name in missing}
+        futures = {self._pool.submit(self._answered, asking[name],
+                                     functools.partial(self.client.create_pod, bodies[name])):
+                   name for _, name in missing}
         for done in concurrent.futures.as_completed(futures):
             name = futures[done]
             self._got(asking[name], name, done.result())  # the first failure ends it
         self._pool.shutdown()
+
+    def _answered(self, asked: state.Resource,
+                  create: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """A create's answer; one RunPod refused is recorded so (nothing was made, so the
+        clean-up does not wait for it to land), one that never came is left as asked."""
+        try:
+            return create()
+        except RunPodApiError as exc:
+            if exc.answered:
+                self.checked.record.refused(asked)
+            raise
 
     def _got(self, asked: state.Resource, name: str, pod: Mapping[str, Any]) -> None:
         self.checked.record.got(asked, str(pod["id"]))
@@ -147,7 +161,7 @@ class Creator:
             name = specs.cluster_name(self.spec.run)
             asked = record.asking("cluster", name, None)
             self.created = True
-            cluster = self.client.create_cluster(
-                specs.cluster_body(self.spec, self.checked.placement))
+            cluster = self._answered(asked, lambda: self.client.create_cluster(
+                specs.cluster_body(self.spec, self.checked.placement)))
             record.got(asked, str(cluster["id"]))
             self.checked.cluster_id = str(cluster["id"])

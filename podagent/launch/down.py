@@ -10,9 +10,10 @@ terminated by a later one.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,12 @@ def find(client: Client, run: str, record: RunRecord | None) -> Found:
                     if isinstance(p.get("cluster"), dict) and p["cluster"].get("id")}
     clusters = [c for c in client.list_clusters()
                 if c.get("id") in cluster_ids or c.get("name") == names.cluster_name(run)]
+    # A cluster its own live pods name, that RunPod does not list (yet, or any more): deleted
+    # all the same (its members refuse a delete of their own); one already gone answers 404.
+    listed = {str(c.get("id")) for c in clusters}
+    clusters += [{"id": cid, "name": names.cluster_name(run)} for cid in sorted(
+        {str(p["cluster"]["id"]) for p in pods if p.get("status") != "TERMINATED"
+         and isinstance(p.get("cluster"), dict) and p["cluster"].get("id")} - listed)]
     return Found(pods, clusters)
 
 
@@ -90,37 +97,76 @@ def _terminate_found(client: Client, found: Found, sweep: Sweep) -> int:
             continue  # goes with its cluster (RunPod refuses a member's own delete)
         asks.append((lambda i=str(pod["id"]): client.terminate_pod(i), {str(pod["id"])}))
     failures: list[BaseException] = []
-    if asks:
-        with ThreadPoolExecutor(max_workers=min(len(asks), PARALLEL),
-                                thread_name_prefix="terminate") as pool:
-            futures = [(pool.submit(ask), ids) for ask, ids in asks]
-        for future, ids in futures:
-            failure = future.exception()
-            if failure is None:
-                sweep.accepted |= ids
+    lock = threading.Lock()
+    pending = list(asks)
+
+    def asker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                ask, ids = pending.pop(0)
+            try:
+                ask()
+            except Exception as exc:
+                with lock:
+                    failures.append(exc)
             else:
-                failures.append(failure)
+                with lock:
+                    sweep.accepted.update(ids)
+
+    # Threads of their own, not a pool's: a second signal (Leave) ends the command at once,
+    # and no exit waits for terminates still being retried.
+    threads = [threading.Thread(target=asker, name="terminate", daemon=True)
+               for _ in range(min(len(asks), PARALLEL))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     if failures:
         raise failures[0]
     return len(live)
 
 
+def _terminate_known(client: Client, record: RunRecord | None, sweep: Sweep) -> None:
+    """Every pod and cluster the record has an id of, asked to go without a list (RunPod's
+    list failed): what it refuses is found by the rounds after, or said by the caller."""
+    if record is None:
+        return
+    pods = [{"id": i, "status": "?"} for i in record.ids("pod")]
+    clusters = [{"id": i} for i in record.ids("cluster")]
+    with contextlib.suppress(RunPodApiError):
+        _terminate_found(client, Found(pods, clusters), sweep)
+
+
 def terminate(client: Client, run: str, record: RunRecord | None,
               say: Callable[[str], None], timeout: float = GONE_TIMEOUT,
-              sweep: Sweep | None = None) -> int:
-    """Terminate every pod and cluster of the run, in rounds, until RunPod lists none of them.
-    Returns how many pods there were. Raises RunPodApiError when some may still be there
-    (`sweep`, if given, then says which)."""
+              sweep: Sweep | None = None, landing_time: float = 0.0) -> int:
+    """Terminate every pod and cluster of the run, in rounds, until RunPod lists none of them
+    (and, while the record holds a create whose answer never came, not before `landing_time`
+    seconds: such a pod may still appear). Returns how many pods there were. Raises
+    RunPodApiError when some may still be there (`sweep`, if given, then says which)."""
     sweep = sweep if sweep is not None else Sweep()
     started = time.monotonic()
     seen: set[str] = set()
     first = True
     rounds = 0
+    # A create whose answer never came (cut off by a signal, or timed out) may still make a
+    # pod: while one may, an empty list is not the end, until `landing` has passed.
+    in_flight = record is not None and record.in_flight()
+    landing = started + (landing_time if in_flight else 0.0)
+    waited_landing: list[bool] = []
 
     def round_() -> Found:
         nonlocal first, rounds
         rounds += 1
-        found = find(client, run, record)
+        try:
+            found = find(client, run, record)
+        except RunPodApiError:
+            if first:  # no list, but the ids this machine knows are asked for all the same
+                first = False
+                _terminate_known(client, record, sweep)
+            raise
         sweep.listed = found.pods
         new = {str(p["id"]) for p in found.pods if p.get("status") != "TERMINATED"} - seen
         # Again now and then for what is still listed: a terminate RunPod lost is sent anew.
@@ -132,6 +178,12 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                     + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
             first = False
             raise NotYet("terminated; not gone yet")
+        if not found and time.monotonic() < landing:
+            if not waited_landing:
+                waited_landing.append(True)
+                say(f"a create of run {run} whose answer never came may still make a pod: "
+                    f"looking for it for {landing - time.monotonic():.0f} s more")
+            raise NotYet("a create whose answer never came may still make a pod")
         return found
 
     try:
@@ -145,6 +197,15 @@ def terminate(client: Client, run: str, record: RunRecord | None,
         raise RunPodApiError(f"run {run}: still at RunPod {timeout:g} s after termination: "
                              f"{listed or 'unknown'}; run `podagent down {run}` again"
                              ) from None
+    # What the record knows and no round asked for (RunPod's list left it out): asked by its
+    # id all the same; one that was there after all is said, and counted.
+    unasked = [i for i in (record.ids("pod") if record else []) if i not in sweep.accepted]
+    for pod_id in unasked:
+        if client.terminate_pod(pod_id):
+            sweep.accepted.add(pod_id)
+            seen.add(pod_id)
+            say(f"pod {pod_id} of run {run} was not in RunPod's list but was there: "
+                f"terminated")
     if seen:
         say(f"terminated {len(seen)} pod(s) of run {run} in "
             f"{time.monotonic() - started:.1f} s: nothing of it is billing")

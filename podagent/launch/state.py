@@ -70,6 +70,9 @@ class RunRecord:
         """Record the intent (and save it) before the create call goes out."""
         for resource in self.resources:
             if resource.name == name:
+                if resource.id == "":  # refused before, asked again: it may land this time
+                    resource.id = None
+                    self.save()
                 return resource
         resource = Resource(kind, name, rank, None, time.time())
         self.resources.append(resource)
@@ -79,6 +82,15 @@ class RunRecord:
     def got(self, resource: Resource, resource_id: str) -> None:
         resource.id = resource_id
         self.save()
+
+    def refused(self, resource: Resource) -> None:
+        """RunPod answered the create with a refusal: nothing was made (an id of "")."""
+        resource.id = ""
+        self.save()
+
+    def in_flight(self) -> bool:
+        """A create whose answer never came (cut off, or unanswered): it may still land."""
+        return any(r.id is None for r in self.resources)
 
     def ids(self, kind: str) -> list[str]:
         return [r.id for r in self.resources if r.kind == kind and r.id]

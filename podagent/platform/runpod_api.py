@@ -51,7 +51,6 @@ _BACKOFF = Backoff(0.5, 8.0)
 _RETRY_AFTER_MAX = 60.0  # a Retry-After beyond this is not waited for in one go
 _REASON_MAX = 200
 # RunPod's statuses for a pod (PodStatus); billing stops only in the last three.
-POD_STATUSES = ("PROVISIONING", "STARTING", "RUNNING", "EXITED", "ERROR", "TERMINATED")
 BILLING_STATUSES = frozenset({"PROVISIONING", "STARTING", "RUNNING"})
 
 
@@ -274,9 +273,12 @@ def _shape(value: Any) -> str:
 
 
 def check_pod(pod: Any, what: str) -> dict[str, Any]:
-    """A Pod object as podagent reads it: an id, a name, a known status, a number for cost."""
+    """A Pod object as podagent reads it: an id, a name, a status, a number for cost. A status
+    the document does not list yet (one RunPod adds) is a status all the same: one odd pod
+    in an account must not stop the termination of a run's pods, nor `down` and `ls`."""
     ok = (isinstance(pod, dict) and isinstance(pod.get("id"), str) and pod["id"]
-          and isinstance(pod.get("name"), str) and pod.get("status") in POD_STATUSES
+          and isinstance(pod.get("name"), str) and isinstance(pod.get("status"), str)
+          and pod["status"]
           and isinstance(pod.get("cost", 0.0), (int, float))
           and not isinstance(pod.get("cost", 0.0), bool))
     if not ok:
@@ -316,7 +318,9 @@ class Transport:
     def _error(self, text: str, status: int | None = None) -> RunPodApiError:
         kind = {401: RunPodAuthError, 403: RunPodAuthError, 409: RunPodConflict}.get(
             status or 0, RunPodApiError)
-        return kind(_redact(text, self._key))
+        error = kind(_redact(text, self._key))
+        error.answered = status is not None
+        return error
 
     def _paced(self, deadline: Deadline | None = None) -> None:
         """Wait as RunPod's quota asks before a call (never past the call's deadline)."""
@@ -405,7 +409,9 @@ class Transport:
         except RunPodApiError as exc:
             refused = exc
         if refused is not None:
-            raise type(refused)(str(refused)) from None
+            again = type(refused)(str(refused))
+            again.answered = refused.answered
+            raise again from None
         assert gave_up is not None
         tries = gave_up.tries
         raise self._error(
@@ -455,7 +461,9 @@ class Client(Transport):
                 raise
             # 400 is both "breaks a rule" and "no capacity" (RunPod: capacity has no code of
             # its own, only a detail); the caller names the GPU type and data centers.
-            raise NoCapacity(str(exc)) from None
+            refused = NoCapacity(str(exc))
+            refused.answered = True
+            raise refused from None
         if isinstance(answer.data, dict) and isinstance(answer.data.get("id"), str) and \
                 answer.data["id"]:
             return answer.data
@@ -464,9 +472,11 @@ class Client(Transport):
         found = find()
         if found is not None:
             return found
-        raise RunPodNonsense(f"RunPod API: POST {self.base_url}{path} answered {answer.status} "
-                             f"without what it created ({_shape(answer.data)}), and nothing "
-                             f"named {body['name']!r} exists")
+        nonsense = RunPodNonsense(
+            f"RunPod API: POST {self.base_url}{path} answered {answer.status} without what it "
+            f"created ({_shape(answer.data)}), and nothing named {body['name']!r} exists")
+        nonsense.answered = True
+        raise nonsense
 
     def list_pods(self, include_cluster_pods: bool = False) -> list[dict[str, Any]]:
         params = {"includeClusterPods": "true"} if include_cluster_pods else None

@@ -264,7 +264,7 @@ def test_a_line_without_a_time_is_shown_not_lost():
 
 @pytest.mark.parametrize("data", [None, [], {"pods": None}, {"pods": [{"name": "x"}]},
                                   {"pods": [{"id": 5, "name": "x", "status": "RUNNING"}]},
-                                  {"pods": [{"id": "a", "name": "x", "status": "SLEEPY"}]}])
+                                  {"pods": [{"id": "a", "name": "x", "status": 7}]}])
 def test_a_2xx_with_nonsense_is_an_error_of_its_own(data):
     class Canned(runpod_api.Client):
         def call(self, method, path, **kw):
@@ -273,3 +273,16 @@ def test_a_2xx_with_nonsense_is_an_error_of_its_own(data):
     client = Canned(KEY, "http://127.0.0.1:9")
     with pytest.raises(RunPodNonsense, match="GET /v2/pods"):
         client.list_pods()
+
+
+def test_a_pod_of_a_status_the_document_does_not_list_yet_is_listed_as_it_is():
+    """One odd pod in an account (a status RunPod added) must not make the whole list
+    nonsense: up's clean-up, down and ls would all stop at it."""
+    class Canned(runpod_api.Client):
+        def call(self, method, path, **kw):
+            return runpod_api.Answer(200, {"pods": [
+                {"id": "a", "name": "someone-else", "status": "PAUSED"},
+                {"id": "b", "name": "podagent-r-head", "status": "RUNNING", "cost": 2.5}]})
+
+    listed = Canned(KEY, "http://127.0.0.1:9").list_pods()
+    assert [(p["id"], p["status"]) for p in listed] == [("a", "PAUSED"), ("b", "RUNNING")]
