@@ -3,6 +3,7 @@ errors onto exit codes; the only place that prints errors and picks exit codes."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -149,25 +150,37 @@ def _boundary(command: Callable[..., Any] | None = None, *, pod: bool = False) -
                 return command(*args, **kwargs)
             except errors.PodagentError as exc:
                 if not isinstance(exc, errors.Interrupted):
-                    click.echo(f"podagent: error: {exc}", err=True)
+                    _say_err(f"podagent: error: {exc}")
                 code = exit_code(exc)
                 if pod and not isinstance(exc, errors.Interrupted) and not restartable(code) \
                         and not _dry_run_asked():
                     from podagent.run import after_run
 
-                    after_run.settle_unconfigured(
-                        os.environ, code, lambda line: click.echo(line, err=True))
+                    after_run.settle_unconfigured(os.environ, code, _say_err)
                 sys.exit(code)
             except (click.exceptions.ClickException, click.exceptions.Exit,
                     click.exceptions.Abort):
                 raise  # click's own: it says them and exits as it does
             except Exception:
-                traceback.print_exc()
+                with contextlib.suppress(OSError):
+                    traceback.print_exc()
                 sys.exit(EXIT_INTERNAL)
 
         return guarded
 
     return wrap if command is None else wrap(command)
+
+
+def _say_err(line: str) -> None:
+    """A line on stderr, best effort: a stderr that broke (a closed terminal, `2>&1 | tee`
+    gone) must not turn the table's code into click's 1."""
+    try:
+        click.echo(line, err=True)
+    except OSError:
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
 
 
 def _dry_run_asked() -> bool:

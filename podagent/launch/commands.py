@@ -51,7 +51,7 @@ def client(key: str, url: str, say: Callable[[str], None],
 def up(spec: UpSpec, key: str, explain: Callable[[int], str], interrupts: Interrupts,
        stream: TextIO | None = None, follow_only: bool = False) -> int:
     extras.require("up", "podagent up's live view")
-    view = views.choose(stream)
+    view = views.Unblocked(views.choose(stream))
     api = client(key, spec.api_url, lambda line: view.line(f"[up] {line}"), spec.api_timeout)
     try:
         return Up(spec, api, view, interrupts, explain=explain, follow_only=follow_only).run()
@@ -67,12 +67,16 @@ def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: fl
     its pods at RunPod (their number, their GPU type, a cluster or not, --keep's)."""
     say = say or (lambda line: print(f"[up] {line}", flush=True))
     record = state.load_hint(state_dir, run, say)
-    if record is not None and record.spec:
+    if record is not None and record.spec and record.spec.get("run") == run:
         try:
-            return UpSpec.from_record(record.spec, api_url=url, api_timeout=api_timeout,
+            spec = UpSpec.from_record(record.spec, api_url=url, api_timeout=api_timeout,
                                       state_dir=state_dir, timeout=timeout)
-        except TypeError:
-            pass  # a record of an older podagent: from RunPod then
+            counts = (spec.pods, spec.gpus_per_pod)
+            if all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts) \
+                    and isinstance(spec.gpu_type, str):
+                return spec
+        except (TypeError, ValueError, AttributeError):
+            pass  # a record of an older podagent, or a damaged one: from RunPod then
     api = client(key, url, lambda line: None, api_timeout)
     try:
         pods = [p for p in downs.find(api, run, record).pods if p.get("status") != "TERMINATED"]

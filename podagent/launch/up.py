@@ -35,7 +35,7 @@ from podagent.launch.create import Checked, Creator, check
 from podagent.launch.follow import HeadLog, HeadRecord
 from podagent.launch.interrupts import Interrupts, Leave, signum_of
 from podagent.launch.spec import UpSpec
-from podagent.launch.view import Board, LiveView, PlainView
+from podagent.launch.view import Board, View
 from podagent.launch.watch import CostMeter, Watch
 from podagent.platform.runpod_api import Client
 from podagent.wire import Event, GangPhase, HeadState
@@ -130,7 +130,7 @@ class Up:
     """`podagent up`'s state machine: carries out what `judge` decides, from checking the
     account to the last pod gone."""
 
-    def __init__(self, spec: UpSpec, client: Client, view: PlainView | LiveView,
+    def __init__(self, spec: UpSpec, client: Client, view: View,
                  interrupts: Interrupts | None = None,
                  explain: Callable[[int], str] = lambda code: f"exit {code}",
                  follow_only: bool = False):
@@ -196,6 +196,12 @@ class Up:
         spec = self.spec
         self._phase(Phase.CHECKING)
         self.checked = check(spec, self.client, self.follow_only, self.say)
+        head = specs.pod_name(spec.run, 0)
+        if self.follow_only and not spec.cluster and self.checked.pod_ids \
+                and head not in self.checked.pod_ids:
+            # Nothing would ever end this run: its workers wait for a head that is gone.
+            raise PodGone(f"run {spec.run}: its head ({head}) is no longer at RunPod; its "
+                          f"workers are terminated too")
         if not self.follow_only:
             self._phase(Phase.CREATING)
             self.creator = Creator(spec, self.client, self.checked, self.board, self.view)
@@ -249,7 +255,10 @@ class Up:
     def _terminate(self) -> None:
         """Every pod of the run terminated and gone from RunPod's list (else an error)."""
         self._phase(Phase.CLEANING)
-        down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep)
+        # A create cut off (a signal, a timeout) may still land within its own deadline.
+        down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep,
+                       timeout=down.GONE_TIMEOUT + self.spec.api_timeout,
+                       landing_time=self.spec.api_timeout)
         if self.watch is not None:
             self.watch.cost.close(time.time())
         for row in self.board.pods.values():
@@ -399,7 +408,7 @@ class HeadProgress:
     output and podagent's messages (onto the view), how often its podagent started, and the
     run's code once the head says the run is over."""
 
-    def __init__(self, run: str, board: Board, view: PlainView | LiveView,
+    def __init__(self, run: str, board: Board, view: View,
                  say: Callable[[str], None], phase: Callable[[Phase], None],
                  head_name: Callable[[], str], started: float):
         self.run, self.board, self.view, self.say = run, board, view, say

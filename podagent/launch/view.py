@@ -8,8 +8,11 @@ silenced, never an error, so that nothing `up` says can stop it terminating the 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -197,6 +200,56 @@ class LiveView:
             self._live.stop()
         except (OSError, ValueError):
             self._broke()
+
+
+class Unblocked:
+    """A view whose calls never hold `up` up: they are carried out in order on a thread of
+    their own. A reader that stops reading (a pipe nobody reads, a terminal on XOFF, a
+    stalled ssh session) then costs lines, never the termination of the pods; close() waits
+    DRAIN seconds at most for what is still queued."""
+
+    DRAIN = 2.0
+    QUEUED = 10_000  # calls kept while the reader is stalled; later ones are dropped
+
+    def __init__(self, view: PlainView | LiveView):
+        self.view = view
+        self._calls: queue.Queue[tuple[str, Any]] = queue.Queue(self.QUEUED)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._serve, name="up-view", daemon=True)
+        self._thread.start()
+
+    @property
+    def broken(self) -> bool:
+        return self.view.broken
+
+    def _put(self, call: str, arg: Any) -> None:
+        self._idle.clear()
+        with contextlib.suppress(queue.Full):
+            self._calls.put_nowait((call, arg))
+
+    def _serve(self) -> None:
+        while True:
+            call, arg = self._calls.get()
+            with contextlib.suppress(Exception):  # a view's fault costs its lines only
+                getattr(self.view, call)(*(() if arg is None else (arg,)))
+            if self._calls.empty():
+                self._idle.set()
+            if call == "close":
+                return
+
+    def update(self, board: Board) -> None:
+        self._put("update", copy.deepcopy(board))  # the board goes on changing meanwhile
+
+    def line(self, text: str) -> None:
+        self._put("line", text)
+
+    def close(self) -> None:
+        self._put("close", None)
+        self._idle.wait(self.DRAIN)
+
+
+View = PlainView | LiveView | Unblocked
 
 
 def choose(stream: TextIO | None = None) -> PlainView | LiveView:

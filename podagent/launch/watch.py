@@ -11,7 +11,7 @@ from typing import Any
 
 from podagent.errors import RunPodApiError, RunPodAuthError
 from podagent.launch import spec as specs
-from podagent.launch.view import Board, LiveView, PlainView
+from podagent.launch.view import Board, View
 from podagent.platform.runpod_api import BILLING_STATUSES, Client, rfc3339_ns
 
 API_OUTAGE = 300.0  # RunPod's API unable to list the pods this long ends the run
@@ -61,7 +61,7 @@ class Watch:
     its pod list), the head's id, and their statuses."""
 
     def __init__(self, spec: specs.UpSpec, client: Client, board: Board,
-                 view: PlainView | LiveView, say: Callable[[str], None],
+                 view: View, say: Callable[[str], None],
                  pod_ids: dict[str, str], cluster_id: str | None):
         self.spec, self.client, self.board, self.view, self.say = spec, client, board, view, say
         self.pod_ids, self.cluster_id = pod_ids, cluster_id

@@ -1,0 +1,203 @@
+"""`podagent up` against what a hostile review of its clean-up found: each test is one of its
+repros, with the outcome that matters asserted (how many pods still bill, the exit code).
+
+A create RunPod carries out after `up` stopped waiting for it, a pod list that fails or leaves
+the run's pods out, a cluster RunPod does not list, an output nobody reads, a run whose head
+is gone, and a second Ctrl-C while the terminates are retried."""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.harness.laptop import (
+    HEAD_IMAGE,
+    KEY,
+    billing,
+    laptop_env,
+    listed,
+    of_run,
+    run_down,
+    up_argv,
+)
+from tests.harness.pods import wait_for
+
+LAVISH = {"minute": 100_000, "hour": 1_000_000, "day": 10_000_000}
+
+
+@pytest.fixture
+def cloud(runpod_cloud: Any) -> Any:
+    return runpod_cloud(rate_limits=LAVISH, pod_key="own")
+
+
+class Up:
+    """`podagent up` running, its output read as it comes."""
+
+    def __init__(self, cloud: Any, tmp_path: Path, argv: list[str]):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(argv, env=laptop_env(cloud, tmp_path),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, stdin=subprocess.DEVNULL)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait(self, text: str, timeout: float = 60) -> None:
+        wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
+                 what=f"{text!r} from up (it said: {self.lines[-10:]})")
+
+    def end(self, timeout: float = 180) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _stand_in(run: str, tmp_path: Path, pods: int, *extra: str) -> list[str]:
+    """A run whose head prints a few lines, then ends once `go` exists."""
+    return up_argv(run, pods, "-e", f"POD_HEAD_GO={tmp_path / 'go'}", *extra, image=HEAD_IMAGE)
+
+
+def _none_left(cloud: Any, run: str, within: float) -> None:
+    wait_for(lambda: billing(cloud, run) == 0, timeout=within,
+             what=f"run {run}'s pods to stop billing (still: {listed(cloud, run)})")
+
+
+def test_a_create_cut_off_by_ctrl_c_is_terminated_once_it_lands(cloud, tmp_path):
+    """RunPod takes 4 s to answer (and carry out) the head's create; Ctrl-C after 1 s: the
+    clean-up looks for the pod until the create's own deadline, finds it when it lands and
+    terminates it (before: exit 130 saying nothing was left, and the head billed on)."""
+    cloud.create_delay = 4.0
+    up = Up(cloud, tmp_path, _stand_in("inflight", tmp_path, 2, "--api-timeout", "20"))
+    up.wait("creating pods")
+    time.sleep(1.0)  # the fault's moment: the create is on its way
+    up.proc.send_signal(signal.SIGINT)
+    assert up.end() == 130, up.text[-3000:]
+    assert "may still make a pod" in up.text, up.text[-3000:]
+    cloud.create_delay = 0.0
+    assert [p.status for p in of_run(cloud, "inflight")] in ([], ["TERMINATED"]), \
+        of_run(cloud, "inflight")
+    assert billing(cloud, "inflight") == 0
+
+
+def test_a_pod_list_that_fails_still_terminates_the_pods_up_knows(cloud, tmp_path):
+    """RunPod's list answers 503 throughout the clean-up: every pod `up` holds the id of is
+    asked to go by that id all the same; exit 26 (what went unconfirmed may bill), and
+    `down` confirms once the list is back."""
+    run = "nolist"
+    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "3"))
+    up.wait("job line 5")
+    cloud.fail_next(100_000, 503, match=r"^GET /v2/pods$")
+    (tmp_path / "go").touch()
+    assert up.end() == 26, up.text[-3000:]
+    accepted = {r.path for r in cloud.requests if r.method == "DELETE" and not r.fault}
+    assert len(accepted) == 3, accepted
+    cloud.clear_faults()
+    assert billing(cloud, run) == 0
+    assert run_down(cloud, tmp_path, run).returncode == 0
+
+
+def test_pods_a_list_leaves_out_are_terminated_by_their_ids(cloud, tmp_path):
+    """The list answers with one odd pod of someone else only (a status the document does
+    not give, the run's own pods left out): the pods `up` created are terminated by their
+    ids all the same, and the run ends as it did."""
+    run = "odd"
+    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "3"))
+    up.wait("job line 5")
+    odd = b'{"pods": [{"id": "zzz", "name": "someone-elses", "status": "PAUSED", "cost": 0}]}'
+    cloud.garble_next(100_000, body=odd, match=r"^GET /v2/pods$")
+    (tmp_path / "go").touch()
+    assert up.end() == 0, up.text[-3000:]
+    cloud.clear_faults()
+    assert billing(cloud, run) == 0 and "was not in RunPod's list but was there" in up.text
+
+
+def test_a_cluster_runpod_does_not_list_is_deleted_by_the_id_its_pods_name(cloud, tmp_path):
+    run = "clu"
+    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 2, "--cluster", "--api-timeout", "3"))
+    up.wait("job line 5")
+    cloud.garble_next(100_000, body=b'{"clusters": []}', match=r"^GET /v2/clusters$")
+    (tmp_path / "go").touch()
+    assert up.end() == 0, up.text[-3000:]
+    cloud.clear_faults()
+    assert billing(cloud, run) == 0
+
+
+def test_ctrl_c_terminates_the_pods_while_nobody_reads_the_output(cloud, tmp_path):
+    """`up ... | less`, the reader stopped: the pipe fills and every line `up` says would
+    block. Ctrl-C still terminates the pods (before: stuck in its first line, billing)."""
+    run = "stall"
+    argv = _stand_in(run, tmp_path, 2, "-e", "POD_HEAD_LINES=12000")
+    proc = subprocess.Popen(argv, env=laptop_env(cloud, tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        wait_for(lambda: _unread(proc.stdout.fileno()) >= PIPE_FULL, timeout=90,
+                 what="up's output pipe to fill (nobody reads it)")
+        proc.send_signal(signal.SIGINT)  # Ctrl-C reaches the pipeline; the reader stays
+        _none_left(cloud, run, within=60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        run_down(cloud, tmp_path, run)
+
+
+PIPE_FULL = 60_000  # bytes waiting in a pipe of 64 KiB: its writer blocks any moment
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe, unread."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_up_name_on_a_run_whose_head_is_gone_ends_it(cloud, tmp_path):
+    """A detached run, its head terminated from outside, no record here: `up --name RUN`
+    ends the run (exit 24) and terminates its workers, rather than following a run that can
+    never end while they bill."""
+    run = "half"
+    first = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--detach"))
+    assert first.end() == 0, first.text[-2000:]
+    head = next(p for p in of_run(cloud, run) if p.name.endswith("-head"))
+    assert requests.delete(f"{cloud.url}/v2/pods/{head.id}", timeout=30,
+                           headers={"Authorization": f"Bearer {KEY}"}).status_code == 204
+    shutil.rmtree(tmp_path / "state")
+    up = Up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name", run])
+    assert up.end(timeout=120) == 24, up.text[-3000:]
+    assert billing(cloud, run) == 0
+
+
+def test_a_second_ctrl_c_while_terminates_are_retried_leaves_at_once(cloud, tmp_path):
+    run = "leave"
+    (tmp_path / "go").touch()
+    cloud.fail_next(100_000, 503, match=r"^DELETE ")
+    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "40"))
+    up.wait(": terminating pods at")
+    up.proc.send_signal(signal.SIGINT)  # the first is held: the clean-up goes on
+    # Signals are not queued: two sent at once may arrive as one. The second comes later.
+    time.sleep(1.0)
+    up.proc.send_signal(signal.SIGINT)
+    second = time.monotonic()
+    assert up.end(timeout=60) == 130, up.text[-3000:]
+    assert time.monotonic() - second < 10, "the second Ctrl-C waited for the terminates"
+    assert "left the pods of run leave as they are" in up.text
+    cloud.clear_faults()
+    assert run_down(cloud, tmp_path, run).returncode == 0
