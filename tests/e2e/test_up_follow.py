@@ -8,8 +8,6 @@ order), its exit code, and what is left at RunPod."""
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from podagent.launch import state
 from tests.harness.laptop import (
     HEAD_IMAGE,
     KEY,
+    Output,
     billing,
     creates,
     listed,
@@ -42,33 +41,6 @@ def make_cloud(runpod_cloud: Any) -> Any:
     return lambda **kw: runpod_cloud(**{"rate_limits": LAVISH, "pod_key": "own", **kw})
 
 
-class Reader:
-    """`up`'s output as it comes, for a test that acts on what it says."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.lines = proc, []
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait(self, text: str, timeout: float = 60) -> None:
-        wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
-                 what=f"up to say {text!r}; it said: {self.lines[-20:]}")
-
-    def end(self, timeout: float = 120) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._thread.join(timeout=10)
-        return code
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
 def _stand_in(name: str, tmp_path: Path, *extra: str) -> list[str]:
     return up_argv(name, 2, "-e", f"POD_HEAD_LINES={LINES}",
                    "-e", f"POD_HEAD_GO={tmp_path / 'go'}", *extra, image=HEAD_IMAGE)
@@ -82,7 +54,7 @@ def test_the_heads_log_loses_and_repeats_nothing_through_drops_and_breaks(
     outside and `up` ends the run within its grace (exit 24), terminating every pod."""
     cloud = make_cloud(log_resolution=1.0, log_resume=resume)
     hold = ("-e", "POD_HEAD_HOLD=1") if resume == "again" else ()
-    up = Reader(start_up(cloud, tmp_path, _stand_in("follow", tmp_path, *hold)))
+    up = Output(start_up(cloud, tmp_path, _stand_in("follow", tmp_path, *hold)))
     up.wait(f"job line {LINES}")
     head = next(p for p in of_run(cloud, "follow") if p.name.endswith("-head"))
     for _ in range(3):  # a proxy drops the stream: it is opened again, resuming

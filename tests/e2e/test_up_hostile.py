@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import termios
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,13 @@ import requests
 from tests.harness.laptop import (
     HEAD_IMAGE,
     KEY,
+    Output,
     billing,
     laptop_env,
     listed,
     of_run,
     run_down,
+    start_up,
     up_argv,
 )
 from tests.harness.pods import wait_for
@@ -42,34 +43,8 @@ def cloud(runpod_cloud: Any) -> Any:
     return runpod_cloud(rate_limits=LAVISH, pod_key="own")
 
 
-class Up:
-    """`podagent up` running, its output read as it comes."""
-
-    def __init__(self, cloud: Any, tmp_path: Path, argv: list[str]):
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(argv, env=laptop_env(cloud, tmp_path),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, stdin=subprocess.DEVNULL)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait(self, text: str, timeout: float = 60) -> None:
-        wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
-                 what=f"{text!r} from up (it said: {self.lines[-10:]})")
-
-    def end(self, timeout: float = 180) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return code
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
+def _up(cloud: Any, tmp_path: Path, argv: list[str]) -> Output:
+    return Output(start_up(cloud, tmp_path, argv))
 
 
 def _stand_in(run: str, tmp_path: Path, pods: int, *extra: str) -> list[str]:
@@ -87,7 +62,7 @@ def test_a_create_cut_off_by_ctrl_c_is_terminated_once_it_lands(cloud, tmp_path)
     clean-up looks for the pod until the create's own deadline, finds it when it lands and
     terminates it (before: exit 130 saying nothing was left, and the head billed on)."""
     cloud.create_delay = 4.0
-    up = Up(cloud, tmp_path, _stand_in("inflight", tmp_path, 2, "--api-timeout", "20"))
+    up = _up(cloud, tmp_path, _stand_in("inflight", tmp_path, 2, "--api-timeout", "20"))
     up.wait("creating pods")
     time.sleep(1.0)  # the fault's moment: the create is on its way
     up.proc.send_signal(signal.SIGINT)
@@ -104,7 +79,7 @@ def test_a_pod_list_that_fails_still_terminates_the_pods_up_knows(cloud, tmp_pat
     asked to go by that id all the same; exit 26 (what went unconfirmed may bill), and
     `down` confirms once the list is back."""
     run = "nolist"
-    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "3"))
+    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "3"))
     up.wait("job line 5")
     cloud.fail_next(100_000, 503, match=r"^GET /v2/pods$")
     (tmp_path / "go").touch()
@@ -121,7 +96,7 @@ def test_pods_a_list_leaves_out_are_terminated_by_their_ids(cloud, tmp_path):
     not give, the run's own pods left out): the pods `up` created are terminated by their
     ids all the same, and the run ends as it did."""
     run = "odd"
-    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "3"))
+    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "3"))
     up.wait("job line 5")
     odd = b'{"pods": [{"id": "zzz", "name": "someone-elses", "status": "PAUSED", "cost": 0}]}'
     cloud.garble_next(100_000, body=odd, match=r"^GET /v2/pods$")
@@ -133,7 +108,7 @@ def test_pods_a_list_leaves_out_are_terminated_by_their_ids(cloud, tmp_path):
 
 def test_a_cluster_runpod_does_not_list_is_deleted_by_the_id_its_pods_name(cloud, tmp_path):
     run = "clu"
-    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 2, "--cluster", "--api-timeout", "3"))
+    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 2, "--cluster", "--api-timeout", "3"))
     up.wait("job line 5")
     cloud.garble_next(100_000, body=b'{"clusters": []}', match=r"^GET /v2/clusters$")
     (tmp_path / "go").touch()
@@ -174,13 +149,13 @@ def test_up_name_on_a_run_whose_head_is_gone_ends_it(cloud, tmp_path):
     ends the run (exit 24) and terminates its workers, rather than following a run that can
     never end while they bill."""
     run = "half"
-    first = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--detach"))
+    first = _up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--detach"))
     assert first.end() == 0, first.text[-2000:]
     head = next(p for p in of_run(cloud, run) if p.name.endswith("-head"))
     assert requests.delete(f"{cloud.url}/v2/pods/{head.id}", timeout=30,
                            headers={"Authorization": f"Bearer {KEY}"}).status_code == 204
     shutil.rmtree(tmp_path / "state")
-    up = Up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name", run])
+    up = _up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name", run])
     assert up.end(timeout=120) == 24, up.text[-3000:]
     assert billing(cloud, run) == 0
 
@@ -189,7 +164,7 @@ def test_a_second_ctrl_c_while_terminates_are_retried_leaves_at_once(cloud, tmp_
     run = "leave"
     (tmp_path / "go").touch()
     cloud.fail_next(100_000, 503, match=r"^DELETE ")
-    up = Up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "40"))
+    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 3, "--api-timeout", "40"))
     up.wait(": terminating pods at")
     up.proc.send_signal(signal.SIGINT)  # the first is held: the clean-up goes on
     # Signals are not queued: two sent at once may arrive as one. The second comes later.

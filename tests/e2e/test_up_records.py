@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 from podagent.launch import state
 from tests.harness.laptop import (
     HEAD_IMAGE,
+    Output,
     billing,
     creates,
     listed,
@@ -90,37 +89,6 @@ def test_down_and_ls_go_on_past_an_unreadable_record(cloud, tmp_path, broken):
     assert cloud.billing() == []
 
 
-class _Output:
-    """A running command's output as it comes, to act on what it says."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.lines = proc, []
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait(self, text: str, timeout: float = 60) -> None:
-        try:
-            wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
-                     what=repr(text))
-        except TimeoutError:
-            raise AssertionError(f"{text!r} never came (exit {self.proc.poll()}); it said: "
-                                 f"{self.lines[-20:]}") from None
-
-    def end(self, timeout: float = 120) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._thread.join(timeout=10)
-        return code
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
 @pytest.mark.parametrize("record", ["deleted", "unreadable", "deleted, --keep"])
 def test_up_name_alone_reattaches_to_the_pods_without_a_record(cloud, tmp_path, record):
     """A detached run (or a --keep run whose laptop crashed), then this machine's record
@@ -129,7 +97,7 @@ def test_up_name_alone_reattaches_to_the_pods_without_a_record(cloud, tmp_path, 
     nothing, and terminates them (a --keep run's stay up, as the pods were told)."""
     go = tmp_path / "go"
     keep = record.endswith("--keep")
-    first = _Output(start_up(cloud, tmp_path, up_argv(
+    first = Output(start_up(cloud, tmp_path, up_argv(
         "lost", 2, "--keep" if keep else "--detach", "-e", f"POD_HEAD_GO={go}",
         "-e", "POD_HEAD_CODE=3", image=HEAD_IMAGE)))
     if keep:
@@ -146,7 +114,7 @@ def test_up_name_alone_reattaches_to_the_pods_without_a_record(cloud, tmp_path, 
         path.write_text("{ not json")
     made = len(creates(cloud))
 
-    up = _Output(start_up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name",
+    up = Output(start_up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name",
                                             "lost"]))
     up.wait("re-attaching")
     up.wait("job line 5")  # following the head's log

@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tests.fakes.runpod_cloud import FakeRunPodCloud, RequestRecord
 from tests.harness.agents import clean_environ
+from tests.harness.pods import wait_for
 
 KEY = "rpa_" + "LaptopKey" * 4
 H100 = "NVIDIA H100 80GB HBM3"
@@ -55,6 +57,39 @@ def start_up(cloud: FakeRunPodCloud, tmp_path: Path, argv: list[str]) -> subproc
     """`podagent up` in the background, its output (both streams) on a pipe."""
     return subprocess.Popen(argv, env=laptop_env(cloud, tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+
+
+class Output:
+    """A running command's output (both streams, on one pipe) as it comes, to act on what it
+    says."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait(self, text: str, timeout: float = 60) -> None:
+        """Until a line holds `text`; else an error with what it said by then."""
+        try:
+            wait_for(lambda: any(text in line for line in self.lines), timeout=timeout,
+                     what=repr(text))
+        except TimeoutError:
+            raise AssertionError(f"{text!r} never came (exit {self.proc.poll()}); it said: "
+                                 f"{self.lines[-20:]}") from None
+
+    def end(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=10)
+        return code
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
 
 
 def run_cli(cloud: FakeRunPodCloud, tmp_path: Path, *args: str,
