@@ -616,7 +616,10 @@ def test_a_ray_actors_data_loader_workers_are_not_job_processes(tmp_path):
     pytest.importorskip("ray")
     pytest.importorskip("torch")
     temp = tempfile.mkdtemp(prefix="pst-", dir="/tmp")  # short: Ray's sockets live under it
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # Ray 2.60's new local cluster turns token auth on and writes a token to ~/.ray/auth_token,
+    # which every later Ray on this machine would then demand: auth off, and a home of its own.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+           "RAY_AUTH_MODE": "disabled", "HOME": temp}
     driver = subprocess.Popen([sys.executable, "-c", ACTOR_WITH_LOADER, temp], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     tree: list[psutil.Process] = []
