@@ -81,7 +81,12 @@ class Creator:
         self.spec, self.client, self.checked = spec, client, checked
         self.board, self.view = board, view
         self.created = False
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Every create is a call on this pool, never on the main thread: a signal then stops
+        # only the waiting, and an answer that comes after it is still read (see wait).
+        self._pool = concurrent.futures.ThreadPoolExecutor(CREATES_AT_ONCE,
+                                                           thread_name_prefix="create")
+        self._calls: dict[concurrent.futures.Future[Mapping[str, Any]],
+                          tuple[state.Resource, str]] = {}
 
     def create(self) -> None:
         spec, placement = self.spec, self.checked.placement
@@ -99,9 +104,24 @@ class Creator:
 
     def wait(self) -> None:
         """Creates still on their way finish first: a pod created after the clean-up looked
-        would outlive it (each call has its own deadline)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        would outlive it (each call has its own deadline). Their answers, and those that came
+        while nobody listened (a signal, another create's failure), are recorded: the clean-up
+        then knows those pods' ids and waits for no create to land. A create that never went
+        out made nothing."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        record = self.checked.record
+        for call, (asked, name) in self._calls.items():
+            if asked.id is not None:
+                continue
+            if call.cancelled():
+                record.refused(asked)
+            elif call.exception() is None:
+                pod_id = str(call.result()["id"])
+                record.got(asked, pod_id)
+                if asked.kind == "pod":
+                    self.checked.pod_ids[name] = pod_id
+                else:
+                    self.checked.cluster_id = pod_id
 
     def _pods(self) -> None:
         spec, checked, record = self.spec, self.checked, self.checked.record
@@ -114,8 +134,8 @@ class Creator:
         if head_name not in pod_ids:
             asked = record.asking("pod", head_name, 0)
             self.created = True  # from the moment the call may go out
-            self._got(asked, head_name, self._answered(asked, lambda: self.client.create_pod(
-                specs.pod_body(spec, 0, None, placement))))
+            self._got(asked, head_name, self._call(asked, head_name, functools.partial(
+                self.client.create_pod, specs.pod_body(spec, 0, None, placement))).result())
         head_id = pod_ids[head_name]
         missing = [(rank, name) for rank, name in enumerate(spec.names())
                    if rank and name not in pod_ids]
@@ -124,17 +144,18 @@ class Creator:
         # Every intent on disk before any of the calls goes out; then the calls at once.
         asking = {name: record.asking("pod", name, rank) for rank, name in missing}
         self.created = True
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            min(CREATES_AT_ONCE, len(missing)), thread_name_prefix="create")
-        bodies = {name: specs.pod_body(spec, rank, head_id, placement)
-                  for rank, name in missing}
-        futures = {self._pool.submit(self._answered, asking[name],
-                                     functools.partial(self.client.create_pod, bodies[name])):
-                   name for _, name in missing}
-        for done in concurrent.futures.as_completed(futures):
-            name = futures[done]
+        calls = {self._call(asking[name], name, functools.partial(
+            self.client.create_pod, specs.pod_body(spec, rank, head_id, placement))): name
+            for rank, name in missing}
+        for done in concurrent.futures.as_completed(calls):
+            name = calls[done]
             self._got(asking[name], name, done.result())  # the first failure ends it
-        self._pool.shutdown()
+
+    def _call(self, asked: state.Resource, name: str, create: Callable[[], dict[str, Any]]
+              ) -> concurrent.futures.Future[Mapping[str, Any]]:
+        call = self._pool.submit(self._answered, asked, create)
+        self._calls[call] = (asked, name)
+        return call
 
     def _answered(self, asked: state.Resource,
                   create: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -161,7 +182,8 @@ class Creator:
             name = specs.cluster_name(self.spec.run)
             asked = record.asking("cluster", name, None)
             self.created = True
-            cluster = self._answered(asked, lambda: self.client.create_cluster(
-                specs.cluster_body(self.spec, self.checked.placement)))
+            cluster = self._call(asked, name, functools.partial(
+                self.client.create_cluster,
+                specs.cluster_body(self.spec, self.checked.placement))).result()
             record.got(asked, str(cluster["id"]))
             self.checked.cluster_id = str(cluster["id"])
