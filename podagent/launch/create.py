@@ -115,13 +115,15 @@ class Creator:
                 continue
             if call.cancelled():
                 record.refused(asked)
-            elif call.exception() is None:
-                pod_id = str(call.result()["id"])
-                record.got(asked, pod_id)
+            elif call.exception() is None and call.result().get("id"):
+                # (An answer without an id stays asked: the clean-up looks for it by name;
+                # nothing here may raise, or the clean-up after it would not run.)
+                made = str(call.result()["id"])
+                record.got(asked, made)
                 if asked.kind == "pod":
-                    self.checked.pod_ids[name] = pod_id
+                    self.checked.pod_ids[name] = made
                 else:
-                    self.checked.cluster_id = pod_id
+                    self.checked.cluster_id = made
 
     def _pods(self) -> None:
         spec, checked, record = self.spec, self.checked, self.checked.record

@@ -243,7 +243,11 @@ class Up:
                     self.say(f"{self.interrupts.name}: stopping run {run} and terminating its "
                              f"pods (Ctrl-C again to leave them running)")
                 if self.creator is not None:
-                    self.creator.wait()
+                    try:
+                        self.creator.wait()
+                    except Exception as exc:  # (a record it could not write): never skip
+                        self.say(f"a create's answer could not be recorded ({exc}); its pod "
+                                 f"is looked for by name")
                 self._terminate()
         except Leave:
             self.left = True
