@@ -118,12 +118,15 @@ class Creator:
             elif call.exception() is None and call.result().get("id"):
                 # (An answer without an id stays asked: the clean-up looks for it by name;
                 # nothing here may raise, or the clean-up after it would not run.)
-                made = str(call.result()["id"])
-                record.got(asked, made)
-                if asked.kind == "pod":
-                    self.checked.pod_ids[name] = made
-                else:
-                    self.checked.cluster_id = made
+                self._record(asked, name, str(call.result()["id"]))
+
+    def _record(self, asked: state.Resource, name: str, made: str) -> None:
+        """What RunPod made for an asked create: in the record and in what the run holds."""
+        self.checked.record.got(asked, made)
+        if asked.kind == "pod":
+            self.checked.pod_ids[name] = made
+        else:
+            self.checked.cluster_id = made
 
     def _pods(self) -> None:
         spec, checked, record = self.spec, self.checked, self.checked.record
@@ -171,8 +174,7 @@ class Creator:
             raise
 
     def _got(self, asked: state.Resource, name: str, pod: Mapping[str, Any]) -> None:
-        self.checked.record.got(asked, str(pod["id"]))
-        self.checked.pod_ids[name] = str(pod["id"])
+        self._record(asked, name, str(pod["id"]))
         row = self.board.row(name)
         row.show(pod)
         row.id = str(pod["id"])
@@ -187,5 +189,4 @@ class Creator:
             cluster = self._call(asked, name, functools.partial(
                 self.client.create_cluster,
                 specs.cluster_body(self.spec, self.checked.placement))).result()
-            record.got(asked, str(cluster["id"]))
-            self.checked.cluster_id = str(cluster["id"])
+            self._record(asked, name, str(cluster["id"]))
