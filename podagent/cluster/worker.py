@@ -14,7 +14,7 @@ from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, R
 from podagent.platform.discovery import HeadFinder, HeadLocation
 from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
-from podagent.ray_access.gcs import GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.run import beacon
 from podagent.run.lifecycle import EndRequested, Lifecycle
@@ -27,9 +27,30 @@ JOIN_HEAD_GRACE = 3.0  # a head silent this long while `ray start` runs has gone
 JOIN_PROGRESS_EVERY = 10.0
 OVER_ASK_EVERY = 2.0  # while the head's Ray is silent: how often to ask whether its run is over
 OVER_ASK_TIMEOUT = 0.5
+# A head whose GCS still takes connections but answers late is loaded, not gone (seen: a head
+# pod starting its trainers kept its GCS silent for 8 s): it is waited for as long as Ray's own
+# raylets wait for a silent GCS before they exit (gcs_rpc_server_reconnect_timeout_s), not for
+# the grace meant for a head that is gone. Leaving a busy head would cost the run a restart.
+BUSY_HEAD_GRACE = 60.0
 # A raylet that exits while the head answers is joined again this many times in one podagent:
 # one that keeps dying is not saved by joining again, and the pod ends (RayDied).
 RAYLET_REJOINS = 3
+
+
+def head_gone(gcs: GcsClient, silent: float, grace: float, last: GcsUnavailable
+              ) -> str | None:
+    """How a head whose GCS has not answered for `silent` s (`last`: how the last call
+    failed) is gone, or None while it may still answer: past `grace` when its port takes no
+    connection or it refuses our token, else (busy) past BUSY_HEAD_GRACE."""
+    if silent < grace:
+        return None
+    if isinstance(last, GcsAuthRefused) or not gcs.accepts():
+        return f"unreachable for {silent:.1f} s (grace {grace:g} s)"
+    busy = max(grace, BUSY_HEAD_GRACE)
+    if silent < busy:
+        return None
+    return (f"taking connections but answering nothing for {silent:.1f} s (a busy head is "
+            f"waited for {busy:g} s)")
 
 
 class RunOver(EndRequested):
@@ -216,9 +237,10 @@ class Worker(Lifecycle[WorkerState]):
         except GcsUnavailable as exc:
             now = time.monotonic()
             self._silent_since = self._silent_since or now
-            if now - self._silent_since >= JOIN_HEAD_GRACE:
-                raise _HeadWentAway(f"the head {head.where.ip} stopped answering ({exc})"
-                                    ) from None
+            gone = head_gone(head.gcs, now - self._silent_since, JOIN_HEAD_GRACE, exc)
+            if gone:
+                raise _HeadWentAway(f"the head {head.where.ip} stopped answering: {gone} "
+                                    f"({exc})") from None
 
     def _rejoin(self, why: str) -> WorkerState:
         """Stop this pod's Ray and find the head again, or (PODAGENT_REJOIN=0) leave."""
@@ -234,9 +256,11 @@ class Worker(Lifecycle[WorkerState]):
         """Stay in the foreground; leave when the head closes the run or is gone too long."""
         gcs, head_ip = self.found.gcs, self.found.where.ip
         self.reporter.say(f"watching the head (leaving if unreachable for "
-                          f"{self.settings.head_grace:g} s)")
+                          f"{self.settings.head_grace:g} s, or silent while it takes "
+                          f"connections for {max(self.settings.head_grace, BUSY_HEAD_GRACE):g} s)")
         last_ok = time.monotonic()
         last_error = ""
+        busy_said = False
         # Found once, then checked by pid: a full process-table scan every second costs more
         # CPU than everything else the idle worker does.
         raylet = ray_node.RayNode.find_raylet()
@@ -253,12 +277,19 @@ class Worker(Lifecycle[WorkerState]):
                     runstate.KV_NAMESPACE, runstate.KV_DUMP, timeout=WATCH_INTERVAL))
             except GcsUnavailable as exc:
                 last_error = str(exc)
-                gone = time.monotonic() - last_ok
-                if gone > self.settings.head_grace:
-                    return self._rejoin(
-                        f"the head {head_ip}:{self.settings.ray_port} has been unreachable "
-                        f"for {gone:.1f} s (grace {self.settings.head_grace:g} s): {last_error}")
+                silent = time.monotonic() - last_ok
+                gone = head_gone(gcs, silent, self.settings.head_grace, exc)
+                if gone:
+                    return self._rejoin(f"the head {head_ip}:{self.settings.ray_port} has "
+                                        f"been {gone}: {last_error}")
+                if silent >= self.settings.head_grace and not busy_said:
+                    busy_said = True
+                    self.reporter.warn(
+                        f"the head {head_ip} has not answered for {silent:.1f} s but takes "
+                        f"connections (a loaded pod): waiting for it up to "
+                        f"{max(self.settings.head_grace, BUSY_HEAD_GRACE):g} s")
                 continue
+            busy_said = False
             if last_error:
                 self.reporter.say(f"head reachable again after "
                                   f"{time.monotonic() - last_ok:.1f} s")

@@ -259,7 +259,9 @@ FIELDS: tuple[Field, ...] = (
         Field("head_timeout", "PODAGENT_HEAD_TIMEOUT", "--head-timeout", seconds,
               "Seconds a worker waits to find the head and join it.", default=600.0),
         Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
-              "Seconds a joined worker tolerates an unreachable head before it leaves.",
+              "Seconds a joined worker tolerates an unreachable head before it leaves (a head "
+              "whose Ray still takes connections but is slow to answer, a loaded pod, is "
+              "waited for up to 60 s).",
               default=8.0),
         Field("rejoin", "PODAGENT_REJOIN", "--rejoin", zero_one,
               "1: a worker whose head is gone goes back to finding it (a restarted head is joined "

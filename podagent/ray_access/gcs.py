@@ -16,6 +16,7 @@ table's size, so a caller can tell that a node joined without reading the table 
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, replace
 
 import grpc
@@ -142,6 +143,17 @@ class GcsClient:
 
     def close(self) -> None:
         self._channel.close()
+
+    def accepts(self, timeout: float = 1.0) -> bool:
+        """Whether the GCS's port takes a TCP connection now (the kernel answers that, not the
+        GCS): a GCS that takes one but answers no call is there and busy, one that refuses
+        (its process gone) or does not answer at all (its pod gone, the network cut) is not."""
+        host, _, port = self.address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except (OSError, ValueError):
+            return False
+        return True
 
     def _call(self, method: str, request: bytes, timeout: float) -> bytes:
         stub = self._channel.unary_unary(method)

@@ -164,7 +164,8 @@ def _no_secret_in_output_or_logs(root: Path, *agents: Agent) -> None:
 def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, agents):
     """d) the head pod dies after the cluster formed: both workers exit 7 within grace + 5 s
     (PODAGENT_REJOIN=0: they do not wait for the head to come back); every pod's checkpoint dir
-    and logs survive."""
+    and logs survive. Before that the head pod gets no CPU for longer than the grace (a loaded
+    pod: its Ray takes connections and answers nothing): the workers stay."""
     grace = config.FIELD_BY_ATTR["head_grace"].default  # the default: not set here
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
@@ -187,6 +188,15 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
         w.wait_output("watching the head", timeout=30)
     _worker_gets_rewards_from_the_head(head, workers[0])
     _no_secret_on_any_command_line(head, *workers)
+    head.freeze_pod()
+    try:
+        for w in workers:
+            w.wait_output("but takes connections (a loaded pod)", timeout=grace + 30)
+    finally:
+        head.freeze_pod(False)
+    for w in workers:
+        w.wait_output("head reachable again after", timeout=30)
+        assert "has been unreachable" not in w.output and w.proc.poll() is None, w.said()
     killed_at = time.monotonic()
     head.kill_pod()
     codes = wait_exits(workers, grace + 5 + 30)

@@ -70,12 +70,27 @@ def _steps(checkpoints: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _restarts(head: Agent) -> str:
+    """What the head said of each restart and each job's end: why a test's run went another
+    way than it planned."""
+    try:
+        said = [e for e in map(json.loads, filter(
+                    str.strip, (_run_dir(head) / "events.jsonl").read_text().splitlines()))
+                if e["event"] in ("restart", "job_finished", "worker_lost", "hang")]
+    except OSError as exc:
+        return f"no events ({exc})"
+    return f"the head's restarts and job ends: {said}"
+
+
 def _wait_step(checkpoints: Path, attempt: int, step: int, head: Agent) -> None:
     def reached() -> bool:
+        done = _steps(checkpoints)
         if head.proc is not None and head.proc.poll() is not None:
-            raise AssertionError(f"the head exited {head.proc.returncode}:\n"
+            raise AssertionError(f"the head exited {head.proc.returncode}; {_restarts(head)}:\n"
                                  f"{head.output[-3000:]}")
-        return any(s["attempt"] == attempt and s["step"] >= step for s in _steps(checkpoints))
+        if any(s["attempt"] > attempt for s in done):  # a restart nobody asked for
+            raise AssertionError(f"attempt {attempt} was overtaken; {_restarts(head)}")
+        return any(s["attempt"] == attempt and s["step"] >= step for s in done)
 
     wait_for(reached, timeout=FORM_TIMEOUT, interval=0.2,
              what=f"attempt {attempt} of the training to reach step {step}")
