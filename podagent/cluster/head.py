@@ -404,8 +404,9 @@ class Head(Lifecycle[HeadState]):
         guarded("stop Ray", lambda: ray_node.stop_at_teardown(
             settings, self.reporter, self._deadline, outcome, gcs_gone=ray_dead,
             adopted=self.adopted_ray))
-        reward_line = (f"; REMOTE_RM_URL={reward.url} ({reward.restarts} restart(s))"
-                       if reward else "")
+        # The reward server's restarts, not the run's: said so, or it reads as the run's count.
+        reward_line = (f"; REMOTE_RM_URL={reward.url} (reward server restarted "
+                       f"{reward.restarts} time(s))" if reward else "")
         self.reporter.say(f"run {settings.run_name}: {outcome} after "
                           f"{time.monotonic() - self.started:.1f} s{reward_line}; logs in "
                           f"{settings.run_dir}")

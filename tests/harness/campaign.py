@@ -797,6 +797,16 @@ class CellRun:
             self.containers.append(replacement)
             replacement.start()
             self.note("a replacement worker started")
+            # The job ends once `go` is there: it is let go only once the head acted on the lost
+            # worker. Before, the run could end before the loss was noticed, and the replacement,
+            # come too late, waited out its head timeout at each of its three starts (a run of
+            # its own, 169 s instead of 45): the cell then showed no recovery at all.
+            try:
+                self.wait("the head to act on the vanished worker (a restart)",
+                          lambda: any(e["event"] == "restart" for e in self.head.events()),
+                          BOUND)
+            except TimeoutError as exc:  # the run would never end: the job waits for `go`
+                self.result.violations.append(f"(a) {exc}")
         self.go.touch()
         if staying:
             # The pods are stopped once they settled: SIGTERM to every podagent still up.
