@@ -1962,14 +1962,16 @@ class FakeRunPodCloud(ServedFake):
             return
         pump = threading.Thread(target=self._pump, args=(pod, proc, out_path),
                                 name=f"pod-{pod.id}-out{n}", daemon=True)
-        pump.start()
         with self._cond:
             pod.proc, pod.pump, pod.out_path = proc, pump, out_path
             if pod.want == "run" and pod.generation == gen:
                 pod.set_status("RUNNING")
                 pod.started_at = time.time()
             self._cond.notify_all()
+        # Said before the container's first line is read, as RunPod's log shows it (a loaded
+        # machine once logged the container's "hello" first).
         self._log(pod, "system", "container started")
+        pump.start()
 
     def _pump(self, pod: _PodState, proc: subprocess.Popen[bytes], out_path: Path) -> None:
         """The container's output: to its file and to the pod's log, line by line."""
@@ -2002,7 +2004,7 @@ class FakeRunPodCloud(ServedFake):
         assert proc is not None and pod.harness is not None and pod.out_path is not None
         _kill_netns_processes(pod.harness.netns, 10.0)
         rc = proc.wait(timeout=10)
-        if pump is not None:
+        if pump is not None and pump.ident is not None:  # started (it is, but for a moment)
             pump.join(timeout=10)
         code = rc if rc >= 0 else 128 - rc
         with self._cond:
