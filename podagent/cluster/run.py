@@ -77,7 +77,7 @@ def _require_parts(settings: config.Settings, role: Role) -> None:
 def _dry_run(settings: config.Settings, decision: RoleDecision,
              ray: ray_compat.RayVersion) -> None:
     """What podagent would do on this pod, touching nothing: no Ray, no files, no network."""
-    from podagent.cluster import node, ray_node
+    from podagent.cluster import node, ray_node, worker
 
     reporter = reporter_for(settings, decision.role.value, pod="dry-run")
     reporter.say(f"dry run: this pod would be the {decision.role.value} ({decision.reason}) "
@@ -87,7 +87,8 @@ def _dry_run(settings: config.Settings, decision: RoleDecision,
         where = head_location(settings)  # a worker has one: detect_role made sure
         reporter.say(f"would find the head at {where.target if where else None} within "
                      f"{settings.head_timeout:g} s, then join it (grace "
-                     f"{settings.head_grace:g} s once joined)")
+                     f"{settings.head_grace:g} s once joined, "
+                     f"{max(settings.head_grace, worker.BUSY_HEAD_GRACE):g} s for a busy head)")
     setup = node.prepare(settings, decision.role, reporter)  # e.g. a head with only a public IP
     # A worker learns the head's address only by looking it up, which a dry run does not do.
     plan = ray_node.plan(settings, decision.role, setup.node_ip, setup.gpus,

@@ -14,7 +14,7 @@ from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, R
 from podagent.platform.discovery import HeadFinder, HeadLocation
 from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
-from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
+from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsLate, GcsUnavailable, Reach
 from podagent.report import Reporter
 from podagent.run import beacon
 from podagent.run.lifecycle import EndRequested, Lifecycle
@@ -27,30 +27,74 @@ JOIN_HEAD_GRACE = 3.0  # a head silent this long while `ray start` runs has gone
 JOIN_PROGRESS_EVERY = 10.0
 OVER_ASK_EVERY = 2.0  # while the head's Ray is silent: how often to ask whether its run is over
 OVER_ASK_TIMEOUT = 0.5
-# A head whose GCS still takes connections but answers late is loaded, not gone (seen: a head
-# pod starting its trainers kept its GCS silent for 8 s): it is waited for as long as Ray's own
-# raylets wait for a silent GCS before they exit (gcs_rpc_server_reconnect_timeout_s), not for
-# the grace meant for a head that is gone. Leaving a busy head would cost the run a restart.
+# A head whose GCS still takes connections but lets calls pass their deadline is loaded, not
+# gone (seen: a head pod starting its trainers kept its GCS silent for 8.5 s): it is waited for
+# this long, not for the grace meant for a head that is gone. Leaving a busy head would cost the
+# run a restart.
 BUSY_HEAD_GRACE = 60.0
+# How often a silent head's port is tried once it took a connection: each try of a frozen GCS
+# waits in its accept queue until it runs again (many workers must not fill it).
+PROBE_EVERY = 5.0
 # A raylet that exits while the head answers is joined again this many times in one podagent:
 # one that keeps dying is not saved by joining again, and the pod ends (RayDied).
 RAYLET_REJOINS = 3
 
 
-def head_gone(gcs: GcsClient, silent: float, grace: float, last: GcsUnavailable
-              ) -> str | None:
-    """How a head whose GCS has not answered for `silent` s (`last`: how the last call
-    failed) is gone, or None while it may still answer: past `grace` when its port takes no
-    connection or it refuses our token, else (busy) past BUSY_HEAD_GRACE."""
-    if silent < grace:
-        return None
-    if isinstance(last, GcsAuthRefused) or not gcs.accepts():
-        return f"unreachable for {silent:.1f} s (grace {grace:g} s)"
-    busy = max(grace, BUSY_HEAD_GRACE)
-    if silent < busy:
-        return None
-    return (f"taking connections but answering nothing for {silent:.1f} s (a busy head is "
-            f"waited for {busy:g} s)")
+class HeadSilence:
+    """How long the head's GCS has gone unanswered, and whether that makes it gone.
+
+    Past the grace the head is gone when its GCS refused our token, failed otherwise than by a
+    deadline (it answered: a reset, a refusal), its port refuses connections (its process
+    gone), or two tries in a row got no answer at all (its pod gone, the network cut; one may be
+    a lost SYN). A GCS that only lets calls pass their deadline while its port takes
+    connections is busy: it is waited for up to BUSY_HEAD_GRACE (or the grace, if longer)."""
+
+    def __init__(self, gcs: GcsClient, grace: float, now: float):
+        self.gcs, self.grace = gcs, grace
+        self.busy_bound = max(grace, BUSY_HEAD_GRACE)
+        self.answered_at = now
+        self._reach: Reach | None = None  # the last try of the port in this silence
+        self._tried_at = 0.0
+        self._unanswered_tries = 0
+        self._busy_said = False
+
+    def answered(self, now: float) -> None:
+        self.answered_at, self._reach, self._unanswered_tries = now, None, 0
+        self._busy_said = False
+
+    def failed(self, error: GcsUnavailable, now: float) -> str | None:
+        """Why the head counts as gone after this failed call, or None while it may answer."""
+        silent = now - self.answered_at
+        if silent < self.grace:
+            return None
+        if isinstance(error, GcsAuthRefused):
+            return f"has refused this pod's token for {silent:.1f} s (grace {self.grace:g} s)"
+        if isinstance(error, GcsLate) and self._port_open(now):
+            if silent < self.busy_bound:
+                return None
+            return (f"has let every call pass its deadline for {silent:.1f} s while its port "
+                    f"took connections (a busy head is waited for {self.busy_bound:g} s)")
+        if self._reach is Reach.SILENT and self._unanswered_tries < 2 and isinstance(
+                error, GcsLate):
+            return None  # one unanswered try: tried again on the next failed call
+        return f"has been unreachable for {silent:.1f} s (grace {self.grace:g} s)"
+
+    def busy_note(self, now: float) -> str | None:
+        """Once per silence, when the head is first found busy: the line that says so."""
+        if self._reach is not Reach.ACCEPTS or self._busy_said:
+            return None
+        self._busy_said = True
+        return (f"has not answered for {now - self.answered_at:.1f} s but its port "
+                f"takes connections (a loaded or frozen pod): waiting for it up to "
+                f"{self.busy_bound:g} s")
+
+    def _port_open(self, now: float) -> bool:
+        due = self._reach is not Reach.ACCEPTS or now - self._tried_at >= PROBE_EVERY
+        if due:
+            self._reach, self._tried_at = self.gcs.reach(), now
+            self._unanswered_tries = self._unanswered_tries + 1 if (
+                self._reach is Reach.SILENT) else 0
+        return self._reach is Reach.ACCEPTS
 
 
 class RunOver(EndRequested):
@@ -90,7 +134,7 @@ class Worker(Lifecycle[WorkerState]):
         # The head's start this pod joined (runstate.KV_HEAD_START): another one at the same
         # address is a new Ray, which knows nothing of this pod's.
         self._head_start: bytes | None = None
-        self._silent_since: float | None = None
+        self._join_silence: HeadSilence | None = None
         self._join_progress = 0.0
         self._raylet_rejoins = 0
 
@@ -204,7 +248,7 @@ class Worker(Lifecycle[WorkerState]):
                 ray_node.RayNode.stop(settings.stop_timeout)
                 raise
 
-        self._silent_since = None
+        self._join_silence = HeadSilence(self.found.gcs, JOIN_HEAD_GRACE, time.monotonic())
         with self.reporter.step(Event.JOINED) as step:
             try:
                 retry(attempt, awaited=f"this pod to join the head's Ray at {head.ip}",
@@ -231,16 +275,19 @@ class Worker(Lifecycle[WorkerState]):
             self._join_progress = elapsed
             self.reporter.say(f"still joining the head at {head.where.ip}:"
                               f"{self.settings.ray_port} ({elapsed:.0f} s)")
+        silence = self._join_silence
+        assert silence is not None  # made by _join before `ray start`
         try:
             head.gcs.check_alive(timeout=1.0)
-            self._silent_since = None
+            silence.answered(time.monotonic())
         except GcsUnavailable as exc:
-            now = time.monotonic()
-            self._silent_since = self._silent_since or now
-            gone = head_gone(head.gcs, now - self._silent_since, JOIN_HEAD_GRACE, exc)
+            gone = silence.failed(exc, time.monotonic())
             if gone:
-                raise _HeadWentAway(f"the head {head.where.ip} stopped answering: {gone} "
-                                    f"({exc})") from None
+                raise _HeadWentAway(f"the head {head.where.ip} stopped answering (it {gone}: "
+                                    f"{exc})") from None
+            busy = silence.busy_note(time.monotonic())
+            if busy:
+                self.reporter.warn(f"the head {head.where.ip} {busy}")
 
     def _rejoin(self, why: str) -> WorkerState:
         """Stop this pod's Ray and find the head again, or (PODAGENT_REJOIN=0) leave."""
@@ -255,12 +302,10 @@ class Worker(Lifecycle[WorkerState]):
     def _watch(self) -> WorkerState:
         """Stay in the foreground; leave when the head closes the run or is gone too long."""
         gcs, head_ip = self.found.gcs, self.found.where.ip
+        silence = HeadSilence(gcs, self.settings.head_grace, time.monotonic())
         self.reporter.say(f"watching the head (leaving if unreachable for "
-                          f"{self.settings.head_grace:g} s, or silent while it takes "
-                          f"connections for {max(self.settings.head_grace, BUSY_HEAD_GRACE):g} s)")
-        last_ok = time.monotonic()
+                          f"{self.settings.head_grace:g} s, or busy for {silence.busy_bound:g} s)")
         last_error = ""
-        busy_said = False
         # Found once, then checked by pid: a full process-table scan every second costs more
         # CPU than everything else the idle worker does.
         raylet = ray_node.RayNode.find_raylet()
@@ -277,24 +322,19 @@ class Worker(Lifecycle[WorkerState]):
                     runstate.KV_NAMESPACE, runstate.KV_DUMP, timeout=WATCH_INTERVAL))
             except GcsUnavailable as exc:
                 last_error = str(exc)
-                silent = time.monotonic() - last_ok
-                gone = head_gone(gcs, silent, self.settings.head_grace, exc)
+                gone = silence.failed(exc, time.monotonic())
                 if gone:
-                    return self._rejoin(f"the head {head_ip}:{self.settings.ray_port} has "
-                                        f"been {gone}: {last_error}")
-                if silent >= self.settings.head_grace and not busy_said:
-                    busy_said = True
-                    self.reporter.warn(
-                        f"the head {head_ip} has not answered for {silent:.1f} s but takes "
-                        f"connections (a loaded pod): waiting for it up to "
-                        f"{max(self.settings.head_grace, BUSY_HEAD_GRACE):g} s")
+                    return self._rejoin(f"the head {head_ip}:{self.settings.ray_port} {gone}: "
+                                        f"{last_error}")
+                busy = silence.busy_note(time.monotonic())
+                if busy:
+                    self.reporter.warn(f"the head {head_ip} {busy}")
                 continue
-            busy_said = False
             if last_error:
                 self.reporter.say(f"head reachable again after "
-                                  f"{time.monotonic() - last_ok:.1f} s")
+                                  f"{time.monotonic() - silence.answered_at:.1f} s")
                 last_error = ""
-            last_ok = time.monotonic()
+            silence.answered(time.monotonic())
             if self._head_start is None:
                 self._head_start = start  # joined before the head wrote it: the first seen
             elif start != self._head_start:

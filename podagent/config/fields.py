@@ -261,7 +261,7 @@ FIELDS: tuple[Field, ...] = (
         Field("head_grace", "PODAGENT_HEAD_GRACE", "--head-grace", seconds,
               "Seconds a joined worker tolerates an unreachable head before it leaves (a head "
               "whose Ray still takes connections but is slow to answer, a loaded pod, is "
-              "waited for up to 60 s).",
+              "waited for up to 60 s, or this long if longer).",
               default=8.0),
         Field("rejoin", "PODAGENT_REJOIN", "--rejoin", zero_one,
               "1: a worker whose head is gone goes back to finding it (a restarted head is joined "

@@ -16,6 +16,7 @@ table's size, so a caller can tell that a node joined without reading the table 
 
 from __future__ import annotations
 
+import enum
 import socket
 from dataclasses import dataclass, replace
 
@@ -108,6 +109,17 @@ class GcsAuthRefused(GcsUnavailable):
     """The GCS answered, and refused our token (or its absence)."""
 
 
+class GcsLate(GcsUnavailable):
+    """The call's deadline passed with no answer: the GCS may be there, and busy."""
+
+
+class Reach(enum.Enum):
+    """What a TCP connection to a port found (the kernel's answer, not the process's)."""
+    ACCEPTS = "accepts"
+    REFUSED = "refused"  # nothing listens: the process is gone
+    SILENT = "silent"  # no answer at all: the pod gone, the network cut (or one lost SYN)
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
@@ -144,16 +156,18 @@ class GcsClient:
     def close(self) -> None:
         self._channel.close()
 
-    def accepts(self, timeout: float = 1.0) -> bool:
-        """Whether the GCS's port takes a TCP connection now (the kernel answers that, not the
-        GCS): a GCS that takes one but answers no call is there and busy, one that refuses
-        (its process gone) or does not answer at all (its pod gone, the network cut) is not."""
+    def reach(self, timeout: float = 1.0) -> Reach:
+        """Whether the GCS's port takes a TCP connection now. A GCS that takes one but answers
+        no call is there (busy, or frozen); one that refuses is gone; no answer at all is a pod
+        gone or the network cut, or a SYN lost once (Linux sends it again after 1 s)."""
         host, _, port = self.address.rpartition(":")
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except ConnectionRefusedError:
+            return Reach.REFUSED
         except (OSError, ValueError):
-            return False
-        return True
+            return Reach.SILENT
+        return Reach.ACCEPTS
 
     def _call(self, method: str, request: bytes, timeout: float) -> bytes:
         stub = self._channel.unary_unary(method)
@@ -163,7 +177,8 @@ class GcsClient:
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
             name = code.name if code else "ERROR"
-            kind = GcsAuthRefused if code == grpc.StatusCode.UNAUTHENTICATED else GcsUnavailable
+            kind = {grpc.StatusCode.UNAUTHENTICATED: GcsAuthRefused,
+                    grpc.StatusCode.DEADLINE_EXCEEDED: GcsLate}.get(code, GcsUnavailable)
             raise kind(f"{name}: {detail}".strip()) from None
 
     def check_alive(self, timeout: float = 2.0) -> str:

@@ -191,7 +191,7 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
     head.freeze_pod()
     try:
         for w in workers:
-            w.wait_output("but takes connections (a loaded pod)", timeout=grace + 30)
+            w.wait_output("but its port takes connections", timeout=grace + 30)
     finally:
         head.freeze_pod(False)
     for w in workers:
