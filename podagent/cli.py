@@ -80,10 +80,10 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                          "rank's stack was dumped (the line names the likely culprit and where "
                          "the stacks are), the run stopped on every pod, and restarts were off "
                          "or used up"),
-    (errors.PodsLeftBilling, 26, "`podagent up`: whatever ended the run, its pods could not all "
-                                 "be terminated (RunPod refused or did not answer): they may "
-                                 "still bill; the line names them, and `podagent down RUN` "
-                                 "terminates them"),
+    (errors.PodsLeftBilling, 26, "`podagent up` (whatever ended the run) or `podagent down`: the "
+                                 "run's pods could not all be terminated (RunPod refused or did "
+                                 "not answer): they may still bill; the line names them, and "
+                                 "`podagent down RUN` (again) terminates them"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 

@@ -195,9 +195,10 @@ class PodsNotReady(PodagentError):
 
 
 class PodsLeftBilling(PodagentError):
-    """`podagent up`: its clean-up could not terminate every pod of the run (RunPod refused,
-    did not answer past the retries, or answered nonsense), whatever ended the run: they may
-    still bill. The message names them and `podagent down RUN`, which finishes the job."""
+    """`podagent up`'s clean-up (whatever ended the run) or `podagent down` could not terminate
+    every pod of the run (RunPod refused, did not answer past the retries, or answered
+    nonsense): they may still bill. The message names them and `podagent down RUN`, which
+    finishes the job."""
 
 
 class NoHeadLocation(ConfigError, HeadUnreachable):

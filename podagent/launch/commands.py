@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from podagent import config, extras
 from podagent.choices import AfterRun
-from podagent.errors import InputError, PodsNotReady
+from podagent.errors import InputError, PodsLeftBilling, PodsNotReady, RunPodApiError
 from podagent.launch import down as downs
 from podagent.launch import spec as specs
 from podagent.launch import state
@@ -110,7 +110,13 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
             if record is not None:
                 record.try_mark(state.DOWN)
             return 0
-        return downs.terminate(api, run, record, say, timeout=timeout)
+        try:
+            return downs.terminate(api, run, record, say, timeout=timeout)
+        except RunPodApiError as exc:  # its one job failed: what it terminates may bill on
+            said = str(exc)
+            if "podagent down" not in said:
+                said += f"; `podagent down {run}` again terminates them"
+            raise PodsLeftBilling(f"{said} (its pods may still bill)") from None
     finally:
         api.close()
 

@@ -184,6 +184,14 @@ def test_a_clean_up_that_fails_is_exit_26_and_down_finishes_it(make_cloud, tmp_p
     assert ls.returncode == 0 and "clean-up failed" in ls.stdout, ls.stdout + ls.stderr
     if fault != "nonsense":  # its terminates were refused: both pods bill on
         assert billing(cloud, "stuck") == 2 and "2 pod(s) billing" in ls.stdout, ls.stdout
+        # `down` refused as well: its own failure is the same exit, never a plain API error.
+        cloud.fail_next(10_000, int(fault), match=r"^DELETE ")
+        failed = run_cli(cloud, tmp_path, "down", "stuck", "--timeout", "3")
+        assert failed.returncode == 26, failed.stdout + failed.stderr
+        last = failed.stderr.strip().splitlines()[-1]
+        assert "podagent down stuck" in last and "may still bill" in last, last
+        assert "Traceback" not in failed.stderr and billing(cloud, "stuck") == 2
+        cloud.clear_faults()
     down = run_down(cloud, tmp_path, "stuck")
     assert down.returncode == 0, down.stdout + down.stderr
     assert cloud.billing() == [] and not listed(cloud, "stuck")
