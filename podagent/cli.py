@@ -644,7 +644,19 @@ def _launched(action: Callable[[Any], int]) -> None:
     try:
         code = action(interrupts)
     except (KeyboardInterrupt, Leave) as exc:  # before anything was created, or in down/ls
-        sys.exit(128 + signum_of(exc))
+        code = 128 + signum_of(exc)
+    except errors.Interrupted as exc:
+        if not interrupts.left:
+            raise
+        code = exit_code(exc)
+    if interrupts.left:
+        # Leave means now: Python's exit would first wait for the calls still on their way
+        # (a create on the creator's threads, up to its deadline). What they asked for is in
+        # the record; `podagent down RUN` finds it by name.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
     sys.exit(code)
 
 

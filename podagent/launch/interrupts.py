@@ -28,6 +28,7 @@ class Leave(BaseException):
 class Interrupts:
     def __init__(self) -> None:
         self.first: int | None = None
+        self.left = False  # a second signal came: the command leaves now
         self._shielded = 0
 
     def install(self) -> Interrupts:
@@ -39,6 +40,7 @@ class Interrupts:
 
     def _handle(self, signum: int, _frame: object) -> None:
         if self.first is not None:
+            self.left = True
             raise Leave(signum)
         self.first = signum
         if not self._shielded:

@@ -8,6 +8,7 @@ is gone, and a second Ctrl-C while the terminates are retried."""
 from __future__ import annotations
 
 import fcntl
+import json
 import shutil
 import signal
 import struct
@@ -73,6 +74,40 @@ def test_a_create_cut_off_by_ctrl_c_is_terminated_once_it_lands(cloud, tmp_path)
     assert [p.status for p in of_run(cloud, "inflight")] in ([], ["TERMINATED"]), \
         of_run(cloud, "inflight")
     assert billing(cloud, "inflight") == 0
+
+
+def test_a_second_ctrl_c_with_creates_on_their_way_leaves_at_once(cloud, tmp_path):
+    """The workers' creates take 8 s each; Ctrl-C, then Ctrl-C again while they are on their
+    way: `up` leaves at once, saying `podagent down` (before: it said so, then waited 7 s for
+    the creates' answers as Python joined the pool's threads). `down` then finds what landed
+    by name."""
+    run = "leaving"
+
+    def slow_after_the_head(record: Any) -> None:  # the workers' creates take 8 s each
+        if record.method == "POST" and record.path == "/v2/pods":
+            cloud.create_delay = 8.0
+
+    cloud.after_response(slow_after_the_head)
+    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 4, "--api-timeout", "30"))
+    wait_for(lambda: cloud.create_delay > 0, timeout=60, what="the head's create to be answered")
+    time.sleep(1.0)  # the workers' creates are on their way
+    up.proc.send_signal(signal.SIGINT)
+    up.wait("Ctrl-C again to leave them running")
+    up.proc.send_signal(signal.SIGINT)
+    second = time.monotonic()
+    assert up.end(timeout=60) == 130, up.text[-3000:]
+    took = time.monotonic() - second
+    assert took < 4.0, f"left {took:.1f} s after the second Ctrl-C: it waited for the creates"
+    assert f"left the pods of run {run} as they are" in up.text, up.text[-3000:]
+    assert "Traceback" not in up.text
+    # The record holds what was asked (no answer came): once those pods landed, `down` ends them.
+    record = json.loads((tmp_path / "state" / "podagent" / "runs" / f"{run}.json").read_text())
+    asked = [r["name"] for r in record["resources"] if r["kind"] == "pod"]
+    assert [r for r in record["resources"] if r["id"] is None], record  # still on their way
+    wait_for(lambda: len(of_run(cloud, run)) == len(asked), timeout=30,
+             what=f"the {len(asked)} creates on their way to land")
+    assert run_down(cloud, tmp_path, run).returncode == 0
+    assert billing(cloud, run) == 0
 
 
 def test_a_pod_list_that_fails_still_terminates_the_pods_up_knows(cloud, tmp_path):
