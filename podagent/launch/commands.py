@@ -105,13 +105,17 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
     try:
         record = state.load_hint(state_dir, run, say)
         found = downs.find(api, run, record)
-        if not found:
+        # A create whose answer never came (`up` left on a second signal, or lost it) may
+        # still make its pod: nothing listed is not the end until it no longer can.
+        landing = record.landing_left(time.time()) if record is not None else 0.0
+        if not found and not landing:
             say(f"run {run}: nothing of it at RunPod")
             if record is not None:
                 record.try_mark(state.DOWN)
             return 0
         try:
-            return downs.terminate(api, run, record, say, timeout=timeout)
+            return downs.terminate(api, run, record, say, timeout=max(timeout, landing + 10.0),
+                                   landing_time=landing)
         except RunPodApiError as exc:  # its one job failed: what it terminates may bill on
             said = str(exc)
             if "podagent down" not in said:

@@ -137,7 +137,7 @@ class Creator:
                                f"terminated): they are terminated too; up again starts the "
                                f"run afresh")
         if head_name not in pod_ids:
-            asked = record.asking("pod", head_name, 0)
+            asked = record.asking("pod", head_name, 0, spec.api_timeout)
             self.created = True  # from the moment the call may go out
             self._got(asked, head_name, self._call(asked, head_name, functools.partial(
                 self.client.create_pod, specs.pod_body(spec, 0, None, placement))).result())
@@ -147,7 +147,8 @@ class Creator:
         if not missing:
             return
         # Every intent on disk before any of the calls goes out; then the calls at once.
-        asking = {name: record.asking("pod", name, rank) for rank, name in missing}
+        asking = {name: record.asking("pod", name, rank, spec.api_timeout)
+                  for rank, name in missing}
         self.created = True
         calls = {self._call(asking[name], name, functools.partial(
             self.client.create_pod, specs.pod_body(spec, rank, head_id, placement))): name
@@ -184,7 +185,7 @@ class Creator:
         if self.checked.cluster_id is None:
             record = self.checked.record
             name = specs.cluster_name(self.spec.run)
-            asked = record.asking("cluster", name, None)
+            asked = record.asking("cluster", name, None, self.spec.api_timeout)
             self.created = True
             cluster = self._call(asked, name, functools.partial(
                 self.client.create_cluster,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from podagent.errors import InputError
+from podagent.launch.options import UP_OPTION
 
 # A run's life as the record tells it (DETACHED: `up --detach` left it running on its own;
 # LEFT_BILLING: `up` could not terminate its pods, which may still bill: `podagent down RUN`).
@@ -27,6 +28,8 @@ CREATING, RUNNING, DETACHED, FINISHED, DOWN = ("creating", "running", "detached"
                                                "down")
 LEFT_BILLING = "clean-up failed"
 SET_ASIDE = ".unreadable"  # an unreadable record is renamed RUN.json.unreadable[.N], kept
+# A record from before `lands_by` was kept: its creates had `--api-timeout`'s default.
+DEFAULT_LANDING = float(UP_OPTION["api_timeout"].default)
 
 
 class Unreadable(InputError):
@@ -47,6 +50,9 @@ class Resource:
     rank: int | None = None  # 0 = the head; None for a cluster
     id: str | None = None
     asked_at: float = 0.0
+    # Unanswered, the create may still make its pod until then (wall time): the call's own
+    # deadline, retries included. 0: a record from before it was kept (DEFAULT_LANDING then).
+    lands_by: float = 0.0
 
 
 @dataclass
@@ -66,15 +72,18 @@ class RunRecord:
 
     # --- what was asked -------------------------------------------------------------------
 
-    def asking(self, kind: str, name: str, rank: int | None) -> Resource:
-        """Record the intent (and save it) before the create call goes out."""
+    def asking(self, kind: str, name: str, rank: int | None, call_deadline: float) -> Resource:
+        """Record the intent (and save it) before the create call goes out; `call_deadline`:
+        the longest the call may take, its retries included."""
+        now = time.time()
         for resource in self.resources:
             if resource.name == name:
+                resource.lands_by = now + call_deadline  # asked again: it may land later
                 if resource.id == "":  # refused before, asked again: it may land this time
                     resource.id = None
-                    self.save()
+                self.save()
                 return resource
-        resource = Resource(kind, name, rank, None, time.time())
+        resource = Resource(kind, name, rank, None, now, now + call_deadline)
         self.resources.append(resource)
         self.save()
         return resource
@@ -91,6 +100,13 @@ class RunRecord:
     def in_flight(self) -> bool:
         """A create whose answer never came (cut off, or unanswered): it may still land."""
         return any(r.id is None for r in self.resources)
+
+    def landing_left(self, now: float) -> float:
+        """Seconds until no create whose answer never came can still make its pod (0: none
+        can)."""
+        ends = [r.lands_by or r.asked_at + DEFAULT_LANDING for r in self.resources
+                if r.id is None]
+        return max([0.0, *(end - now for end in ends)])
 
     def ids(self, kind: str) -> list[str]:
         return [r.id for r in self.resources if r.kind == kind and r.id]

@@ -188,11 +188,19 @@ def test_the_gpu_type_is_checked_against_the_catalog():
 
 def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_path):
     record = state.new(tmp_path, "demo", "https://api.runpod.io", "3 x 8 H100")
-    asked = record.asking("pod", "podagent-demo-head", 0)
+    asked = record.asking("pod", "podagent-demo-head", 0, 60.0)
     on_disk = json.loads(state.path_of(tmp_path, "demo").read_text())
     assert on_disk["resources"][0] == {"kind": "pod", "name": "podagent-demo-head", "rank": 0,
-                                       "id": None, "asked_at": asked.asked_at}
+                                       "id": None, "asked_at": asked.asked_at,
+                                       "lands_by": asked.asked_at + 60.0}
+    # Unanswered, it may still land until its call's deadline; a record from before
+    # `lands_by` was kept counts the default deadline from when it was asked.
+    assert record.landing_left(asked.asked_at + 20.0) == pytest.approx(40.0)
+    assert record.landing_left(asked.asked_at + 61.0) == 0.0
+    asked.lands_by = 0.0
+    assert record.landing_left(asked.asked_at) == state.DEFAULT_LANDING
     record.got(asked, "pod123")
+    assert record.landing_left(asked.asked_at) == 0.0  # answered: nothing lands unseen
     again = state.load(tmp_path, "demo")
     assert again is not None and again.ids("pod") == ["pod123"]
     assert [r.run for r in state.all_records(tmp_path)] == ["demo"]
