@@ -49,18 +49,15 @@ NEEDS_IMAGES = pytest.StashKey[bool]()
 PREBUILT = pytest.StashKey[bool]()
 CONTAINER_TESTS = Path(__file__).parent / "container"
 
-# The README's test command runs two lanes at once (pytest-xdist, `-n 2`). What starts Ray or
-# looks for Ray processes in this machine's own namespace (unit, integration, compat, and an e2e
-# test beside a field environment's Ray) is one group, run whole, one test at a time, as without
-# lanes. Pods in network namespaces (e2e, the campaign) and containers never meet another test's
-# processes (each network is locked and named apart): they come in small groups, an e2e module
-# or a campaign cell, which either lane takes when it is nearly done (`pytest_xdist_make_scheduler`)
-# so that both lanes end together. The campaign mostly waits and the rest mostly computes: a lane
-# left with the campaign alone kept a core idle for the run's last 12 minutes.
+# The README's test command runs two lanes at once (pytest-xdist, `-n 2`): each group below
+# runs whole, in order, on one of them (`pytest_xdist_make_scheduler`). Pods in network
+# namespaces (e2e, the campaign) and containers never meet another test's processes (each
+# network is locked and named apart); what starts Ray or looks for Ray processes in this
+# machine's own namespace (unit, integration, compat, and an e2e test beside a field
+# environment's Ray) is one group, one test at a time, as without lanes.
 HOST = "host"
 LANES = (("tests/e2e/", "pods"), ("tests/container/", "pods"), ("tests/faults/", "faults"))
 HOST_MODULES = ("tests/e2e/test_ray_mismatch.py",)  # they use the field environments
-CONTAINERS = "tests/container/"  # one group: its images and engine are one lane's
 
 
 def lane(nodeid: str) -> str:
@@ -69,44 +66,15 @@ def lane(nodeid: str) -> str:
     return next((name for prefix, name in LANES if nodeid.startswith(prefix)), HOST)
 
 
-def group(nodeid: str) -> str:
-    """The tests one lane runs together, in order: the host's, the containers', an e2e module's,
-    or one campaign cell."""
-    kind = lane(nodeid)
-    if kind == HOST:
-        return HOST
-    if nodeid.startswith(CONTAINERS):
-        return CONTAINERS
-    return nodeid if kind == "faults" else nodeid.split("::", 1)[0]
-
-
-def handed_out(group_name: str) -> int:
-    """The order groups are handed out in: the host's first (the longest, from the start), the
-    e2e modules (long ones) next, the containers once their images had time to build, the
-    campaign's cells (short) last, to even out the lanes' ends."""
-    if group_name == HOST:
-        return 0
-    if group_name.startswith("tests/e2e/"):
-        return 1
-    return 2 if group_name == CONTAINERS else 3
-
-
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; a field environment has no xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
-        """Whole groups to a worker, in `handed_out` order; a worker nearly done takes the
-        next."""
+        """Whole groups to a worker (the largest first); a worker nearly done takes the next."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return group(nodeid)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            # Stable: within an order, the collection's (xdist first sorted by test count).
-            first = min(self.workqueue, key=handed_out)
-            self.workqueue.move_to_end(first, last=False)
-            super()._assign_work_unit(node)
+            return lane(nodeid)
 
     return Lanes(config, log)
 
