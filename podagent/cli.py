@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
@@ -25,6 +26,7 @@ from podagent.waiting import Signals
 if TYPE_CHECKING:
     from podagent.report import Reporter
 
+LEAVE_FLUSH = 1.0  # seconds the last output gets on a second signal (a reader may be stopped)
 # Exit codes: documented in the README's table. Signals give 128 + the signal number.
 EXIT_OK = 0
 EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
@@ -653,9 +655,16 @@ def _launched(action: Callable[[Any], int]) -> None:
         # Leave means now: Python's exit would first wait for the calls still on their way
         # (a create on the creator's threads, up to its deadline). What they asked for is in
         # the record; `podagent down RUN` finds it by name.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        # What is said so far goes out, unless nobody reads it (a stopped `| less`): the flush
+        # is given a second on a thread of its own, never the exit.
+        def flush() -> None:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+
+        flushing = threading.Thread(target=flush, daemon=True)
+        flushing.start()
+        flushing.join(LEAVE_FLUSH)
         os._exit(code)
     sys.exit(code)
 

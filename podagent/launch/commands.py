@@ -104,17 +104,21 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
     api = client(key, url, say)
     try:
         record = state.load_hint(state_dir, run, say)
-        found = downs.find(api, run, record)
         # A create whose answer never came (`up` left on a second signal, or lost it) may
-        # still make its pod: nothing listed is not the end until it no longer can.
-        landing = record.landing_left(time.time()) if record is not None else 0.0
-        if not found and not landing:
-            say(f"run {run}: nothing of it at RunPod")
-            if record is not None:
-                record.try_mark(state.DOWN)
-            return 0
+        # still make its pod: nothing listed is not the end until it no longer can (within
+        # --timeout, which is then given again for the terminate).
+        landing = min(record.landing_left(time.time()), timeout) if record else 0.0
         try:
-            return downs.terminate(api, run, record, say, timeout=max(timeout, landing + 10.0),
+            try:
+                found: downs.Found | None = downs.find(api, run, record)
+            except RunPodApiError:  # no list: the terminate asks for the recorded ids
+                found = None
+            if found is not None and not found and not landing:
+                say(f"run {run}: nothing of it at RunPod")
+                if record is not None:
+                    record.try_mark(state.DOWN)
+                return 0
+            return downs.terminate(api, run, record, say, timeout=timeout + landing,
                                    landing_time=landing)
         except RunPodApiError as exc:  # its one job failed: what it terminates may bill on
             said = str(exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -78,9 +79,10 @@ class RunRecord:
         now = time.time()
         for resource in self.resources:
             if resource.name == name:
-                resource.lands_by = now + call_deadline  # asked again: it may land later
-                if resource.id == "":  # refused before, asked again: it may land this time
-                    resource.id = None
+                # Asked again (refused before, or its pod gone): a new create, which may land
+                # as the first did; an id it had is of a pod that is no longer there.
+                resource.id, resource.asked_at = None, now
+                resource.lands_by = now + call_deadline
                 self.save()
                 return resource
         resource = Resource(kind, name, rank, None, now, now + call_deadline)
@@ -102,10 +104,14 @@ class RunRecord:
         return any(r.id is None for r in self.resources)
 
     def landing_left(self, now: float) -> float:
-        """Seconds until no create whose answer never came can still make its pod (0: none
-        can)."""
-        ends = [r.lands_by or r.asked_at + DEFAULT_LANDING for r in self.resources
-                if r.id is None]
+        """Seconds until a create whose answer never came can no longer make its pod (0: none
+        can). RunPod may carry a create out after the client stopped waiting: as `up`'s own
+        clean-up does, its call's deadline is given once more after the call's end."""
+        ends = []
+        for r in self.resources:
+            if r.id is None:
+                deadline = (r.lands_by - r.asked_at) if r.lands_by else DEFAULT_LANDING
+                ends.append(r.asked_at + 2 * deadline)
         return max([0.0, *(end - now for end in ends)])
 
     def ids(self, kind: str) -> list[str]:
@@ -215,7 +221,9 @@ def _wrong_field(record: RunRecord) -> str:
         if (resource.kind not in ("pod", "cluster") or not isinstance(resource.name, str)
                 or not isinstance(resource.id, (str, type(None)))
                 or not isinstance(resource.rank, (int, type(None)))
-                or not isinstance(resource.asked_at, (int, float))):
+                or not isinstance(resource.asked_at, (int, float))
+                or not isinstance(resource.lands_by, (int, float))
+                or not math.isfinite(resource.lands_by)):
             return f"a resource is not one podagent writes ({resource})"
     return ""
 

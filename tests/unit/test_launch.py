@@ -193,18 +193,23 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     assert on_disk["resources"][0] == {"kind": "pod", "name": "podagent-demo-head", "rank": 0,
                                        "id": None, "asked_at": asked.asked_at,
                                        "lands_by": asked.asked_at + 60.0}
-    # Unanswered, it may still land until its call's deadline; a record from before
-    # `lands_by` was kept counts the default deadline from when it was asked.
-    assert record.landing_left(asked.asked_at + 20.0) == pytest.approx(40.0)
-    assert record.landing_left(asked.asked_at + 61.0) == 0.0
+    # Unanswered, it may still land until its call's deadline, and as long again after it
+    # (RunPod may carry a create out after the client stopped waiting); a record from before
+    # `lands_by` was kept counts the default deadline.
+    assert record.landing_left(asked.asked_at + 20.0) == pytest.approx(100.0)
+    assert record.landing_left(asked.asked_at + 121.0) == 0.0
     asked.lands_by = 0.0
-    assert record.landing_left(asked.asked_at) == state.DEFAULT_LANDING
+    assert record.landing_left(asked.asked_at) == 2 * state.DEFAULT_LANDING
     record.got(asked, "pod123")
     assert record.landing_left(asked.asked_at) == 0.0  # answered: nothing lands unseen
     again = state.load(tmp_path, "demo")
     assert again is not None and again.ids("pod") == ["pod123"]
     assert [r.run for r in state.all_records(tmp_path)] == ["demo"]
     assert not list(tmp_path.glob(".*"))  # no temporary file left beside it
+    # Its pod gone, asked again: a new create, whose answer is awaited as the first one's.
+    again = record.asking("pod", "podagent-demo-head", 0, 10.0)
+    assert again is asked and again.id is None and again.lands_by == again.asked_at + 10.0
+    assert record.landing_left(again.asked_at) == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize("written", [
@@ -212,6 +217,10 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     "\x00\xff garbage", "[1, 2]", '{"run": "demo", "status": "running"}',  # no api_url
     '{"run": "demo", "api_url": "u", "outcome": 5}',  # a field of the wrong type
     '{"run": "demo", "api_url": "u", "resources": [{"name": "x"}]}',  # a resource's kind
+    '{"run": "demo", "api_url": "u", "resources": [{"kind": "pod", "name": "x", '
+    '"lands_by": "soon"}]}',  # a deadline that is no number: never waited on
+    '{"run": "demo", "api_url": "u", "resources": [{"kind": "pod", "name": "x", '
+    '"lands_by": Infinity}]}',  # nor for ever
     '{"run": "other", "api_url": "u"}',  # another run's record
 ])
 def test_an_unreadable_record_is_one_line_set_aside_and_kept(tmp_path, written):
