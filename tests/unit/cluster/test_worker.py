@@ -88,15 +88,13 @@ def test_a_gcs_that_lets_calls_pass_their_deadline_while_its_port_takes_them_is_
     gcs.close()
 
 
-def test_a_user_grace_above_the_busy_bound_is_never_shortened():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        gcs = GcsClient(f"127.0.0.1:{sock.getsockname()[1]}")
-        silence = HeadSilence(gcs, BUSY_HEAD_GRACE + 10, now=0.0)
-        assert silence.failed(LATE, BUSY_HEAD_GRACE + 5) is None
-        assert silence.failed(LATE, BUSY_HEAD_GRACE + 10.5) is not None
-        gcs.close()
+@pytest.mark.parametrize("listener", ["silent"], indirect=True)
+def test_a_user_grace_above_the_busy_bound_is_never_shortened(listener):
+    gcs = GcsClient(f"127.0.0.1:{listener.port}")
+    silence = HeadSilence(gcs, BUSY_HEAD_GRACE + 10, now=0.0)
+    assert silence.failed(LATE, BUSY_HEAD_GRACE + 5) is None
+    assert silence.failed(LATE, BUSY_HEAD_GRACE + 10.5) is not None
+    gcs.close()
 
 
 def test_a_gcs_whose_port_refuses_is_gone_at_the_grace():
@@ -164,16 +162,13 @@ def test_a_busy_heads_port_is_tried_once_per_probe_interval(listener):
     gcs.close()
 
 
-def test_a_gcs_that_refuses_our_token_is_gone_at_the_grace_and_says_so():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        gcs = GcsClient(f"127.0.0.1:{sock.getsockname()[1]}")
-        silence = HeadSilence(gcs, GRACE, now=0.0)
-        refused = GcsAuthRefused("UNAUTHENTICATED: invalid token")
-        assert silence.failed(refused, 8.5) == ("has refused this pod's token for 8.5 s "
-                                                "(grace 8 s)")
-        gcs.close()
+@pytest.mark.parametrize("listener", ["silent"], indirect=True)
+def test_a_gcs_that_refuses_our_token_is_gone_at_the_grace_and_says_so(listener):
+    gcs = GcsClient(f"127.0.0.1:{listener.port}")
+    silence = HeadSilence(gcs, GRACE, now=0.0)
+    refused = GcsAuthRefused("UNAUTHENTICATED: invalid token")
+    assert silence.failed(refused, 8.5) == "has refused this pod's token for 8.5 s (grace 8 s)"
+    gcs.close()
 
 
 @pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:notaport"])
