@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import compileall
 import concurrent.futures
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.compat.fieldenv import FIELDS, Installed, build_wheel, create
+from tests.compat.fieldenv import FIELDS, ROOT, Installed, build_wheel, create
 
 # Set by tests/compat when it runs the suite again inside an environment holding another Ray:
 # there only the tests marked ray_matrix ("1") or the marker it names (ray_auth) are collected,
 # so modules that need what such an environment lacks (torch, wandb) are never imported.
 RAY_MATRIX_ONLY = "PODAGENT_RAY_MATRIX_ONLY"
+
+# Every process the suite starts (podagent in each pod, the jobs, the reward servers, the field
+# environments' own pytest) imports podagent and the test helpers from this tree. Where the
+# machine sets PYTHONDONTWRITEBYTECODE (CI images do), each of those thousands of processes
+# compiled them from source again: 7% of a fault cell's CPU on this CPU-bound suite. Here they
+# share the bytecode instead (git ignores __pycache__; the image's build context leaves it out).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # once, before the lanes start their processes
+        for package in ("podagent", "tests"):
+            compileall.compile_dir(ROOT / package, quiet=1)
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
@@ -49,21 +65,32 @@ NEEDS_IMAGES = pytest.StashKey[bool]()
 PREBUILT = pytest.StashKey[bool]()
 CONTAINER_TESTS = Path(__file__).parent / "container"
 
-# The README's test command runs two lanes at once (pytest-xdist, `-n 2`): each group below
-# runs whole, in order, on one of them (`pytest_xdist_make_scheduler`). Pods in network
-# namespaces (e2e, the campaign) and containers never meet another test's processes (each
-# network is locked and named apart); what starts Ray or looks for Ray processes in this
-# machine's own namespace (unit, integration, compat, and an e2e test beside a field
-# environment's Ray) is one group, one test at a time, as without lanes.
+# The README's test command runs three lanes at once (pytest-xdist, `-n 3`) on two cores: a
+# multi-pod test alone keeps them busy under half of its time (its pods wait on timeouts,
+# graces, a job's steps), so a third lane fills what two left idle. Each group below runs
+# whole, in order, on one lane (`pytest_xdist_make_scheduler`); a lane nearly done takes the
+# next group. Pods in network namespaces (each e2e module its own group, the campaign) and
+# containers never meet another test's processes (each network is locked and named apart);
+# what starts Ray or looks for Ray processes in this machine's own namespace (unit,
+# integration, compat, and an e2e test beside a field environment's Ray) is one group, one
+# test at a time, as without lanes.
 HOST = "host"
 LANES = (("tests/e2e/", "pods"), ("tests/container/", "pods"), ("tests/faults/", "faults"))
 HOST_MODULES = ("tests/e2e/test_ray_mismatch.py",)  # they use the field environments
+E2E = "tests/e2e/"
 
 
 def lane(nodeid: str) -> str:
+    """Which background build a group's first test starts (_built_from_the_start)."""
     if nodeid.startswith(HOST_MODULES):
         return HOST
     return next((name for prefix, name in LANES if nodeid.startswith(prefix)), HOST)
+
+
+def group(nodeid: str) -> str:
+    """What runs whole on one lane: an e2e module, else the test's lane."""
+    named = lane(nodeid)
+    return nodeid.split("::")[0] if named == "pods" and nodeid.startswith(E2E) else named
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; a field environment has no xdist
@@ -71,10 +98,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
-        """Whole groups to a worker (the largest first); a worker nearly done takes the next."""
+        """Whole groups to a lane (the largest first); a lane nearly done takes the next."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
+            return group(nodeid)
 
     return Lanes(config, log)
 
@@ -96,7 +123,8 @@ def _built_from_the_start(request: pytest.FixtureRequest) -> None:
     session's first test on (tests/compat and tests/container run late), so that the wait
     overlaps the other tests instead of adding to them. In a lane (xdist), each is started by
     the lane whose first group needs it: the field environments by the host lane, the images
-    by the pods lane (e2e, then the containers); any other need builds them when it comes."""
+    by every lane whose first group holds pods (one makes them, the others wait for it); any
+    other need builds them when it comes."""
     config = request.config
     if config.stash.get(PREBUILT, False):
         return
@@ -115,8 +143,11 @@ def container_images() -> Iterator[concurrent.futures.Future[tuple[Any, list[Any
     debootstrap, apt and pip for minutes, mostly waiting on the network and the disk."""
     def make() -> tuple[Any, list[Any]]:
         from tests.container import engine
+        from tests.harness.pods import file_lock
 
-        with engine.engine() as running:  # the suite's own fixture starts it again later
+        # Every lane whose first group holds pods starts this: the first makes the images,
+        # the others wait for it and find them made (a base is made once per hash).
+        with engine.engine() as running, file_lock(engine.STATE_DIR / "images.lock"):
             return engine.images.ensure_all(docker=running.docker)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
