@@ -101,7 +101,9 @@ def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: fl
 def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
          timeout: float) -> int:
     """Terminate the run's pods; how many there were."""
-    api = client(key, url, say)
+    # Each call's retries end within --timeout too: `down --timeout 3` against a RunPod that
+    # keeps refusing gives up (exit 26) in seconds, not after a minute of retries.
+    api = client(key, url, say, min(API_TIMEOUT, timeout))
     try:
         record = state.load_hint(state_dir, run, say)
         # A create whose answer never came (`up` left on a second signal, or lost it) may

@@ -12,11 +12,16 @@ from pathlib import Path
 import pytest
 
 from podagent import config
+from podagent.ray_access import ray_compat
 from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
 # Three Ray nodes on a 2-core machine are slow to form: generous, bounded waits.
 FORM_TIMEOUT = 240.0
+# Before Ray 2.52 a head's `ray start` gives its dashboard a fixed 20 s, and the head starts it
+# again each time that is missed (docs/ray-versions.md): with the suite's other lanes busy
+# beside the Ray 2.48 run (tests/compat), the head's node was up only after 220 s.
+FIXED_DASHBOARD_FORM_TIMEOUT = 480.0
 LONG_JOB = "python -c 'import time; print(\"training\", flush=True); time.sleep(600)'"
 EXIT_WORKERS_TIMEOUT, EXIT_HEAD_LOST, EXIT_AUTH_REFUSED = 5, 7, 13
 
@@ -46,7 +51,9 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
 
     dns_server.set_record(head_name, head.pod.ip)
     head.start()
-    codes = wait_exits((head, *workers), FORM_TIMEOUT)
+    ray = ray_compat.installed()
+    codes = wait_exits((head, *workers), FORM_TIMEOUT if ray and ray.has(
+        "dashboard_startup_timeout") else FIXED_DASHBOARD_FORM_TIMEOUT)
     assert codes == [0, 0, 0], "\n\n".join(a.output[-2500:] for a in (head, *workers))
 
     out = head.output

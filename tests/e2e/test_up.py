@@ -251,7 +251,10 @@ def test_no_capacity_names_the_gpu_and_nothing_bills(cloud, tmp_path):
 def test_up_again_with_the_same_name_reattaches_instead_of_creating(cloud, tmp_path):
     cloud.hold_provisioning(r"-w1$")
     # The pods run a stand-in for podagent (tests/fakes/pod_head.py): creation is what counts.
-    proc = start_up(cloud, tmp_path, up_argv("again", 2, image=HEAD_IMAGE))
+    # A short call deadline: a create whose answer the killed `up` never wrote down is waited
+    # for (twice that) before the second `up` re-attaches.
+    proc = start_up(cloud, tmp_path, up_argv("again", 2, "--api-timeout", "10",
+                                             image=HEAD_IMAGE))
     wait_for(lambda: len(creates(cloud)) == 2, timeout=60, what="both creates")
     proc.kill()  # the laptop crashed with the run half up
     proc.communicate(timeout=30)

@@ -102,10 +102,11 @@ def test_a_signal_after_any_call_terminates_what_was_created(cloud, tmp_path, re
 def test_killed_after_any_call_then_down_leaves_no_pod(cloud, tmp_path, report):
     """The laptop dies (SIGKILL: nothing of podagent runs on) right after each call; `podagent
     down` then finds what was created, by the record, the names and the label, and
-    terminates it."""
+    terminates it; a create whose answer the laptop never wrote down is waited for until it
+    can no longer land (twice its call's deadline: short here)."""
     for k in (4, 5, 6, 8):  # before the first create, after the head's, a worker's, the last
         name = f"kill{k}"
-        proc = _up(cloud, tmp_path, name)
+        proc = _up(cloud, tmp_path, name, "--api-timeout", "10")
         after_call(cloud, k, signal_to(proc, signal.SIGKILL))
         out, _ = proc.communicate(timeout=120)
         cloud.clear_after_response()

@@ -50,9 +50,20 @@ def _record(tmp_path: Path, run: str) -> Path:
 
 
 def _crashed_up(cloud: Any, tmp_path: Path, run: str) -> None:
-    """A run whose pods bill while its `up` is gone (the laptop crashed): its record stays."""
+    """A run whose pods bill while its `up` is gone (the laptop crashed): its record stays,
+    with both pods' ids (a create whose answer it never wrote down is another test's: `down`
+    then waits for it to land)."""
     proc = start_up(cloud, tmp_path, up_argv(run, 2, image=HEAD_IMAGE))
     wait_for(lambda: billing(cloud, run) == 2, timeout=60, what=f"run {run}'s two pods")
+
+    def both_ids() -> bool:
+        try:
+            kept = json.loads(_record(tmp_path, run).read_text())
+        except (OSError, ValueError):
+            return False
+        return len([r for r in kept["resources"] if r.get("id")]) == 2
+
+    wait_for(both_ids, timeout=60, what=f"run {run}'s record to hold both pods' ids")
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
 
