@@ -735,8 +735,9 @@ def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any
 
 @main.command(context_settings=CONTEXT)
 @click.argument("run")
-@click.option("--timeout", type=float, default=120.0, show_default=True, metavar="SECONDS",
-              help="How long RunPod gets to have every pod gone.")
+@click.option("--timeout", type=click.FloatRange(1, 86400), default=120.0, show_default=True,
+              metavar="SECONDS", help="How long RunPod gets to have every pod gone; each API "
+              "call's retries end within it too.")
 @key_file_option
 @_boundary
 def down(run: str, timeout: float, key_file: str | None) -> None:
