@@ -73,9 +73,12 @@ CONTAINER_TESTS = Path(__file__).parent / "container"
 # containers never meet another test's processes (each network is locked and named apart);
 # what starts Ray or looks for Ray processes in this machine's own namespace (unit,
 # integration, compat, and an e2e test beside a field environment's Ray) is one group, one
-# test at a time, as without lanes.
+# test at a time, as without lanes. The reward server's and the Ray-less engine's unit tests
+# start neither Ray nor anything that looks like it (podagent's foreign-Ray check would see
+# it): a group of their own, so that the host group does not end the run alone.
 HOST = "host"
-LANES = (("tests/e2e/", "pods"), ("tests/container/", "pods"), ("tests/faults/", "faults"))
+LANES = (("tests/e2e/", "pods"), ("tests/container/", "pods"), ("tests/faults/", "faults"),
+         ("tests/unit/rewards/", "no-ray"), ("tests/unit/gang/", "no-ray"))
 HOST_MODULES = ("tests/e2e/test_ray_mismatch.py",)  # they use the field environments
 E2E = "tests/e2e/"
 

@@ -198,12 +198,14 @@ def test_the_head_decides_for_every_pod_whether_the_training_resumes(tmp_path):
 def test_a_training_that_prints_is_no_hang_when_its_log_volume_is_full(tmp_path, full_volume):
     """The watch hears the training's output as it comes, not from the training log: a volume
     that refuses the log (said once) must not make a run that prints look hung."""
+    # The watch starts with torchrun, whose start (torch's import) took over 5 s on the loaded
+    # machine: the timeout leaves room for it, and the training prints for longer than that.
     train = tmp_path / "train.py"
-    train.write_text("import time\nt = time.time()\nwhile time.time() - t < 12:\n"
+    train.write_text("import time\nt = time.time()\nwhile time.time() - t < 30:\n"
                      "    print('step', 'x' * 50000, flush=True)\n    time.sleep(0.1)\n")
     one_pod = {"EXPECTED_WORKERS": "0", "PODAGENT_NODE_IP": "127.0.0.1",
                "PODAGENT_SUPERVISOR_PORT": str(_free_port()),
-               "PODAGENT_RENDEZVOUS_PORT": str(_free_port()), "PODAGENT_HANG_TIMEOUT": "5",
+               "PODAGENT_RENDEZVOUS_PORT": str(_free_port()), "PODAGENT_HANG_TIMEOUT": "20",
                "PODAGENT_RESTARTS": "0", "PODAGENT_LOG_DIR": str(full_volume)}
     done = _podagent(tmp_path, "torchrun", "--nproc-per-node", "1", str(train), env=one_pod,
                      timeout=180)
