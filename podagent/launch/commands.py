@@ -111,10 +111,7 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
         # --timeout, which is then given again for the terminate).
         landing = min(record.landing_left(time.time()), timeout) if record else 0.0
         try:
-            try:
-                found: downs.Found | None = downs.find(api, run, record)
-            except RunPodApiError:  # no list: the terminate asks for the recorded ids
-                found = None
+            found = _listed(api, run, record)
             if found is not None and not found and not landing:
                 say(f"run {run}: nothing of it at RunPod")
                 if record is not None:
@@ -129,6 +126,15 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
             raise PodsLeftBilling(f"{said} (its pods may still bill)") from None
     finally:
         api.close()
+
+
+def _listed(api: Client, run: str, record: state.RunRecord | None) -> downs.Found | None:
+    """What RunPod lists of the run; None when it cannot list (the terminate then asks for
+    the recorded ids)."""
+    try:
+        return downs.find(api, run, record)
+    except RunPodApiError:
+        return None
 
 
 def _billed_so_far(pod: Mapping[str, Any], now: float) -> float:
