@@ -21,8 +21,9 @@ RAY_MATRIX_ONLY = "PODAGENT_RAY_MATRIX_ONLY"
 
 # Every process the suite starts (podagent in each pod, the jobs, the reward servers, the field
 # environments' own pytest) imports podagent and the test helpers from this tree. Where the
-# machine sets PYTHONDONTWRITEBYTECODE (CI images do), each of those thousands of processes
-# compiled them from source again: 7% of a fault cell's CPU on this CPU-bound suite. Here they
+# machine sets PYTHONDONTWRITEBYTECODE (the CI machine does), each of those thousands of
+# processes compiled them from source again: 7% of the CPU of a fault cell and a two-pod test
+# on this CPU-bound suite. Here they
 # share the bytecode instead (git ignores __pycache__; the image's build context leaves it out).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
