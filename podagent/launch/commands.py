@@ -109,7 +109,8 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
         # A create whose answer never came (`up` left on a second signal, or lost it) may
         # still make its pod: nothing listed is not the end until it no longer can (within
         # --timeout, which is then given again for the terminate).
-        landing = min(record.landing_left(time.time()), timeout) if record else 0.0
+        window = record.landing_left(time.time()) if record else 0.0
+        landing = min(window, timeout)
         try:
             found = _listed(api, run, record)
             if found is not None and not found and not landing:
@@ -117,8 +118,16 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
                 if record is not None:
                     record.try_mark(state.DOWN)
                 return 0
-            return downs.terminate(api, run, record, say, timeout=timeout + landing,
-                                   landing_time=landing)
+            count = downs.terminate(api, run, record, say, timeout=timeout + landing,
+                                    landing_time=landing, landing_cut=window > timeout)
+            if window > timeout:  # --timeout ended the look while such a pod may still come
+                if record is not None:
+                    record.try_mark(state.LEFT_BILLING)
+                raise PodsLeftBilling(
+                    f"run {run}: a create whose answer never came may still make a pod for "
+                    f"{window - timeout:.0f} s more, past --timeout {timeout:g}; `podagent down "
+                    f"{run}` after that terminates it (its pods may still bill)")
+            return count
         except RunPodApiError as exc:  # its one job failed: what it terminates may bill on
             said = str(exc)
             if "podagent down" not in said:

@@ -141,10 +141,13 @@ def _terminate_known(client: Client, record: RunRecord | None, sweep: Sweep) -> 
 
 def terminate(client: Client, run: str, record: RunRecord | None,
               say: Callable[[str], None], timeout: float = GONE_TIMEOUT,
-              sweep: Sweep | None = None, landing_time: float = 0.0) -> int:
+              sweep: Sweep | None = None, landing_time: float = 0.0,
+              landing_cut: bool = False) -> int:
     """Terminate every pod and cluster of the run, in rounds, until RunPod lists none of them
     (and, while the record holds a create whose answer never came, not before `landing_time`
-    seconds: such a pod may still appear). Returns how many pods there were. Raises
+    seconds: such a pod may still appear; `landing_cut`: one may still appear after that, so
+    the end claims nothing and the record is not marked down). Returns how many pods there
+    were. Raises
     RunPodApiError when some may still be there (`sweep`, if given, then says which)."""
     sweep = sweep if sweep is not None else Sweep()
     started = time.monotonic()
@@ -191,6 +194,11 @@ def terminate(client: Client, run: str, record: RunRecord | None,
               deadline=timeout, until=lambda left: not left)
     except Expired as exc:
         left = exc.last if isinstance(exc.last, Found) else find(client, run, record)
+    else:
+        left = Found([], [])
+    # A last look that lists nothing, once no unanswered create can land any more, is the end
+    # the rounds were waiting for (their calls took the time: a slow RunPod, a short timeout).
+    if left or time.monotonic() < landing:
         listed = ", ".join(f"{p.get('name')} ({p.get('id')}: {p.get('status')})"
                            for p in left.pods) or ", ".join(str(c.get("name"))
                                                             for c in left.clusters)
@@ -208,7 +216,8 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                 f"terminated")
     if seen:
         say(f"terminated {len(seen)} pod(s) of run {run} in "
-            f"{time.monotonic() - started:.1f} s: nothing of it is billing")
-    if record is not None:
+            f"{time.monotonic() - started:.1f} s"
+            + ("" if landing_cut else ": nothing of it is billing"))
+    if record is not None and not landing_cut:
         record.try_mark(DOWN)
     return len(seen)

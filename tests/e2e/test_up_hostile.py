@@ -30,6 +30,7 @@ from tests.harness.laptop import (
     laptop_env,
     listed,
     of_run,
+    run_cli,
     run_down,
     start_up,
     up_argv,
@@ -106,6 +107,13 @@ def test_a_second_ctrl_c_with_creates_on_their_way_leaves_at_once(cloud, tmp_pat
     record = json.loads((tmp_path / "state" / "podagent" / "runs" / f"{run}.json").read_text())
     unanswered = [r for r in record["resources"] if r["id"] is None]
     assert unanswered and all(r["lands_by"] > time.time() for r in unanswered), record
+    # A --timeout shorter than what is left of their window: what is there is terminated, and
+    # the end is exit 26, never "nothing of it is billing" while a pod may still come.
+    short = run_cli(cloud, tmp_path, "down", run, "--timeout", "2")
+    assert short.returncode == 26, short.stdout + short.stderr
+    last = short.stderr.strip().splitlines()[-1]
+    assert "may still make a pod" in last and f"`podagent down {run}`" in last, last
+    assert "nothing of it is billing" not in short.stdout, short.stdout
     down = run_down(cloud, tmp_path, run)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "may still make a pod" in down.stdout, down.stdout
