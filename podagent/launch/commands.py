@@ -109,10 +109,11 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
         # A create whose answer never came (`up` left on a second signal, or lost it) may
         # still make its pod: nothing listed is not the end until it no longer can (within
         # --timeout, which is then given again for the terminate).
-        window = record.landing_left(time.time()) if record else 0.0
+        found = _listed(api, run, record)
+        landed = found.live_names() if found is not None else set()
+        window = record.landing_left(time.time(), landed) if record else 0.0
         landing = min(window, timeout)
         try:
-            found = _listed(api, run, record)
             if found is not None and not found and not landing:
                 say(f"run {run}: nothing of it at RunPod")
                 if record is not None:

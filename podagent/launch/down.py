@@ -39,7 +39,10 @@ class Found:
         return [p for p in self.pods if p.get("status") in BILLING_STATUSES]
 
     def __bool__(self) -> bool:
-        return bool(self.clusters) or any(p.get("status") != "TERMINATED" for p in self.pods)
+        return bool(self.clusters) or bool(self.live_names())
+
+    def live_names(self) -> set[str]:
+        return {str(p.get("name")) for p in self.pods if p.get("status") != "TERMINATED"}
 
 
 def find(client: Client, run: str, record: RunRecord | None) -> Found:
@@ -155,9 +158,11 @@ def terminate(client: Client, run: str, record: RunRecord | None,
     first = True
     rounds = 0
     # A create whose answer never came (cut off by a signal, or timed out) may still make a
-    # pod: while one may, an empty list is not the end, until `landing` has passed.
-    in_flight = record is not None and record.in_flight()
-    landing = started + (landing_time if in_flight else 0.0)
+    # pod: while one may, an empty list is not the end, until `landing` has passed, or until
+    # every such create's pod was listed (a create makes one pod: it has landed).
+    unanswered = record.unanswered() if record is not None else set()
+    landed: set[str] = set()
+    landing = started + (landing_time if unanswered else 0.0)
     waited_landing: list[bool] = []
 
     def round_() -> Found:
@@ -171,6 +176,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                 _terminate_known(client, record, sweep)
             raise
         sweep.listed = found.pods
+        landed.update(found.live_names())
         new = {str(p["id"]) for p in found.pods if p.get("status") != "TERMINATED"} - seen
         # Again now and then for what is still listed: a terminate RunPod lost is sent anew.
         if found and (first or new or rounds % AGAIN_EVERY == 0):
@@ -181,7 +187,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                     + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
             first = False
             raise NotYet("terminated; not gone yet")
-        if not found and time.monotonic() < landing:
+        if not found and time.monotonic() < landing and not unanswered <= landed:
             if not waited_landing:
                 waited_landing.append(True)
                 say(f"a create of run {run} whose answer never came may still make a pod: "
@@ -198,7 +204,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
         left = Found([], [])
     # A last look that lists nothing, once no unanswered create can land any more, is the end
     # the rounds were waiting for (their calls took the time: a slow RunPod, a short timeout).
-    if left or time.monotonic() < landing:
+    if left or (time.monotonic() < landing and not unanswered <= landed):
         listed = ", ".join(f"{p.get('name')} ({p.get('id')}: {p.get('status')})"
                            for p in left.pods) or ", ".join(str(c.get("name"))
                                                             for c in left.clusters)

@@ -15,7 +15,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,15 +101,21 @@ class RunRecord:
 
     def in_flight(self) -> bool:
         """A create whose answer never came (cut off, or unanswered): it may still land."""
-        return any(r.id is None for r in self.resources)
+        return bool(self.unanswered())
 
-    def landing_left(self, now: float) -> float:
+    def unanswered(self) -> set[str]:
+        """The names asked for whose create's answer never came."""
+        return {r.name for r in self.resources if r.id is None}
+
+    def landing_left(self, now: float, landed: Collection[str] = ()) -> float:
         """Seconds until a create whose answer never came can no longer make its pod (0: none
         can). RunPod may carry a create out after the client stopped waiting: as `up`'s own
-        clean-up does, its call's deadline is given once more after the call's end."""
+        clean-up does, its call's deadline is given once more after the call's end. `landed`:
+        names of pods RunPod lists live; a create makes one pod, so one whose pod is among
+        them has landed and can make no other."""
         ends = []
         for r in self.resources:
-            if r.id is None:
+            if r.id is None and r.name not in landed:
                 deadline = (r.lands_by - r.asked_at) if r.lands_by else DEFAULT_LANDING
                 ends.append(r.asked_at + 2 * deadline)
         return max([0.0, *(end - now for end in ends)])

@@ -198,6 +198,9 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     # `lands_by` was kept counts the default deadline.
     assert record.landing_left(asked.asked_at + 20.0) == pytest.approx(100.0)
     assert record.landing_left(asked.asked_at + 121.0) == 0.0
+    # A create makes one pod: once RunPod lists it live, that create has landed.
+    assert record.landing_left(asked.asked_at + 20.0, {"podagent-demo-head"}) == 0.0
+    assert record.landing_left(asked.asked_at + 20.0, {"podagent-demo-w1"}) > 0.0
     asked.lands_by = 0.0
     assert record.landing_left(asked.asked_at) == 2 * state.DEFAULT_LANDING
     record.got(asked, "pod123")
