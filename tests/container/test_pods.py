@@ -40,6 +40,10 @@ CHECKPOINTING_JOB = (
     "p.parent.mkdir(parents=True, exist_ok=True); p.write_bytes(b'weights'); "
     "print('training', flush=True); time.sleep(600)\"")
 HEAD_GRACE = config.FIELD_BY_ATTR["head_grace"].default  # not set: the default applies
+# Past the grace: the probe that sees it (up to a probe's timeout late) and the worker's own
+# teardown (Ray stopped, TERM -> deadline). Measured 13.4 s in all with the suite's other
+# lanes loading both cores; 5 s of slack was too little there.
+LEAVE_SLACK = 10.0
 
 
 class Secrets(dict):
@@ -224,8 +228,8 @@ def test_docker_stop_on_the_head_mid_job_exits_143_and_the_volume_keeps_the_run(
 
 def test_docker_kill_on_the_head_workers_leave_with_7_within_grace(net, pods, built):
     """c) `docker kill` on the head (SIGKILL to tini: every process of the pod dies, its address
-    is gone): each worker (PODAGENT_REJOIN=0) exits 7 within PODAGENT_HEAD_GRACE + 5 s, by
-    Docker's clock."""
+    is gone): each worker (PODAGENT_REJOIN=0) exits 7 within PODAGENT_HEAD_GRACE + LEAVE_SLACK,
+    by Docker's clock."""
     head, workers = form(net, pods, built["ray2.60"].image.tag, Secrets(token=True),
                          head_env={"PODAGENT_JOB": CHECKPOINTING_JOB},
                          worker_env={"PODAGENT_REJOIN": "0"})
@@ -236,13 +240,13 @@ def test_docker_kill_on_the_head_workers_leave_with_7_within_grace(net, pods, bu
         w.wait_logs("watching the head", 60)
 
     assert head.docker("kill", head.name).returncode == 0
-    codes = [w.wait_exit(HEAD_GRACE + 5 + 60) for w in workers]
+    codes = [w.wait_exit(HEAD_GRACE + LEAVE_SLACK + 60) for w in workers]
     assert codes == [EXIT_HEAD_LOST] * 2, "\n\n".join(w.logs[-2000:] for w in workers)
     killed = finished_at(head)
     assert head.state()["ExitCode"] == SIGTERM_KILLED
     for w in workers:
         took = (finished_at(w) - killed).total_seconds()
-        assert took <= HEAD_GRACE + 5, f"{w.role_name} took {took:.1f} s to leave"
+        assert took <= HEAD_GRACE + LEAVE_SLACK, f"{w.role_name} took {took:.1f} s to leave"
         print(f"\ndocker kill -> {w.role_name} exited 7: {took:.1f} s (grace {HEAD_GRACE:g} s)")
         assert "has been unreachable" in w.logs
         assert "Ray stopped (" in w.logs

@@ -67,8 +67,20 @@ def test_two_listeners_share_the_port_and_stop_together(tmp_path):
 
         with ThreadPoolExecutor(8) as threads:
             answers = list(threads.map(one, range(64)))
+        seen = {listener for listener, _, _ in answers}
+
+        def both() -> None:  # the second listener may start listening a moment after the first
+            if seen != {1, 2}:
+                batch = list(threads.map(one, range(16)))
+                answers.extend(batch)
+                seen.update(listener for listener, _, _ in batch)
+                raise NotYet(f"only listener(s) {sorted(seen)} answered")
+
+        with ThreadPoolExecutor(8) as threads:
+            retry(both, awaited="connections to reach both listeners", backoff=Backoff(0.2, 1.0),
+                  deadline=30.0)
         assert {reward for _, reward, _ in answers} == {1.5}
-        assert {listener for listener, _, _ in answers} == {1, 2}  # connections go to both
+        assert seen == {1, 2}  # connections go to both
         assert {unparsed for _, _, unparsed in answers} == {1}  # each has the audit
         assert len(listener_pids(proc.pid)) == 1
     finally:
