@@ -30,6 +30,7 @@ from tests.harness.laptop import (
     of_run,
     run_down,
     signal_to,
+    stacks_of,
     start_up,
     up_argv,
 )
@@ -72,7 +73,11 @@ def _up(cloud: FakeRunPodCloud, tmp_path: Path, name: str, *extra: str,
 
 def _outcome(cloud: FakeRunPodCloud, proc: subprocess.Popen, name: str) -> tuple[int, str]:
     """The exit code and output of `up`, once RunPod lists nothing of its run."""
-    out, _ = proc.communicate(timeout=120)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"`up` still running 120 s after the fault:\n"
+                             f"{stacks_of(proc)[-8000:]}") from None
     gone_within(cloud, name, 0.0)
     cloud.clear_after_response()
     assert not listed(cloud, name), out

@@ -35,7 +35,21 @@ POD_ENV = ("PODAGENT_REWARD=none", "PODAGENT_STOP_TIMEOUT=5")
 def laptop_env(cloud: FakeRunPodCloud, tmp_path: Path) -> dict[str, str]:
     return {**clean_environ(), "RUNPOD_API_KEY": KEY, "RUNPOD_API_URL": cloud.url,
             "XDG_STATE_HOME": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1",
-            "TERM": "dumb"}
+            "TERM": "dumb",
+            # A command that does not end in time is sent SIGABRT: every thread's stack.
+            "PYTHONFAULTHANDLER": "1"}
+
+
+def stacks_of(proc: subprocess.Popen) -> str:
+    """What a command that did not end in time was doing: its threads' stacks (SIGABRT, with
+    PYTHONFAULTHANDLER set) and all its output."""
+    proc.send_signal(signal.SIGABRT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""
 
 
 def up_argv(name: str, pods: int = 3, *extra: str, job: tuple[str, ...] = (),
