@@ -39,9 +39,14 @@ def first_on_the_cpu(name: str) -> Iterator[Callable[[int], None]]:
     group: Path | None = CPU_CONTROLLER / f"podagent-{name}-{os.getpid()}"
     try:
         group.mkdir()
-        (group / "cpu.shares").write_text(str(FIRST_SHARES))
     except OSError:
         group = None
+    else:
+        try:
+            (group / "cpu.shares").write_text(str(FIRST_SHARES))
+        except OSError:
+            group.rmdir()
+            group = None
 
     def enter(pid: int) -> None:
         if group is not None:
@@ -52,10 +57,10 @@ def first_on_the_cpu(name: str) -> Iterator[Callable[[int], None]]:
         yield enter
     finally:
         if group is not None:
-            for pid in (group / "cgroup.procs").read_text().split():  # leftovers: back
-                with contextlib.suppress(OSError):
-                    (CPU_CONTROLLER / "cgroup.procs").write_text(pid)
             with contextlib.suppress(OSError):
+                for pid in (group / "cgroup.procs").read_text().split():  # leftovers: back
+                    with contextlib.suppress(OSError):
+                        (CPU_CONTROLLER / "cgroup.procs").write_text(pid)
                 group.rmdir()
 
 
