@@ -647,14 +647,20 @@ def _launched(action: Callable[[Any], int]) -> None:
         code = action(interrupts)
     except (KeyboardInterrupt, Leave) as exc:  # before anything was created, or in down/ls
         code = 128 + signum_of(exc)
-    except errors.Interrupted as exc:
-        if not interrupts.left:
+    except errors.PodagentError as exc:
+        if interrupts.first is None:
             raise
+        if not isinstance(exc, errors.Interrupted):  # as the boundary says it
+            _say_err(f"podagent: error: {exc}")
         code = exit_code(exc)
-    if interrupts.left:
-        # Leave means now: Python's exit would first wait for the calls still on their way
-        # (a create on the creator's threads, up to its deadline). What they asked for is in
-        # the record; `podagent down RUN` finds it by name.
+    if interrupts.first is not None:
+        # Once a signal came, Python's exit may wait forever: the KeyboardInterrupt may have
+        # landed inside a library while it held a lock, which the library's own finalizer then
+        # waits for at exit (seen: `up` stopped after RunPod's answer to a list, forever in
+        # urllib3's pool close, on its queue's mutex). Leave, too, means now: the exit would
+        # first wait for the calls still on their way (a create on the creator's threads, up
+        # to its deadline); what they asked for is in the record, and `podagent down RUN`
+        # finds it by name. Everything this command does is done by now (the clean-up ran).
         # What is said so far goes out, unless nobody reads it (a stopped `| less`): the flush
         # is given a second on a thread of its own, never the exit.
         def flush() -> None:

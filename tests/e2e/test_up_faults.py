@@ -230,6 +230,25 @@ def test_a_first_signal_as_the_run_ends_does_not_skip_the_clean_up(cloud, tmp_pa
     report.append(("signal as the run ends", "-", code, 0.0))
 
 
+# What a KeyboardInterrupt landing inside a library can leave: a lock taken that the library's
+# finalizer waits for at exit (seen once: urllib3's pool queue's mutex, `up` then never ended).
+_LOCK_LEFT_TAKEN = ("import atexit, sys, threading\n"
+                    "taken = threading.Lock(); taken.acquire()\n"
+                    "atexit.register(taken.acquire)\n"
+                    "sys.argv = ['podagent', *sys.argv[1:]]\n"
+                    "from podagent.cli import main; main()")
+
+
+def test_after_a_signal_up_ends_even_if_its_exit_would_wait_forever(cloud, tmp_path):
+    """SIGINT after the list of clusters, in an `up` whose interpreter exit would wait forever
+    on a lock: it ends with 130 all the same (before: `up` ran on, an hour later still)."""
+    proc = _up(cloud, tmp_path, "stuck", python=(_LOCK_LEFT_TAKEN,))
+    after_call(cloud, 4, signal_to(proc, signal.SIGINT))
+    code, out = _outcome(cloud, proc, "stuck")
+    assert code == 130, out
+    assert "Traceback" not in out, out
+
+
 def test_a_bug_is_its_traceback_and_exit_70_after_the_pods_are_gone(cloud, tmp_path, report):
     name = "bug"
     proc = _up(cloud, tmp_path, name, python=(_BUG,))
