@@ -151,8 +151,7 @@ def _boundary(command: Callable[..., Any] | None = None, *, pod: bool = False) -
             try:
                 return command(*args, **kwargs)
             except errors.PodagentError as exc:
-                if not isinstance(exc, errors.Interrupted):
-                    _say_err(f"podagent: error: {exc}")
+                _say_error(exc)
                 code = exit_code(exc)
                 if pod and not isinstance(exc, errors.Interrupted) and not restartable(code) \
                         and not _dry_run_asked():
@@ -171,6 +170,12 @@ def _boundary(command: Callable[..., Any] | None = None, *, pod: bool = False) -
         return guarded
 
     return wrap if command is None else wrap(command)
+
+
+def _say_error(exc: errors.PodagentError) -> None:
+    """podagent's error as its one line (a signal's says nothing: whoever sent it knows)."""
+    if not isinstance(exc, errors.Interrupted):
+        _say_err(f"podagent: error: {exc}")
 
 
 def _say_err(line: str) -> None:
@@ -650,8 +655,7 @@ def _launched(action: Callable[[Any], int]) -> None:
     except errors.PodagentError as exc:
         if interrupts.first is None:
             raise
-        if not isinstance(exc, errors.Interrupted):  # as the boundary says it
-            _say_err(f"podagent: error: {exc}")
+        _say_error(exc)
         code = exit_code(exc)
     if interrupts.first is not None:
         # Once a signal came, Python's exit may wait forever: the KeyboardInterrupt may have
