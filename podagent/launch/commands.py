@@ -119,11 +119,15 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
                 if record is not None:
                     record.try_mark(state.DOWN)
                 return 0
+            sweep = downs.Sweep()
             count = downs.terminate(api, run, record, say, timeout=timeout + landing,
-                                    landing_time=landing, landing_cut=window > timeout)
-            if window > timeout:  # --timeout ended the look while such a pod may still come
-                if record is not None:
-                    record.try_mark(state.LEFT_BILLING)
+                                    sweep=sweep, landing_time=landing,
+                                    landing_cut=window > timeout)
+            # --timeout ended the look while such a pod may still come (and it did not land
+            # meanwhile). A window implies a record.
+            if record is not None and window > timeout \
+                    and not record.unanswered() <= sweep.landed:
+                record.try_mark(state.LEFT_BILLING)
                 raise PodsLeftBilling(
                     f"run {run}: a create whose answer never came may still make a pod for "
                     f"{window - timeout:.0f} s more, past --timeout {timeout:g}; `podagent down "

@@ -71,6 +71,7 @@ class Sweep:
 
     listed: list[dict[str, Any]] | None = None
     accepted: set[str] = field(default_factory=set)
+    landed: set[str] = field(default_factory=set)  # names of the run's pods it saw live
 
     def left(self) -> list[str] | None:
         """'name (id)' of each pod RunPod last listed (those whose terminate it accepted but
@@ -161,7 +162,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
     # pod: while one may, an empty list is not the end, until `landing` has passed, or until
     # every such create's pod was listed (a create makes one pod: it has landed).
     unanswered = record.unanswered() if record is not None else set()
-    landed: set[str] = set()
+    landed = sweep.landed
     landing = started + (landing_time if unanswered else 0.0)
     waited_landing: list[bool] = []
 
@@ -220,6 +221,8 @@ def terminate(client: Client, run: str, record: RunRecord | None,
             seen.add(pod_id)
             say(f"pod {pod_id} of run {run} was not in RunPod's list but was there: "
                 f"terminated")
+    # Cut short by the caller's --timeout, unless every such create's pod was seen after all.
+    landing_cut = landing_cut and not unanswered <= landed
     if seen:
         say(f"terminated {len(seen)} pod(s) of run {run} in "
             f"{time.monotonic() - started:.1f} s"
