@@ -111,6 +111,15 @@ class _HeadWentAway(Exception):
     """The head stopped answering: while this pod was joining, or once joined (past grace)."""
 
 
+class _HeadClosing(Exception):
+    """The head announced its end while this pod was still joining (its `ray start` slow: the
+    head counts a node once its raylet registers, and waits only so long for it to leave)."""
+
+    def __init__(self, closing: dict):
+        super().__init__("the head is closing the run")
+        self.closing = closing
+
+
 @dataclass(frozen=True)
 class FoundHead:
     """What FINDING_HEAD finds: where the head is, and a client of its Ray's GCS."""
@@ -259,6 +268,8 @@ class Worker(Lifecycle[WorkerState]):
                           f"last error: {failed[-1]}"))
             except _HeadWentAway as gone:
                 return self._rejoin(f"{gone} while this pod was joining: stopped the attempt")
+            except _HeadClosing as closing:
+                return self._on_closing(closing.closing, while_joining=True)
             # The head's start this pod's Ray joined: another one later is a new Ray.
             self._head_start = self._read_head_start()
             step.done(f"joined the cluster at {head.ip}:{settings.ray_port} as "
@@ -280,6 +291,7 @@ class Worker(Lifecycle[WorkerState]):
         try:
             head.gcs.check_alive(timeout=1.0)
             silence.answered(time.monotonic())
+            state = head.gcs.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE, timeout=1.0)
         except GcsUnavailable as exc:
             gone = silence.failed(exc, time.monotonic())
             if gone:
@@ -288,6 +300,9 @@ class Worker(Lifecycle[WorkerState]):
             busy = silence.busy_note(time.monotonic())
             if busy:
                 self.reporter.warn(f"the head {head.where.ip} {busy}")
+            return
+        if state:
+            raise _HeadClosing(runstate.read_state(state))
 
     def _rejoin(self, why: str) -> WorkerState:
         """Stop this pod's Ray and find the head again, or (PODAGENT_REJOIN=0) leave."""
@@ -368,8 +383,10 @@ class Worker(Lifecycle[WorkerState]):
         return self._rejoin(f"{why} (rejoin {self._raylet_rejoins} of at most "
                             f"{RAYLET_REJOINS})")
 
-    def _on_closing(self, closing: dict) -> WorkerState:
+    def _on_closing(self, closing: dict, while_joining: bool = False) -> WorkerState:
         what = f"{closing.get('outcome')}, job {closing.get('job_status')}"
+        if while_joining:
+            what += "; this pod was still joining: stopped the attempt"
         asked = closing.get("after_run") or AfterRun.EXIT.value
         if asked == runstate.REJOIN and self.settings.rejoin:
             return self._rejoin(f"the head closed this start of the run ({what}) and will be "

@@ -3,12 +3,15 @@ names it (podnet1), a real DNS server for *.runpod.internal, the real podagent i
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from podagent import config
@@ -101,15 +104,43 @@ def _check_passed_on(out: str, pods: list[Agent]) -> None:
     assert "check: ALL CHECKS PASSED" in out
 
 
+def _freeze_ray_start_once_its_raylet_runs(pod) -> None:
+    """SIGSTOP the pod's `ray start` once it has started its raylet: the raylet registers (the
+    head counts the node) while `ray start` never returns, as on a loaded pod whose join is
+    slow past the head's timeout."""
+    def frozen() -> bool:
+        procs = [p for pid in pod.pids() if (p := _process(pid))]
+        if not any(p.name() == "raylet" for p in procs):
+            return False
+        starts = [p for p in procs if "start" in p.cmdline()
+                  and any(a.startswith("--address") for a in p.cmdline())]
+        assert starts, "`ray start` ended before the raylet was seen: nothing to freeze"
+        for p in starts:
+            p.send_signal(signal.SIGSTOP)
+        return True
+
+    wait_for(frozen, timeout=FORM_TIMEOUT, interval=0.02,
+             what=f"{pod.name}'s raylet started by `ray start`", ignore=(psutil.Error,))
+
+
+def _process(pid: int) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid)
+    return None
+
+
 def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_path, agents):
     """c) EXPECTED_WORKERS=3 with 2 workers: the head exits 5 and names the two that joined.
-    The workers do not wait for the head to come back (PODAGENT_REJOIN=0)."""
+    The workers do not wait for the head to come back (PODAGENT_REJOIN=0). One of them is
+    still in its `ray start` when the head gives up (its raylet registered, `ray start` frozen):
+    it sees the head's closing there too, and leaves with 0 rather than see the head vanish."""
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "3",
                                        "PODAGENT_WORKER_TIMEOUT": "45"},
                              worker_env={"PODAGENT_REJOIN": "0"})
     for a in (head, *workers):
         a.start()
+    _freeze_ray_start_once_its_raylet_runs(workers[1].pod)
     assert head.wait_exit(FORM_TIMEOUT) == EXIT_WORKERS_TIMEOUT, head.output[-3000:]
     error = [line for line in head.output.splitlines() if "ERROR" in line]
     assert len(error) == 1, head.output[-3000:]
@@ -117,7 +148,9 @@ def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_pa
     for w in workers:
         assert w.pod.ip in error[0]
     # The head closed the cluster in order: the workers leave with 0.
-    assert wait_exits(workers, 60) == [0, 0]
+    assert wait_exits(workers, 60) == [0, 0], "\n\n".join(w.output[-2500:] for w in workers)
+    assert "this pod was still joining: stopped the attempt" in workers[1].output
+    assert not workers[1].pod.pids()
 
 
 REWARD_CLIENT = """
