@@ -232,8 +232,8 @@ class Supervisor(Lifecycle[GangPhase]):
         return tuple(datacheck.read_reports(self.run_dir / "data-check", str(self.me)))
 
     def _stop_training(self, hurried: bool) -> None:
-        """TERM, then KILL at the stop timeout (at most 3 s when hurried: the run is over
-        anyway, or a signal came, and never past the lifecycle's budget then)."""
+        """TERM, then KILL at the stop timeout (at most 3 s when hurried: a signal came, or
+        the run is broken, policy.hurried_stop; never past the lifecycle's budget then)."""
         if self.training is None:
             return
         want = self.settings.stop_timeout
@@ -505,7 +505,7 @@ class HeadSupervisor(Supervisor):
         if cause.kind is not Ending.SUCCEEDED:
             self.reporter.say(f"ending the run on every pod: {self._describe(cause)}")
         hub.end(cause.to_wire())
-        self._stop_training(hurried=self.signals.received is not None)
+        self._stop_training(hurried=policy.hurried_stop(cause, self.signals.received is not None))
         left = hub.wait_out(Deadline.after(self.settings.stop_timeout + END_WAIT))
         if left:
             self.reporter.warn(f"worker(s) still there after the end: "
@@ -603,7 +603,8 @@ class WorkerSupervisor(Supervisor):
         return GangPhase.RUNNING
 
     def _end(self) -> GangPhase:
-        self._stop_training(hurried=self.signals.received is not None)
+        self._stop_training(hurried=policy.hurried_stop(self.cause,
+                                                        self.signals.received is not None))
         return GangPhase.DONE
 
     def _teardown(self, outcome: str) -> None:

@@ -107,6 +107,18 @@ class Cause:
         return lost
 
 
+# Ends after which ranks wait on a pod that is gone, or hang: TERM's grace gives them nothing to
+# finish (a save needs the collectives that broke) while every pod bills; the whole stop
+# timeout is for the ends a trainer can act on (a stop asked for, a failure of its own).
+BROKEN = frozenset({Ending.LOST, Ending.HUNG})
+
+
+def hurried_stop(cause: Cause | None, signalled: bool) -> bool:
+    """Whether the training is given the short stop (TERM, KILL within 3 s): a signal came
+    (the pod has seconds before SIGKILL), or the run is broken."""
+    return signalled or (cause is not None and cause.kind in BROKEN)
+
+
 def stronger(current: Cause | None, new: Cause) -> Cause:
     """The cause that ends the run of two (of two alike, the first: it happened first)."""
     if current is None or STRENGTH[new.kind] > STRENGTH[current.kind]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from podagent import cli, config, errors
-from podagent.run.policy import Cause, restart_reason, stronger
+from podagent.run.policy import Cause, hurried_stop, restart_reason, stronger
 from podagent.wire import Ending
 
 HEAD, W1, W2 = "10.0.0.1 (h)", "10.0.0.2 (a)", "10.0.0.3 (b)"
@@ -51,6 +51,14 @@ def test_a_stop_a_failed_data_check_and_a_success_exit_alike_on_every_pod():
         assert _exit(Cause("stopped", "pod-x"), me)[0] == cli.exit_code(errors.JobStopped("x"))
         assert _exit(Cause("overlap", HEAD, "data check: ..."), me) == (23, "data check: ...")
         assert _exit(Cause("succeeded"), me) == (0, "")
+
+
+@pytest.mark.parametrize("kind", list(Ending))
+def test_the_training_is_hurried_out_only_by_a_signal_or_a_broken_run(kind):
+    """A lost pod or a hang leaves ranks in collectives that broke: 3 s, not the stop timeout."""
+    assert hurried_stop(Cause(kind), signalled=False) is (kind in (Ending.LOST, Ending.HUNG))
+    assert hurried_stop(Cause(kind), signalled=True)
+    assert hurried_stop(None, signalled=False) is False
 
 
 def test_a_cause_crosses_the_wire_unchanged():
