@@ -3,8 +3,8 @@
 This session runs them on the Ray of the test environment (the newest tested); here they run
 inside the OpenRLHF field environment, where podagent was installed beside Ray 2.48.0 without
 changing it: the GCS codec and the `ray start` plan (unit), a head's bring-up, job and teardown
-(integration), and a head and a worker in their own pods with the head lost (e2e). The tests
-marked ray_auth run again on Ray 2.59 the same way.
+(integration), and a head and a worker in their own pods with the head lost (e2e). The test
+marked ray_auth (a token file on the head) runs again on Ray 2.59 the same way.
 """
 
 from __future__ import annotations
@@ -118,15 +118,16 @@ def test_matrix_tests_pass_on_ray_2_48(field_envs, tmp_path):
 
 
 def test_auth_tests_pass_on_ray_2_59(field_envs, tmp_path):
-    """The tests marked ray_auth on Ray 2.59, the first whose `ray start --head` turns token
-    auth on by itself where it finds a token file (this session runs them on its own Ray)."""
+    """The test marked ray_auth on Ray 2.59, the first whose `ray start --head` turns token
+    auth on by itself where it finds a token file (this session runs it, and the other cases
+    of tests/e2e/test_ray_auth.py, on its own Ray)."""
     field: Installed = field_envs["ray-2.59"].result()
     env = field.env
     env.add(*from_test_extra(*MATRIX_NEEDS))  # may add packages, never change the field's
     assert env.packages()["ray"] == "2.59.0"
     python = str(env.bin / "python")
     expected = _collect(sys.executable, "ray_auth")
-    assert len(expected) >= 3, sorted(expected)
+    assert len(expected) >= 1, sorted(expected)
     assert _collect(python, "ray_auth") == expected
     result = subprocess.run(
         [python, "-m", "pytest", "-m", "ray_auth", "-q", "-p", "no:cacheprovider",
