@@ -842,7 +842,10 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, kill_timeout: float = 10.0) -> l
                 continue
             token = m.group(1)
             path = _LOCK_DIR / entry
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # its network was closed meanwhile (close() takes no allocation lock)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -856,7 +859,7 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, kill_timeout: float = 10.0) -> l
                 errors.extend(errs)
                 removed.extend(netns + links)
                 if not errs:
-                    path.unlink()
+                    path.unlink(missing_ok=True)  # its owner may have closed it meanwhile
             finally:
                 os.close(fd)
     if errors:
