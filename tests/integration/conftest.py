@@ -230,10 +230,18 @@ class PodagentRun:
     def running(self, args: Sequence[str], env: Mapping[str, str] | None = None,
                 stdout: int | None = None, soft_limits: Mapping[int, int] | None = None
                 ) -> Iterator[PodagentRun]:
-        """Start podagent; whatever happens inside, finish() runs at the end."""
+        """Start podagent; whatever happens inside, finish() runs at the end. A failure inside
+        carries podagent's state and the end of its stderr (a wait that ran out says what it
+        waited for; what podagent said tells why)."""
         try:
             self.start(args, env, stdout, soft_limits)
             yield self
+        except BaseException as exc:
+            code = self.proc.poll() if self.proc else None
+            with contextlib.suppress(OSError):
+                exc.add_note(f"podagent {'still running' if code is None else f'exited {code}'}"
+                             f"; its stderr ends:\n{self.stderr[-3000:]}")
+            raise
         finally:
             self.finish()
 
