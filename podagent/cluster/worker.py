@@ -258,23 +258,23 @@ class Worker(Lifecycle[WorkerState]):
                 raise
 
         self._join_silence = HeadSilence(self.found.gcs, JOIN_HEAD_GRACE, time.monotonic())
-        with self.reporter.step(Event.JOINED) as step:
-            try:
+        try:  # outside the step: a join given up on is recorded as one that failed, and why
+            with self.reporter.step(Event.JOINED) as step:
                 retry(attempt, awaited=f"this pod to join the head's Ray at {head.ip}",
                       backoff=Backoff(0.5, 5.0), deadline=remaining, sleep=self.signals.sleep,
                       on=(RayStartError,), expired=lambda _: HeadUnreachable(
                           f"could not join the head's Ray at {head.ip}:{settings.ray_port} in "
                           f"{len(failed)} attempt(s) within {settings.head_timeout:g} s; "
                           f"last error: {failed[-1]}"))
-            except _HeadWentAway as gone:
-                return self._rejoin(f"{gone} while this pod was joining: stopped the attempt")
-            except _HeadClosing as closing:
-                return self._on_closing(closing.closing, while_joining=True)
-            # The head's start this pod's Ray joined: another one later is a new Ray.
-            self._head_start = self._read_head_start()
-            step.done(f"joined the cluster at {head.ip}:{settings.ray_port} as "
-                      f"{setup.node_ip} ({setup.gpus} GPUs)",
-                      node_ip=setup.node_ip, gpus=setup.gpus, attempts=len(failed) + 1)
+                # The head's start this pod's Ray joined: another one later is a new Ray.
+                self._head_start = self._read_head_start()
+                step.done(f"joined the cluster at {head.ip}:{settings.ray_port} as "
+                          f"{setup.node_ip} ({setup.gpus} GPUs)",
+                          node_ip=setup.node_ip, gpus=setup.gpus, attempts=len(failed) + 1)
+        except _HeadWentAway as gone:
+            return self._rejoin(f"{gone} while this pod was joining: stopped the attempt")
+        except _HeadClosing as closing:
+            return self._on_closing(closing.closing, while_joining=True)
         return WorkerState.WATCHING
 
     def _watch_join(self, elapsed: float) -> None:
@@ -384,7 +384,8 @@ class Worker(Lifecycle[WorkerState]):
                             f"{RAYLET_REJOINS})")
 
     def _on_closing(self, closing: dict, while_joining: bool = False) -> WorkerState:
-        what = f"{closing.get('outcome')}, job {closing.get('job_status')}"
+        what = (f"{closing.get('outcome')}, job {closing.get('job_status')}"
+                if "outcome" in closing else "its announcement unreadable")
         if while_joining:
             what += "; this pod was still joining: stopped the attempt"
         asked = closing.get("after_run") or AfterRun.EXIT.value

@@ -313,7 +313,8 @@ FIELDS: tuple[Field, ...] = (
         Field("working_dir", "PODAGENT_WORKING_DIR", "--working-dir", directory,
               "Directory uploaded as the job's working dir."),
         Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
-              "Seconds a child gets after SIGTERM before SIGKILL.", default=10.0),
+              "Seconds a child gets after SIGTERM before SIGKILL; left unset, a training "
+              "without Ray that a lost pod or a hang ends gets at most 3 s.", default=10.0),
         Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
               "What podagent does when the run is over, or after an exit a new start cannot mend "
               "(bad input, a refused token, restarts used up, a crash loop): "

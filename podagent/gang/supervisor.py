@@ -467,7 +467,7 @@ class HeadSupervisor(Supervisor):
                 {"n": number, "reason": why, "culprits": cause.pod}), self.reporter)
         self.reporter.event(Event.RESTART, n=number, of=settings.restarts, reason=why)
         hub.broadcast({"halt": {"n": self.hangs}})
-        self._stop_training(hurried=False)
+        self._stop_training(hurried=policy.hurried_stop(settings, cause, False))
         deadline = Deadline.after(settings.stop_timeout + END_WAIT)
         while waiting and deadline.left() > 0:
             event = self._next_event()
@@ -505,7 +505,8 @@ class HeadSupervisor(Supervisor):
         if cause.kind is not Ending.SUCCEEDED:
             self.reporter.say(f"ending the run on every pod: {self._describe(cause)}")
         hub.end(cause.to_wire())
-        self._stop_training(hurried=policy.hurried_stop(cause, self.signals.received is not None))
+        self._stop_training(hurried=policy.hurried_stop(self.settings, cause,
+                                                        self.signals.received is not None))
         left = hub.wait_out(Deadline.after(self.settings.stop_timeout + END_WAIT))
         if left:
             self.reporter.warn(f"worker(s) still there after the end: "
@@ -603,7 +604,7 @@ class WorkerSupervisor(Supervisor):
         return GangPhase.RUNNING
 
     def _end(self) -> GangPhase:
-        self._stop_training(hurried=policy.hurried_stop(self.cause,
+        self._stop_training(hurried=policy.hurried_stop(self.settings, self.cause,
                                                         self.signals.received is not None))
         return GangPhase.DONE
 
@@ -649,7 +650,8 @@ class WorkerSupervisor(Supervisor):
                 link.send({"dumped": self._dump(n if isinstance(n, int) else 0).to_wire()})
             if isinstance(event, mesh.FromHead) and event.kind == "halt" and not reported:
                 # The head restarts the step after a hang: this pod's part stops first.
-                self._stop_training(hurried=False)
+                self._stop_training(hurried=policy.hurried_stop(
+                    self.settings, Cause(Ending.HUNG), self.signals.received is not None))
                 rc = training.poll()
                 link.send({"done": {"step": step.name, "rc": -9 if rc is None else rc}})
                 reported = True

@@ -107,16 +107,20 @@ class Cause:
         return lost
 
 
-# Ends after which ranks wait on a pod that is gone, or hang: TERM's grace gives them nothing to
-# finish (a save needs the collectives that broke) while every pod bills; the whole stop
-# timeout is for the ends a trainer can act on (a stop asked for, a failure of its own).
+# Ends after which ranks wait on a pod that is gone, or hang: a rank inside a collective runs
+# no SIGTERM handler, so the grace mostly waits for the KILL while every pod bills; the whole
+# stop timeout is for the ends a trainer can act on (a stop asked for, a failure of its own).
 BROKEN = frozenset({Ending.LOST, Ending.HUNG})
 
 
-def hurried_stop(cause: Cause | None, signalled: bool) -> bool:
+def hurried_stop(settings: Settings, cause: Cause | None, signalled: bool) -> bool:
     """Whether the training is given the short stop (TERM, KILL within 3 s): a signal came
-    (the pod has seconds before SIGKILL), or the run is broken."""
-    return signalled or (cause is not None and cause.kind in BROKEN)
+    (the pod has seconds before SIGKILL), or the run is broken and PODAGENT_STOP_TIMEOUT is
+    left at its default (one set by hand is for a trainer that saves on SIGTERM: it holds)."""
+    if signalled:
+        return True
+    return (cause is not None and cause.kind in BROKEN
+            and settings.sources.get("stop_timeout", "default") == "default")
 
 
 def stronger(current: Cause | None, new: Cause) -> Cause:

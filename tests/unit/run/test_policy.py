@@ -55,10 +55,15 @@ def test_a_stop_a_failed_data_check_and_a_success_exit_alike_on_every_pod():
 
 @pytest.mark.parametrize("kind", list(Ending))
 def test_the_training_is_hurried_out_only_by_a_signal_or_a_broken_run(kind):
-    """A lost pod or a hang leaves ranks in collectives that broke: 3 s, not the stop timeout."""
-    assert hurried_stop(Cause(kind), signalled=False) is (kind in (Ending.LOST, Ending.HUNG))
-    assert hurried_stop(Cause(kind), signalled=True)
-    assert hurried_stop(None, signalled=False) is False
+    """A lost pod or a hang leaves ranks in collectives that broke: 3 s, not the stop timeout;
+    a stop timeout set by hand (a trainer that saves on SIGTERM) holds for them too."""
+    default, given = config.build({}, {}), config.build({}, {"PODAGENT_STOP_TIMEOUT": "60"})
+    broken = kind in (Ending.LOST, Ending.HUNG)
+    assert hurried_stop(default, Cause(kind), signalled=False) is broken
+    assert hurried_stop(given, Cause(kind), signalled=False) is False
+    assert hurried_stop(default, Cause(kind), signalled=True)
+    assert hurried_stop(given, Cause(kind), signalled=True)
+    assert hurried_stop(default, None, signalled=False) is False
 
 
 def test_a_cause_crosses_the_wire_unchanged():
