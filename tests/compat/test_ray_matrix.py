@@ -26,11 +26,15 @@ MATRIX_TIMEOUT = 1200.0
 # each import Ray anew (1.5 CPU-s each; 21.5 CPU-s for a whole head start, 12.7 on Ray 2.60):
 # with the suite's other lanes loading both cores, heads failed all five attempts in two CI
 # runs. The 2.48 run gets the CPU first, as a pod's Ray has it: a cgroup of its own (v1's cpu
-# controller) weighing 64 times one of the sessions the other lanes' processes each run in
+# controller) weighing 8 times one of the sessions the other lanes' processes each run in
 # (`nice` cannot do it: the kernel groups each session's processes and weighs the groups alike).
 # Where there is no such controller, or no right to use it, it runs as any other test.
+# Not more than 8 times: at 64 the other lanes' pods got so little CPU for the matrix's four
+# minutes that a worker's heartbeat missed its 5 s grace and a head its 240 s bring-up (two
+# failures of one fresh-clone run, both inside those minutes); at 8 it has about two thirds of
+# the machine when all lanes are busy, the 21.5 CPU-s of a 2.48 head start in about 16 s.
 CPU_CONTROLLER = Path("/sys/fs/cgroup/cpu")
-FIRST_SHARES = 64 * 1024
+FIRST_SHARES = 8 * 1024
 
 
 @contextlib.contextmanager

@@ -91,6 +91,7 @@ def test_with_restarts_off_the_check_drill_ends_the_run_with_its_own_code(make_p
         assert w.wait_exit(60) == 0, w.said()
     _job_processes_gone(pods)
     [hang] = events(head, "hang")
+    assert len(hang["culprits"]) == 1, hang  # what each pod's dump said, when none stood out
     [culprit] = hang["culprits"]
     assert "CheckRank" in culprit["name"], culprit
     assert not events(head, "restart")
