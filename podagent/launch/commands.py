@@ -123,10 +123,7 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
             count = downs.terminate(api, run, record, say, timeout=timeout + landing,
                                     sweep=sweep, landing_time=landing,
                                     landing_cut=window > timeout)
-            # --timeout ended the look while such a pod may still come (and it did not land
-            # meanwhile). A window implies a record.
-            if record is not None and window > timeout \
-                    and not record.unanswered() <= sweep.landed:
+            if sweep.cut_short and record is not None:  # a window implies a record
                 record.try_mark(state.LEFT_BILLING)
                 raise PodsLeftBilling(
                     f"run {run}: a create whose answer never came may still make a pod for "

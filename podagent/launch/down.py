@@ -72,6 +72,9 @@ class Sweep:
     listed: list[dict[str, Any]] | None = None
     accepted: set[str] = field(default_factory=set)
     landed: set[str] = field(default_factory=set)  # names of the run's pods it saw live
+    # The caller's --timeout ended the look while a create whose answer never came may still
+    # make a pod (its pod was not seen meanwhile).
+    cut_short: bool = False
 
     def left(self) -> list[str] | None:
         """'name (id)' of each pod RunPod last listed (those whose terminate it accepted but
@@ -150,8 +153,8 @@ def terminate(client: Client, run: str, record: RunRecord | None,
     """Terminate every pod and cluster of the run, in rounds, until RunPod lists none of them
     (and, while the record holds a create whose answer never came, not before `landing_time`
     seconds: such a pod may still appear; `landing_cut`: one may still appear after that, so
-    the end claims nothing and the record is not marked down). Returns how many pods there
-    were. Raises
+    the end claims nothing and the record is not marked down; `sweep.cut_short` says whether
+    that still held at the end). Returns how many pods there were. Raises
     RunPodApiError when some may still be there (`sweep`, if given, then says which)."""
     sweep = sweep if sweep is not None else Sweep()
     started = time.monotonic()
@@ -222,7 +225,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
             say(f"pod {pod_id} of run {run} was not in RunPod's list but was there: "
                 f"terminated")
     # Cut short by the caller's --timeout, unless every such create's pod was seen after all.
-    landing_cut = landing_cut and not unanswered <= landed
+    landing_cut = sweep.cut_short = landing_cut and not unanswered <= landed
     if seen:
         say(f"terminated {len(seen)} pod(s) of run {run} in "
             f"{time.monotonic() - started:.1f} s"
