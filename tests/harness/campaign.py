@@ -993,6 +993,9 @@ def _fill(volume: Path) -> None:
 def run_cell(cell: Cell, root: Path, podagent_path: str | None = None,
              say: Callable[[str], None] = lambda line: None) -> CellResult:
     say(f"cell {cell.name} (seed {cell.seed}, pause {cell.pause} s)")
+    # Absolute: each pod starts in the cell's directory, where a relative path would point
+    # below itself (bench/faults.py's default --out is relative).
+    root = root.resolve()
     if cell.state in GANG_STATES:
         from tests.harness.gang_campaign import GangCellRun
 
