@@ -110,7 +110,7 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
         # still make its pod: nothing listed is not the end until it no longer can (within
         # --timeout, which is then given again for the terminate).
         found = _listed(api, run, record)
-        landed = found.live_names() if found is not None else set()
+        landed = found.live_by_name() if found is not None else {}
         window = record.landing_left(time.time(), landed) if record else 0.0
         landing = min(window, timeout)
         try:

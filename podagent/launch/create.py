@@ -140,7 +140,8 @@ class Creator:
             asked = record.asking("pod", head_name, 0, spec.api_timeout)
             self.created = True  # from the moment the call may go out
             self._got(asked, head_name, self._call(asked, head_name, functools.partial(
-                self.client.create_pod, specs.pod_body(spec, 0, None, placement))).result())
+                self.client.create_pod, specs.pod_body(spec, 0, None, placement),
+                functools.partial(record.resent, asked))).result())
         head_id = pod_ids[head_name]
         missing = [(rank, name) for rank, name in enumerate(spec.names())
                    if rank and name not in pod_ids]
@@ -151,7 +152,8 @@ class Creator:
                   for rank, name in missing}
         self.created = True
         calls = {self._call(asking[name], name, functools.partial(
-            self.client.create_pod, specs.pod_body(spec, rank, head_id, placement))): name
+            self.client.create_pod, specs.pod_body(spec, rank, head_id, placement),
+            functools.partial(record.resent, asking[name]))): name
             for rank, name in missing}
         for done in concurrent.futures.as_completed(calls):
             name = calls[done]
@@ -189,5 +191,6 @@ class Creator:
             self.created = True
             cluster = self._call(asked, name, functools.partial(
                 self.client.create_cluster,
-                specs.cluster_body(self.spec, self.checked.placement))).result()
+                specs.cluster_body(self.spec, self.checked.placement),
+                functools.partial(record.resent, asked))).result()
             self._record(asked, name, str(cluster["id"]))

@@ -42,7 +42,15 @@ class Found:
         return bool(self.clusters) or bool(self.live_names())
 
     def live_names(self) -> set[str]:
-        return {str(p.get("name")) for p in self.pods if p.get("status") != "TERMINATED"}
+        return set(self.live_by_name())
+
+    def live_by_name(self) -> dict[str, set[str]]:
+        """name -> ids of the live pods of that name (a create sent twice may make two)."""
+        by_name: dict[str, set[str]] = {}
+        for p in self.pods:
+            if p.get("status") != "TERMINATED":
+                by_name.setdefault(str(p.get("name")), set()).add(str(p.get("id")))
+        return by_name
 
 
 def find(client: Client, run: str, record: RunRecord | None) -> Found:
@@ -71,10 +79,19 @@ class Sweep:
 
     listed: list[dict[str, Any]] | None = None
     accepted: set[str] = field(default_factory=set)
-    landed: set[str] = field(default_factory=set)  # names of the run's pods it saw live
+    # name -> ids of the run's pods it saw live (seen once, known to exist: a terminated pod
+    # leaves the list, and the create that made it can make no other)
+    landed: dict[str, set[str]] = field(default_factory=dict)
+
+    def saw(self, found: Found) -> None:
+        for name, ids in found.live_by_name().items():
+            self.landed.setdefault(name, set()).update(ids)
     # The caller's --timeout ended the look while a create whose answer never came may still
     # make a pod (its pod was not seen meanwhile).
     cut_short: bool = False
+    # When RunPod first listed none of the run's pods (wall time): their billing ended then,
+    # whatever the look for a create still landing waited after it.
+    gone_at: float | None = None
 
     def left(self) -> list[str] | None:
         """'name (id)' of each pod RunPod last listed (those whose terminate it accepted but
@@ -163,10 +180,13 @@ def terminate(client: Client, run: str, record: RunRecord | None,
     rounds = 0
     # A create whose answer never came (cut off by a signal, or timed out) may still make a
     # pod: while one may, an empty list is not the end, until `landing` has passed, or until
-    # every such create's pod was listed (a create makes one pod: it has landed).
-    unanswered = record.unanswered() if record is not None else set()
-    landed = sweep.landed
-    landing = started + (landing_time if unanswered else 0.0)
+    # every such create's pod was listed (a create makes one pod: it has landed; a create
+    # sent twice may make two).
+
+    def unlanded() -> set[str]:
+        return record.unlanded(sweep.landed) if record is not None else set()
+
+    landing = started + (landing_time if unlanded() else 0.0)
     waited_landing: list[bool] = []
 
     def round_() -> Found:
@@ -180,7 +200,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                 _terminate_known(client, record, sweep)
             raise
         sweep.listed = found.pods
-        landed.update(found.live_names())
+        sweep.saw(found)
         new = {str(p["id"]) for p in found.pods if p.get("status") != "TERMINATED"} - seen
         # Again now and then for what is still listed: a terminate RunPod lost is sent anew.
         if found and (first or new or rounds % AGAIN_EVERY == 0):
@@ -191,10 +211,13 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                     + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
             first = False
             raise NotYet("terminated; not gone yet")
-        if not found and time.monotonic() < landing and not unanswered <= landed:
+        if not found and sweep.gone_at is None:
+            sweep.gone_at = time.time()
+        if not found and time.monotonic() < landing and unlanded():
             if not waited_landing:
                 waited_landing.append(True)
-                say(f"a create of run {run} whose answer never came may still make a pod: "
+                say(f"a create of run {run} RunPod may still carry out (its answer lost, or "
+                    f"an error that may have come after it acted) may still make a pod: "
                     f"looking for it for {landing - time.monotonic():.0f} s more")
             raise NotYet("a create whose answer never came may still make a pod")
         return found
@@ -208,7 +231,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
         left = Found([], [])
     # A last look that lists nothing, once no unanswered create can land any more, is the end
     # the rounds were waiting for (their calls took the time: a slow RunPod, a short timeout).
-    if left or (time.monotonic() < landing and not unanswered <= landed):
+    if left or (time.monotonic() < landing and unlanded()):
         listed = ", ".join(f"{p.get('name')} ({p.get('id')}: {p.get('status')})"
                            for p in left.pods) or ", ".join(str(c.get("name"))
                                                             for c in left.clusters)
@@ -225,7 +248,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
             say(f"pod {pod_id} of run {run} was not in RunPod's list but was there: "
                 f"terminated")
     # Cut short by the caller's --timeout, unless every such create's pod was seen after all.
-    landing_cut = sweep.cut_short = landing_cut and not unanswered <= landed
+    landing_cut = sweep.cut_short = landing_cut and bool(unlanded())
     if seen:
         say(f"terminated {len(seen)} pod(s) of run {run} in "
             f"{time.monotonic() - started:.1f} s"

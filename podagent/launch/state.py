@@ -15,7 +15,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ LEFT_BILLING = "clean-up failed"
 SET_ASIDE = ".unreadable"  # an unreadable record is renamed RUN.json.unreadable[.N], kept
 # A record from before `lands_by` was kept: its creates had `--api-timeout`'s default.
 DEFAULT_LANDING = float(UP_OPTION["api_timeout"].default)
+MAX_SENT = 1000  # creates of one name a record may hold: more is not a record podagent wrote
 
 
 class Unreadable(InputError):
@@ -54,6 +55,17 @@ class Resource:
     # Unanswered, the create may still make its pod until then (wall time): the call's own
     # deadline, retries included. 0: a record from before it was kept (DEFAULT_LANDING then).
     lands_by: float = 0.0
+    # Creates sent for it that may each make a pod: one more each time the call sends its
+    # create again after one whose answer never came, when RunPod listed no pod of the name
+    # meanwhile (both may land: RunPod may list a pod some time after making it); one less
+    # when RunPod refused one (it made nothing).
+    sent: int = 1
+
+    def unseen(self, seen: Collection[str] = ()) -> int:
+        """How many pods its creates may still make: those sent, less the pods of its name
+        known to exist (`seen`: ids RunPod listed live under its name; its own id)."""
+        known = set(seen) | ({self.id} if self.id else set())
+        return max(0, self.sent - len(known))
 
 
 @dataclass
@@ -81,7 +93,7 @@ class RunRecord:
             if resource.name == name:
                 # Asked again (refused before, or its pod gone): a new create, which may land
                 # as the first did; an id it had is of a pod that is no longer there.
-                resource.id, resource.asked_at = None, now
+                resource.id, resource.asked_at, resource.sent = None, now, 1
                 resource.lands_by = now + call_deadline
                 self.save()
                 return resource
@@ -95,27 +107,34 @@ class RunRecord:
         self.save()
 
     def refused(self, resource: Resource) -> None:
-        """RunPod answered the create with a refusal: nothing was made (an id of "")."""
+        """RunPod answered the create with a refusal: that create made nothing (an id of "");
+        one sent before it whose answer never came still may."""
         resource.id = ""
+        resource.sent = max(0, resource.sent - 1)
         self.save()
 
-    def in_flight(self) -> bool:
-        """A create whose answer never came (cut off, or unanswered): it may still land."""
-        return bool(self.unanswered())
+    def resent(self, resource: Resource) -> None:
+        """The call sends its create again after one whose answer never came, and RunPod
+        lists no pod of the name: the first may still land beside the second."""
+        resource.sent += 1
+        self.save()
 
-    def unanswered(self) -> set[str]:
-        """The names asked for whose create's answer never came."""
-        return {r.name for r in self.resources if r.id is None}
+    def unlanded(self, landed: Mapping[str, Collection[str]] | None = None) -> set[str]:
+        """The names whose creates may still make a pod nobody knows of: more were sent than
+        pods of the name are known (`landed`: name -> ids RunPod listed live)."""
+        landed = landed or {}
+        return {r.name for r in self.resources if r.unseen(landed.get(r.name, ()))}
 
-    def landing_left(self, now: float, landed: Collection[str] = ()) -> float:
+    def landing_left(self, now: float, landed: Mapping[str, Collection[str]] | None = None
+                     ) -> float:
         """Seconds until a create whose answer never came can no longer make its pod (0: none
         can). RunPod may carry a create out after the client stopped waiting: as `up`'s own
         clean-up does, its call's deadline is given once more after the call's end. `landed`:
-        names of pods RunPod lists live; a create makes one pod, so one whose pod is among
-        them has landed and can make no other."""
+        name -> ids of the pods RunPod lists live; a create makes one pod, so a name with as
+        many pods known as creates sent can make no other."""
         ends = []
         for r in self.resources:
-            if r.id is None and r.name not in landed:
+            if r.name in self.unlanded(landed):
                 deadline = (r.lands_by - r.asked_at) if r.lands_by else DEFAULT_LANDING
                 ends.append(r.asked_at + 2 * deadline)
         return max([0.0, *(end - now for end in ends)])
@@ -229,7 +248,8 @@ def _wrong_field(record: RunRecord) -> str:
                 or not isinstance(resource.rank, (int, type(None)))
                 or not isinstance(resource.asked_at, (int, float))
                 or not isinstance(resource.lands_by, (int, float))
-                or not math.isfinite(resource.lands_by)):
+                or not math.isfinite(resource.lands_by)
+                or type(resource.sent) is not int or not 0 <= resource.sent <= MAX_SENT):
             return f"a resource is not one podagent writes ({resource})"
     return ""
 

@@ -259,12 +259,13 @@ class Up:
     def _terminate(self) -> None:
         """Every pod of the run terminated and gone from RunPod's list (else an error)."""
         self._phase(Phase.CLEANING)
-        # A create cut off (a signal, a timeout) may still land within its own deadline.
+        # A create cut off (a signal, a timeout) or sent again after an error may still land
+        # within its own deadline, given once more after it (as `podagent down` waits).
+        landing = self.record.landing_left(time.time()) if self.record is not None else 0.0
         down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep,
-                       timeout=down.GONE_TIMEOUT + self.spec.api_timeout,
-                       landing_time=self.spec.api_timeout)
-        if self.watch is not None:
-            self.watch.cost.close(time.time())
+                       timeout=down.GONE_TIMEOUT + landing, landing_time=landing)
+        if self.watch is not None:  # billing ended when RunPod listed none of the pods
+            self.watch.cost.close(self.sweep.gone_at or time.time())
         for row in self.board.pods.values():
             row.status, row.cost, row.since = "TERMINATED", 0.0, time.monotonic()
         self.view.update(self.board)

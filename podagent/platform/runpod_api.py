@@ -442,20 +442,32 @@ class Client(Transport):
 
     # --- pods and clusters --------------------------------------------------------------------
 
-    def create_pod(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def create_pod(self, body: Mapping[str, Any],
+                   resending: Callable[[], None] | None = None) -> dict[str, Any]:
         """POST /v2/pods. A create is not idempotent: after a failure that may have created
         the pod anyway (no answer, 5xx, a 2xx without the pod), the pod is looked up by its
-        name, so a retry never makes a second one."""
-        return check_pod(self._create("/v2/pods", body, lambda: self.find_pod(body["name"])),
-                         "POST /v2/pods")
+        name before the create is sent again. RunPod may list a pod some time after making
+        it, so a look that finds nothing does not prove there is none: `resending` is told
+        before each create sent again that way (both may land)."""
+        return check_pod(self._create("/v2/pods", body, lambda: self.find_pod(body["name"]),
+                                      resending), "POST /v2/pods")
 
-    def create_cluster(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return self._create("/v2/clusters", body, lambda: self.find_cluster(body["name"]))
+    def create_cluster(self, body: Mapping[str, Any],
+                       resending: Callable[[], None] | None = None) -> dict[str, Any]:
+        return self._create("/v2/clusters", body, lambda: self.find_cluster(body["name"]),
+                            resending)
 
     def _create(self, path: str, body: Mapping[str, Any],
-                find: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+                find: Callable[[], dict[str, Any] | None],
+                resending: Callable[[], None] | None = None) -> dict[str, Any]:
+        def look() -> dict[str, Any] | None:
+            found = find()
+            if found is None and resending is not None:
+                resending()  # nothing listed: the create goes out again
+            return found
+
         try:
-            answer = self.call("POST", path, body=dict(body), before_retry=find)
+            answer = self.call("POST", path, body=dict(body), before_retry=look)
         except RunPodApiError as exc:
             if isinstance(exc, RunPodAuthError) or " answered 400 " not in str(exc):
                 raise

@@ -248,6 +248,28 @@ def test_no_capacity_names_the_gpu_and_nothing_bills(cloud, tmp_path):
     nothing_left(cloud)
 
 
+def test_a_create_sent_again_after_a_lost_answer_leaves_no_late_pod_billing(cloud, tmp_path):
+    """The head's create is answered 502 and carried out seconds later (RunPod lists a pod
+    some time after making it): the look by its name finds nothing, the create goes out
+    again and is refused (no capacity). The first may still land: `up` waits for it and
+    terminates it before it ends, and nothing bills after `up` is gone."""
+    cloud.fail_next(1, 502, match=r"^POST /v2/pods$", lands_after=4.0)
+    cloud.fail_next(1, 400, match=r"^POST /v2/pods$")
+    result = run_up(cloud, tmp_path, up_argv("late", 2, "--api-timeout", "20",
+                                             image=HEAD_IMAGE), timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 19, out[-5000:]
+    assert [r.body["name"] for r in creates(cloud)] == ["podagent-late-head"] * 2
+    # The late pod lands (`up` looked for it until it did), and was terminated.
+    (late,) = wait_for(lambda: [p for p in cloud.pods.values() if p.name ==
+                                "podagent-late-head"], timeout=30, what="the late pod")
+    assert late.status == "TERMINATED", late
+    nothing_left(cloud)
+    record = state.load(tmp_path / "state" / "podagent" / "runs", "late")
+    assert record is not None and record.status == state.DOWN, record
+    assert "may still make a pod" in out
+
+
 def test_up_again_with_the_same_name_reattaches_instead_of_creating(cloud, tmp_path):
     cloud.hold_provisioning(r"-w1$")
     # The pods run a stand-in for podagent (tests/fakes/pod_head.py): creation is what counts.

@@ -747,6 +747,7 @@ class _Fault:
     retry_after: int | None
     match: re.Pattern[str] | None
     after_acting: bool = False  # the request is carried out, and then answered with status
+    lands_after: float | None = None  # ... carried out that many seconds after the answer
 
 
 @dataclasses.dataclass
@@ -988,17 +989,21 @@ class FakeRunPodCloud(ServedFake):
     # -- fault injection -----------------------------------------------------------------------
 
     def fail_next(self, n: int, status: int, retry_after: int | None = None,
-                  match: str | None = None, after_acting: bool = False) -> None:
+                  match: str | None = None, after_acting: bool = False,
+                  lands_after: float | None = None) -> None:
         """Answer the next `n` requests (only those whose "METHOD /path" matches the regex
         `match`, if given) with `status` and an ErrorResponse; a 429 carries Retry-After
         (`retry_after` seconds, default 1), another status only when `retry_after` is given.
         `after_acting`: the request is carried out first (a pod is created, say) and only its
-        answer is lost, as when a gateway gives up on a backend that went on."""
+        answer is lost, as when a gateway gives up on a backend that went on. `lands_after`:
+        the request is carried out that many seconds after its answer (a pod that RunPod
+        lists only some time after the create: a look by its name finds nothing meanwhile)."""
         if status < 400:
             raise ValueError("a fault answers with an error status")
         with self._lock:
             self._faults.append(_Fault(n, status, retry_after,
-                                       re.compile(match) if match else None, after_acting))
+                                       re.compile(match) if match else None, after_acting,
+                                       lands_after))
 
     def clear_faults(self) -> None:
         """Forget every fail_next and garble_next still pending."""
@@ -1102,11 +1107,14 @@ class FakeRunPodCloud(ServedFake):
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         arrived = time.time()
         call = self._read(h)
-        fault, acting = self._take_fault(call.method, call.path)
+        fault, acting, later = self._take_fault(call.method, call.path)
         # A fault answered in the API's stead: the request never reached it to be garbled.
         garbled = None if fault and not acting else self._take_garble(call.method, call.path)
         who = self._whose(call.headers.get("Authorization"))
-        if fault is not None and not acting:
+        if fault is not None and later is not None:
+            reply = fault
+            threading.Timer(later, self._carry_out_late, (call, who)).start()
+        elif fault is not None and not acting:
             reply = fault
         else:
             reply = self._answer(call, who, counted=fault is None)
@@ -1262,9 +1270,18 @@ class FakeRunPodCloud(ServedFake):
             reply.status, reply.body, reply.schema = (replacement.status, replacement.body,
                                                       "ErrorResponse")
 
-    def _take_fault(self, method: str, path: str) -> tuple[_Reply | None, bool]:
-        """The fault's answer for this request (None: no fault), and whether the request is
-        to be carried out all the same."""
+    def _carry_out_late(self, call: _Call, who: str | None) -> None:
+        if self._closing:  # the fake is being closed: nothing lands any more
+            return
+        try:
+            self._answer(call, who, counted=False)
+        except Exception as exc:
+            self._fake_error(f"a request carried out late ({call.method} {call.path}): {exc!r}")
+
+    def _take_fault(self, method: str, path: str
+                    ) -> tuple[_Reply | None, bool, float | None]:
+        """The fault's answer for this request (None: no fault), whether the request is to be
+        carried out all the same, and in how many seconds if not now."""
         with self._lock:
             for fault in self._faults:
                 if fault.remaining > 0 and (fault.match is None or
@@ -1272,7 +1289,7 @@ class FakeRunPodCloud(ServedFake):
                     fault.remaining -= 1
                     break
             else:
-                return None, False
+                return None, False, None
         headers = {}
         retry = fault.retry_after if fault.retry_after is not None else (
             1 if fault.status == 429 else None)
@@ -1280,7 +1297,8 @@ class FakeRunPodCloud(ServedFake):
             headers["Retry-After"] = str(int(retry))
         detail = ("rate limit exceeded for the minute window" if fault.status == 429
                   else "injected fault")
-        return _problem(fault.status, detail, headers=headers), fault.after_acting
+        return (_problem(fault.status, detail, headers=headers), fault.after_acting,
+                fault.lands_after)
 
     def _take_garble(self, method: str, path: str) -> _Reply | None:
         with self._lock:

@@ -192,15 +192,15 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     on_disk = json.loads(state.path_of(tmp_path, "demo").read_text())
     assert on_disk["resources"][0] == {"kind": "pod", "name": "podagent-demo-head", "rank": 0,
                                        "id": None, "asked_at": asked.asked_at,
-                                       "lands_by": asked.asked_at + 60.0}
+                                       "lands_by": asked.asked_at + 60.0, "sent": 1}
     # Unanswered, it may still land until its call's deadline, and as long again after it
     # (RunPod may carry a create out after the client stopped waiting); a record from before
     # `lands_by` was kept counts the default deadline.
     assert record.landing_left(asked.asked_at + 20.0) == pytest.approx(100.0)
     assert record.landing_left(asked.asked_at + 121.0) == 0.0
     # A create makes one pod: once RunPod lists it live, that create has landed.
-    assert record.landing_left(asked.asked_at + 20.0, {"podagent-demo-head"}) == 0.0
-    assert record.landing_left(asked.asked_at + 20.0, {"podagent-demo-w1"}) > 0.0
+    assert record.landing_left(asked.asked_at + 20.0, {"podagent-demo-head": {"p1"}}) == 0.0
+    assert record.landing_left(asked.asked_at + 20.0, {"podagent-demo-w1": {"p1"}}) > 0.0
     asked.lands_by = 0.0
     assert record.landing_left(asked.asked_at) == 2 * state.DEFAULT_LANDING
     record.got(asked, "pod123")
@@ -213,6 +213,44 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     again = record.asking("pod", "podagent-demo-head", 0, 10.0)
     assert again is asked and again.id is None and again.lands_by == again.asked_at + 10.0
     assert record.landing_left(again.asked_at) == pytest.approx(20.0)
+
+
+def test_a_create_sent_again_after_a_lost_answer_may_make_a_second_pod(tmp_path):
+    """RunPod may list a pod some time after making it: a create whose answer was lost, sent
+    again because no pod of its name was listed yet, may land beside the second. Its name is
+    settled only once as many pods of it are known as creates went out; one RunPod refused
+    made nothing."""
+    record = state.new(tmp_path, "demo", "https://api.runpod.io", "1 x 8 H100")
+    asked = record.asking("pod", "podagent-demo-head", 0, 60.0)
+    record.resent(asked)
+    record.got(asked, "second")  # the second create's answer: its pod is known
+    assert record.unlanded() == {"podagent-demo-head"}  # the first may still land
+    assert record.landing_left(asked.asked_at + 30.0) == pytest.approx(90.0)
+    assert record.landing_left(asked.asked_at, {"podagent-demo-head": {"second"}}) > 0.0
+    assert record.landing_left(asked.asked_at, {"podagent-demo-head": {"first", "second"}}
+                               ) == 0.0
+    assert record.landing_left(asked.asked_at, {"podagent-demo-head": {"first"}}) == 0.0
+    assert state.load(tmp_path, "demo").resources[0].sent == 2  # kept for `podagent down`
+    # Sent twice and the second refused (no capacity): the first may still land.
+    worker = record.asking("pod", "podagent-demo-w1", 1, 60.0)
+    record.resent(worker)
+    record.refused(worker)
+    assert record.unlanded({"podagent-demo-head": {"first"}}) == {"podagent-demo-w1"}
+    assert record.unlanded({"podagent-demo-head": {"first"}, "podagent-demo-w1": {"x"}}) == set()
+    # Asked again from the start (its pod gone): one create out, as for a new name.
+    assert record.asking("pod", "podagent-demo-w1", 1, 60.0).sent == 1
+
+
+@pytest.mark.parametrize("sent", [-1, 1.5, True, "2", 10**6])
+def test_a_record_with_a_count_of_creates_podagent_never_writes_is_unreadable(tmp_path, sent):
+    record = state.new(tmp_path, "demo", "https://api.runpod.io", "1 x 8 H100")
+    record.asking("pod", "podagent-demo-head", 0, 60.0)
+    path = state.path_of(tmp_path, "demo")
+    data = json.loads(path.read_text())
+    data["resources"][0]["sent"] = sent
+    path.write_text(json.dumps(data))
+    with pytest.raises(state.Unreadable):
+        state.load(tmp_path, "demo")
 
 
 @pytest.mark.parametrize("written", [
