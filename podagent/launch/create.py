@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podagent.errors import NoCapacity, PodsNotReady, RunPodApiError
-from podagent.launch import down, state
+from podagent.launch import down, interrupts, state
 from podagent.launch import spec as specs
 from podagent.launch.spec import Placement, UpSpec
 from podagent.launch.view import Board, View
@@ -139,9 +139,11 @@ class Creator:
         if head_name not in pod_ids:
             asked = record.asking("pod", head_name, 0, spec.api_timeout)
             self.created = True  # from the moment the call may go out
-            self._got(asked, head_name, self._call(asked, head_name, functools.partial(
-                self.client.create_pod, specs.pod_body(spec, 0, None, placement),
-                functools.partial(record.resent, asked))).result())
+            create = functools.partial(self.client.create_pod,
+                                       specs.pod_body(spec, 0, None, placement),
+                                       functools.partial(record.resent, asked))
+            self._got(asked, head_name,
+                      interrupts.result(self._call(asked, head_name, create)))
         head_id = pod_ids[head_name]
         missing = [(rank, name) for rank, name in enumerate(spec.names())
                    if rank and name not in pod_ids]
@@ -155,7 +157,7 @@ class Creator:
             self.client.create_pod, specs.pod_body(spec, rank, head_id, placement),
             functools.partial(record.resent, asking[name]))): name
             for rank, name in missing}
-        for done in concurrent.futures.as_completed(calls):
+        for done in interrupts.as_completed(calls):
             name = calls[done]
             self._got(asking[name], name, done.result())  # the first failure ends it
 
@@ -189,8 +191,8 @@ class Creator:
             name = specs.cluster_name(self.spec.run)
             asked = record.asking("cluster", name, None, self.spec.api_timeout)
             self.created = True
-            cluster = self._call(asked, name, functools.partial(
+            cluster = interrupts.result(self._call(asked, name, functools.partial(
                 self.client.create_cluster,
                 specs.cluster_body(self.spec, self.checked.placement),
-                functools.partial(record.resent, asked))).result()
+                functools.partial(record.resent, asked))))
             self._record(asked, name, str(cluster["id"]))

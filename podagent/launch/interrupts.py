@@ -9,11 +9,17 @@ exception in the main thread between two bytecodes, so a blocking call there end
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import queue
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SLICE = 0.05  # the main thread's waits are sleeps this long between looks (see wait_until)
+T = TypeVar("T")
 
 
 class Leave(BaseException):
@@ -72,3 +78,53 @@ def signum_of(exc: BaseException) -> int:
     if exc.args and isinstance(exc.args[0], int):
         return exc.args[0]
     return int(signal.SIGINT)
+
+
+# The main thread, which the handler above interrupts, never blocks in threading's
+# Condition.wait (Future.result, as_completed, Queue.get with a timeout, Event.wait): a
+# KeyboardInterrupt raised between two of its bytecodes can leave a waiter's lock released and
+# still queued, and the thread that notifies next fails with "release unlocked lock" (a
+# traceback after Ctrl-C, seen in `up`). A sleep ends cleanly on a signal; the looks between
+# sleeps hold a lock only for a moment.
+
+
+def wait_until(done: Callable[[], bool], timeout: float | None = None) -> bool:
+    """Until done() (True) or `timeout` seconds (False), in sleeps of SLICE."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not done():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(SLICE)
+    return True
+
+
+def result(call: concurrent.futures.Future[T]) -> T:
+    """A future's result (or its exception), waited for as wait_until waits."""
+    wait_until(call.done)
+    return call.result()
+
+
+def as_completed(calls: Iterable[concurrent.futures.Future[T]]
+                 ) -> Iterator[concurrent.futures.Future[T]]:
+    """Each future as it finishes, waited for as wait_until waits."""
+    pending = list(calls)
+    while pending:
+        wait_until(lambda: any(c.done() for c in pending))
+        for call in [c for c in pending if c.done()]:
+            pending.remove(call)
+            yield call
+
+
+def next_item(from_queue: queue.Queue[T], timeout: float) -> T:
+    """The queue's next item within `timeout` (else queue.Empty), waited for as wait_until
+    waits."""
+    got: list[T] = []
+
+    def taken() -> bool:
+        with contextlib.suppress(queue.Empty):
+            got.append(from_queue.get_nowait())
+        return bool(got)
+
+    if not wait_until(taken, timeout):
+        raise queue.Empty
+    return got[0]

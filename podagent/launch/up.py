@@ -33,7 +33,7 @@ from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.create import Checked, Creator, check
 from podagent.launch.follow import HeadLog, HeadRecord
-from podagent.launch.interrupts import Interrupts, Leave, signum_of
+from podagent.launch.interrupts import Interrupts, Leave, next_item, signum_of
 from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, View
 from podagent.launch.watch import CostMeter, Watch
@@ -321,7 +321,7 @@ class Up:
                 raise (PodGone if verdict.gone else PodsNotReady)(
                     f"run {self.spec.run}: {verdict.why}")
             with contextlib.suppress(queue.Empty):
-                self.head.take(self.records.get(timeout=RECORD_WAIT))
+                self.head.take(next_item(self.records, RECORD_WAIT))
                 while True:  # what else has come meanwhile
                     self.head.take(self.records.get_nowait())
 

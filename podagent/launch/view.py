@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from podagent.launch.interrupts import wait_until
+
 
 @dataclass
 class PodRow:
@@ -246,7 +248,7 @@ class Unblocked:
 
     def close(self) -> None:
         self._put("close", None)
-        self._idle.wait(self.DRAIN)
+        wait_until(self._idle.is_set, self.DRAIN)
 
 
 View = PlainView | LiveView | Unblocked
