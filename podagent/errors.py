@@ -178,6 +178,11 @@ class RunPodNonsense(RunPodApiError):
     create's answer, a list that is not one): never read on as if it were."""
 
 
+class CreateUnsettled(RunPodApiError):
+    """The look for a create's pod, after a failure that may have created it, failed: whether
+    the create was carried out is not known (never a refusal of the create itself)."""
+
+
 class NoCapacity(RunPodApiError):
     """RunPod could not place what was asked (400 on a create: no capacity for the GPU type in
     the data centers asked for, or a rule of the request; RunPod gives only a detail)."""

@@ -45,11 +45,12 @@ class Found:
         return set(self.live_by_name())
 
     def live_by_name(self) -> dict[str, set[str]]:
-        """name -> ids of the live pods of that name (a create sent twice may make two)."""
+        """name -> ids of the live pods, and of the clusters, of that name (a create sent
+        twice may make two)."""
         by_name: dict[str, set[str]] = {}
-        for p in self.pods:
-            if p.get("status") != "TERMINATED":
-                by_name.setdefault(str(p.get("name")), set()).add(str(p.get("id")))
+        live = [p for p in self.pods if p.get("status") != "TERMINATED"]
+        for item in (*live, *self.clusters):
+            by_name.setdefault(str(item.get("name")), set()).add(str(item.get("id")))
         return by_name
 
 
@@ -211,7 +212,9 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                     + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
             first = False
             raise NotYet("terminated; not gone yet")
-        if not found and sweep.gone_at is None:
+        if found:  # (a list that left them out a moment ago was not their end)
+            sweep.gone_at = None
+        elif sweep.gone_at is None:
             sweep.gone_at = time.time()
         if not found and time.monotonic() < landing and unlanded():
             if not waited_landing:
@@ -244,6 +247,7 @@ def terminate(client: Client, run: str, record: RunRecord | None,
     for pod_id in unasked:
         if client.terminate_pod(pod_id):
             sweep.accepted.add(pod_id)
+            sweep.gone_at = time.time()  # it billed until now
             seen.add(pod_id)
             say(f"pod {pod_id} of run {run} was not in RunPod's list but was there: "
                 f"terminated")

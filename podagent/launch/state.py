@@ -14,6 +14,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ LEFT_BILLING = "clean-up failed"
 SET_ASIDE = ".unreadable"  # an unreadable record is renamed RUN.json.unreadable[.N], kept
 # A record from before `lands_by` was kept: its creates had `--api-timeout`'s default.
 DEFAULT_LANDING = float(UP_OPTION["api_timeout"].default)
+_SAVING = threading.RLock()
 MAX_SENT = 1000  # creates of one name a record may hold: more is not a record podagent wrote
 
 
@@ -92,8 +94,10 @@ class RunRecord:
         for resource in self.resources:
             if resource.name == name:
                 # Asked again (refused before, or its pod gone): a new create, which may land
-                # as the first did; an id it had is of a pod that is no longer there.
-                resource.id, resource.asked_at, resource.sent = None, now, 1
+                # as the first did; an id it had is of a pod that is no longer there. Earlier
+                # creates of it that may still land are still counted, within the new window.
+                earlier = resource.unseen() if self.landing_left(now) else 0
+                resource.id, resource.asked_at, resource.sent = None, now, earlier + 1
                 resource.lands_by = now + call_deadline
                 self.save()
                 return resource
@@ -115,8 +119,13 @@ class RunRecord:
 
     def resent(self, resource: Resource) -> None:
         """The call sends its create again after one whose answer never came, and RunPod
-        lists no pod of the name: the first may still land beside the second."""
+        lists no pod of the name: the first may still land beside the second, and the second
+        (sent now, perhaps past the call's deadline after a slow look) within a deadline from
+        now."""
         resource.sent += 1
+        deadline = (resource.lands_by - resource.asked_at) if resource.lands_by else \
+            DEFAULT_LANDING
+        resource.lands_by = max(resource.lands_by, time.time() + deadline)
         self.save()
 
     def unlanded(self, landed: Mapping[str, Collection[str]] | None = None) -> set[str]:
@@ -175,6 +184,12 @@ class RunRecord:
         return data
 
     def save(self) -> None:
+        # One at a time: creates answer on threads of their own, and a write of what was
+        # seen before another thread's change must not replace the file after it.
+        with _SAVING:
+            self._save()
+
+    def _save(self) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,9 @@ from podagent.wire import Event, GangPhase, HeadState
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
 RECORD_WAIT = 0.25  # the loop's wait for the head's next record
+# The clean-up's look for creates still landing, in call deadlines: a create sent again after
+# a slow look lands within about four (a record re-attached to is not trusted for longer).
+LANDING_AT_MOST = 4
 # A head whose container keeps being started again is a crash loop, billing for nothing.
 # (A run resumed after a lost node or a restarted head starts it a few times at most.)
 MAX_HEAD_STARTS = 5
@@ -261,7 +264,8 @@ class Up:
         self._phase(Phase.CLEANING)
         # A create cut off (a signal, a timeout) or sent again after an error may still land
         # within its own deadline, given once more after it (as `podagent down` waits).
-        landing = self.record.landing_left(time.time()) if self.record is not None else 0.0
+        landing = min(self.record.landing_left(time.time()), LANDING_AT_MOST *
+                      self.spec.api_timeout) if self.record is not None else 0.0
         down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep,
                        timeout=down.GONE_TIMEOUT + landing, landing_time=landing)
         if self.watch is not None:  # billing ended when RunPod listed none of the pods

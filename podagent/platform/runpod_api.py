@@ -33,6 +33,7 @@ import requests.auth
 
 from podagent import __version__, config
 from podagent.errors import (
+    CreateUnsettled,
     NoCapacity,
     RunPodApiError,
     RunPodAuthError,
@@ -461,7 +462,12 @@ class Client(Transport):
                 find: Callable[[], dict[str, Any] | None],
                 resending: Callable[[], None] | None = None) -> dict[str, Any]:
         def look() -> dict[str, Any] | None:
-            found = find()
+            try:
+                found = find()
+            except RunPodApiError as exc:  # the look's own failure, not the create's
+                raise CreateUnsettled(f"RunPod API: a create of {body['name']!r} may have been "
+                                      f"carried out, and the look for it failed: {exc}"
+                                      ) from None
             if found is None and resending is not None:
                 resending()  # nothing listed: the create goes out again
             return found
@@ -469,7 +475,8 @@ class Client(Transport):
         try:
             answer = self.call("POST", path, body=dict(body), before_retry=look)
         except RunPodApiError as exc:
-            if isinstance(exc, RunPodAuthError) or " answered 400 " not in str(exc):
+            if isinstance(exc, (RunPodAuthError, CreateUnsettled)) or \
+                    " answered 400 " not in str(exc):
                 raise
             # 400 is both "breaks a rule" and "no capacity" (RunPod: capacity has no code of
             # its own, only a detail); the caller names the GPU type and data centers.
@@ -484,11 +491,12 @@ class Client(Transport):
         found = find()
         if found is not None:
             return found
-        nonsense = RunPodNonsense(
+        # Not a refusal: RunPod took the create (2xx), and may list its pod later. Left
+        # unanswered, so that the run's end looks for that pod.
+        raise RunPodNonsense(
             f"RunPod API: POST {self.base_url}{path} answered {answer.status} without what it "
-            f"created ({_shape(answer.data)}), and nothing named {body['name']!r} exists")
-        nonsense.answered = True
-        raise nonsense
+            f"created ({_shape(answer.data)}), and nothing named {body['name']!r} is listed "
+            f"yet")
 
     def list_pods(self, include_cluster_pods: bool = False) -> list[dict[str, Any]]:
         params = {"includeClusterPods": "true"} if include_cluster_pods else None
@@ -496,7 +504,10 @@ class Client(Transport):
         return [check_pod(p, "GET /v2/pods") for p in pods]
 
     def find_pod(self, name: str) -> dict[str, Any] | None:
-        return next((p for p in self.list_pods() if p["name"] == name), None)
+        """The live pod of that name (a terminated one of an earlier run is not a create's
+        answer)."""
+        return next((p for p in self.list_pods()
+                     if p["name"] == name and p.get("status") != "TERMINATED"), None)
 
     def get_pod(self, pod_id: str) -> dict[str, Any] | None:
         """None when RunPod no longer knows it (terminated)."""

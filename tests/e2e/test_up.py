@@ -29,6 +29,7 @@ from tests.harness.laptop import (
     IMAGES,
     KEY,
     RUN_BOUND,
+    after_call,
     billing,
     creates,
     laptop_env,
@@ -268,6 +269,31 @@ def test_a_create_sent_again_after_a_lost_answer_leaves_no_late_pod_billing(clou
     record = state.load(tmp_path / "state" / "podagent" / "runs", "late")
     assert record is not None and record.status == state.DOWN, record
     assert "may still make a pod" in out
+
+
+@pytest.mark.parametrize("answer", ["a 2xx without the pod", "a look that fails with 400"])
+def test_a_create_whose_fate_is_unknown_is_awaited_not_taken_as_refused(cloud, tmp_path,
+                                                                         answer):
+    """RunPod takes the head's create and lists its pod seconds later. Its answer is a 201
+    without the pod, or a 502 after which the look by name is refused (400): neither says the
+    create was not carried out, so `up` ends with an error (not "no capacity") and waits for
+    the pod, which it terminates."""
+    if answer.startswith("a 2xx"):
+        cloud.garble_next(1, 201, b"{}", match=r"^POST /v2/pods$", lands_after=4.0)
+    else:
+        cloud.fail_next(1, 502, match=r"^POST /v2/pods$", lands_after=4.0)
+        # The look after it (not the lists before the create): refused.
+        after_call(cloud, 1, lambda _: cloud.fail_next(1, 400, match=r"^GET /v2/pods$"),
+                   counted=lambda r: (r.method, r.path) == ("POST", "/v2/pods"))
+    result = run_up(cloud, tmp_path, up_argv("fate", 2, "--api-timeout", "20",
+                                             image=HEAD_IMAGE), timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 20, out[-5000:]
+    (late,) = wait_for(lambda: [p for p in cloud.pods.values() if p.name ==
+                                "podagent-fate-head"], timeout=30, what="the late pod")
+    assert late.status == "TERMINATED", late
+    nothing_left(cloud)
+    assert len(creates(cloud)) == 1  # nothing sent again
 
 
 def test_up_again_with_the_same_name_reattaches_instead_of_creating(cloud, tmp_path):

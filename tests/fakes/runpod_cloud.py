@@ -756,6 +756,7 @@ class _Garble:
     status: int
     body: bytes
     match: re.Pattern[str] | None
+    lands_after: float | None = None  # carried out that many seconds after the answer
 
 
 # The v2 document's endpoints the fake knows: path pattern, then per method the handler, the
@@ -1012,14 +1013,15 @@ class FakeRunPodCloud(ServedFake):
             self._garbles.clear()
 
     def garble_next(self, n: int, status: int = 200, body: bytes = b"",
-                    match: str | None = None) -> None:
+                    match: str | None = None, lands_after: float | None = None) -> None:
         """Carry out the next `n` requests (only those whose "METHOD /path" matches the regex
         `match`, if given) and answer each with `status` and exactly `body` (b"": none;
         Content-Type application/json otherwise): an answer that makes no sense. Recorded as
-        a fault; the answer is not checked against the document."""
+        a fault; the answer is not checked against the document. `lands_after`: carried out
+        that many seconds after the answer, as fail_next's."""
         with self._lock:
             self._garbles.append(_Garble(n, status, bytes(body),
-                                         re.compile(match) if match else None))
+                                         re.compile(match) if match else None, lands_after))
 
     def drop_log_streams(self) -> None:
         """Close every log stream open now, from the server's side (as a proxy that drops
@@ -1109,10 +1111,12 @@ class FakeRunPodCloud(ServedFake):
         call = self._read(h)
         fault, acting, later = self._take_fault(call.method, call.path)
         # A fault answered in the API's stead: the request never reached it to be garbled.
-        garbled = None if fault and not acting else self._take_garble(call.method, call.path)
+        garbled, garble_later = (None, None) if fault and not acting else \
+            self._take_garble(call.method, call.path)
+        later = later if garble_later is None else garble_later
         who = self._whose(call.headers.get("Authorization"))
-        if fault is not None and later is not None:
-            reply = fault
+        if (fault or garbled) is not None and later is not None:
+            reply = fault or garbled
             threading.Timer(later, self._carry_out_late, (call, who)).start()
         elif fault is not None and not acting:
             reply = fault
@@ -1300,14 +1304,14 @@ class FakeRunPodCloud(ServedFake):
         return (_problem(fault.status, detail, headers=headers), fault.after_acting,
                 fault.lands_after)
 
-    def _take_garble(self, method: str, path: str) -> _Reply | None:
+    def _take_garble(self, method: str, path: str) -> tuple[_Reply | None, float | None]:
         with self._lock:
             for garble in self._garbles:
                 if garble.remaining > 0 and (garble.match is None or
                                              garble.match.search(f"{method} {path}")):
                     garble.remaining -= 1
-                    return _Reply(garble.status, raw=garble.body)
-        return None
+                    return _Reply(garble.status, raw=garble.body), garble.lands_after
+        return None, None
 
     def _whose(self, authorization: str | None) -> str | None:
         """"account", "pod:<id>" for a pod-scoped key, None for none or an unknown one."""

@@ -9,14 +9,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import click
 import pytest
 
 from podagent import cli
 from podagent.errors import ConfigError
+from podagent.launch import down, state
 from podagent.launch import spec as specs
-from podagent.launch import state
 from podagent.launch.follow import parse
 from podagent.launch.up import judge
 from podagent.launch.view import Board, PlainView
@@ -225,7 +226,8 @@ def test_a_create_sent_again_after_a_lost_answer_may_make_a_second_pod(tmp_path)
     record.resent(asked)
     record.got(asked, "second")  # the second create's answer: its pod is known
     assert record.unlanded() == {"podagent-demo-head"}  # the first may still land
-    assert record.landing_left(asked.asked_at + 30.0) == pytest.approx(90.0)
+    # The second create went out now: it may land within a deadline from now.
+    assert record.landing_left(asked.asked_at + 30.0) == pytest.approx(90.0, abs=1.0)
     assert record.landing_left(asked.asked_at, {"podagent-demo-head": {"second"}}) > 0.0
     assert record.landing_left(asked.asked_at, {"podagent-demo-head": {"first", "second"}}
                                ) == 0.0
@@ -237,8 +239,24 @@ def test_a_create_sent_again_after_a_lost_answer_may_make_a_second_pod(tmp_path)
     record.refused(worker)
     assert record.unlanded({"podagent-demo-head": {"first"}}) == {"podagent-demo-w1"}
     assert record.unlanded({"podagent-demo-head": {"first"}, "podagent-demo-w1": {"x"}}) == set()
-    # Asked again from the start (its pod gone): one create out, as for a new name.
-    assert record.asking("pod", "podagent-demo-w1", 1, 60.0).sent == 1
+    # Asked again while the first may still land (a second `up`): both are counted.
+    assert record.asking("pod", "podagent-demo-w1", 1, 60.0).sent == 2
+
+
+def test_a_create_sent_again_after_a_slow_look_is_awaited_a_deadline_from_then(tmp_path):
+    record = state.new(tmp_path, "demo", "https://api.runpod.io", "1 x 8 H100")
+    asked = record.asking("pod", "podagent-demo-head", 0, 4.0)
+    asked.asked_at -= 7.0  # the look took 7 s of a 4 s deadline: the POST goes out after it
+    asked.lands_by -= 7.0
+    record.resent(asked)
+    assert record.landing_left(time.time()) >= 4.0
+
+
+def test_clusters_listed_count_as_landed_as_pods_do():
+    found = down.Found([{"id": "p1", "name": "podagent-c-head", "status": "RUNNING"},
+                        {"id": "p0", "name": "podagent-c-head", "status": "TERMINATED"}],
+                       [{"id": "c1", "name": "podagent-c"}, {"id": "c2", "name": "podagent-c"}])
+    assert found.live_by_name() == {"podagent-c-head": {"p1"}, "podagent-c": {"c1", "c2"}}
 
 
 @pytest.mark.parametrize("sent", [-1, 1.5, True, "2", 10**6])
