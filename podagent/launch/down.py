@@ -83,16 +83,16 @@ class Sweep:
     # name -> ids of the run's pods it saw live (seen once, known to exist: a terminated pod
     # leaves the list, and the create that made it can make no other)
     landed: dict[str, set[str]] = field(default_factory=dict)
-
-    def saw(self, found: Found) -> None:
-        for name, ids in found.live_by_name().items():
-            self.landed.setdefault(name, set()).update(ids)
     # The caller's --timeout ended the look while a create whose answer never came may still
     # make a pod (its pod was not seen meanwhile).
     cut_short: bool = False
     # When RunPod first listed none of the run's pods (wall time): their billing ended then,
     # whatever the look for a create still landing waited after it.
     gone_at: float | None = None
+
+    def saw(self, found: Found) -> None:
+        for name, ids in found.live_by_name().items():
+            self.landed.setdefault(name, set()).update(ids)
 
     def left(self) -> list[str] | None:
         """'name (id)' of each pod RunPod last listed (those whose terminate it accepted but
@@ -219,9 +219,9 @@ def terminate(client: Client, run: str, record: RunRecord | None,
         if not found and time.monotonic() < landing and unlanded():
             if not waited_landing:
                 waited_landing.append(True)
-                say(f"a create of run {run} RunPod may still carry out (its answer lost, or "
-                    f"an error that may have come after it acted) may still make a pod: "
-                    f"looking for it for {landing - time.monotonic():.0f} s more")
+                say(f"a create of run {run} may still make a pod (its answer was lost, or "
+                    f"was an error RunPod may have acted on): looking for it for "
+                    f"{landing - time.monotonic():.0f} s more")
             raise NotYet("a create whose answer never came may still make a pod")
         return found
 

@@ -69,6 +69,13 @@ class Resource:
         known = set(seen) | ({self.id} if self.id else set())
         return max(0, self.sent - len(known))
 
+    def landing_ends(self) -> float:
+        """Until when (wall time) its creates may make a pod: RunPod may carry a create out
+        after the client stopped waiting, so the call's deadline is given once more after
+        it."""
+        deadline = (self.lands_by - self.asked_at) if self.lands_by else DEFAULT_LANDING
+        return self.asked_at + 2 * deadline
+
 
 @dataclass
 class RunRecord:
@@ -96,7 +103,7 @@ class RunRecord:
                 # Asked again (refused before, or its pod gone): a new create, which may land
                 # as the first did; an id it had is of a pod that is no longer there. Earlier
                 # creates of it that may still land are still counted, within the new window.
-                earlier = resource.unseen() if self.landing_left(now) else 0
+                earlier = resource.unseen() if now < resource.landing_ends() else 0
                 resource.id, resource.asked_at, resource.sent = None, now, earlier + 1
                 resource.lands_by = now + call_deadline
                 self.save()
@@ -141,11 +148,8 @@ class RunRecord:
         clean-up does, its call's deadline is given once more after the call's end. `landed`:
         name -> ids of the pods RunPod lists live; a create makes one pod, so a name with as
         many pods known as creates sent can make no other."""
-        ends = []
-        for r in self.resources:
-            if r.name in self.unlanded(landed):
-                deadline = (r.lands_by - r.asked_at) if r.lands_by else DEFAULT_LANDING
-                ends.append(r.asked_at + 2 * deadline)
+        unlanded = self.unlanded(landed)
+        ends = [r.landing_ends() for r in self.resources if r.name in unlanded]
         return max([0.0, *(end - now for end in ends)])
 
     def ids(self, kind: str) -> list[str]:

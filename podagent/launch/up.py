@@ -267,7 +267,8 @@ class Up:
         landing = min(self.record.landing_left(time.time()), LANDING_AT_MOST *
                       self.spec.api_timeout) if self.record is not None else 0.0
         down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep,
-                       timeout=down.GONE_TIMEOUT + landing, landing_time=landing)
+                       timeout=down.GONE_TIMEOUT + self.spec.api_timeout + landing,
+                       landing_time=landing)
         if self.watch is not None:  # billing ended when RunPod listed none of the pods
             self.watch.cost.close(self.sweep.gone_at or time.time())
         for row in self.board.pods.values():
