@@ -158,8 +158,8 @@ class Interrupted(PodagentError):
 class RunPodApiError(PodagentError):
     """RunPod's API did not do what podagent asked (e.g. stop this pod). The message names the
     request's path, the status and RunPod's reason; never the API key. `answered`: RunPod
-    answered, and refused (a 4xx, or a create's answer without the pod and no pod of its
-    name): what was asked did not happen. Otherwise (no answer, 5xx to the end) it may have."""
+    answered, and refused (a 4xx): what was asked did not happen. Otherwise (no answer, 5xx to
+    the end, a create's 2xx without its pod) it may have."""
 
     answered = False
 

@@ -202,6 +202,10 @@ def terminate(client: Client, run: str, record: RunRecord | None,
             raise
         sweep.listed = found.pods
         sweep.saw(found)
+        if found:  # (a list that left them out a moment ago was not their end)
+            sweep.gone_at = None
+        elif sweep.gone_at is None:
+            sweep.gone_at = time.time()
         new = {str(p["id"]) for p in found.pods if p.get("status") != "TERMINATED"} - seen
         # Again now and then for what is still listed: a terminate RunPod lost is sent anew.
         if found and (first or new or rounds % AGAIN_EVERY == 0):
@@ -212,10 +216,6 @@ def terminate(client: Client, run: str, record: RunRecord | None,
                     + (f" ({len(found.clusters)} cluster)" if found.clusters else ""))
             first = False
             raise NotYet("terminated; not gone yet")
-        if found:  # (a list that left them out a moment ago was not their end)
-            sweep.gone_at = None
-        elif sweep.gone_at is None:
-            sweep.gone_at = time.time()
         if not found and time.monotonic() < landing and unlanded():
             if not waited_landing:
                 waited_landing.append(True)

@@ -62,6 +62,9 @@ class Resource:
     # meanwhile (both may land: RunPod may list a pod some time after making it); one less
     # when RunPod refused one (it made nothing).
     sent: int = 1
+    # When its latest create went out (0: when it was asked): each may land within the call's
+    # deadline from then, given once more. Asked again, an earlier create's window is kept.
+    window_from: float = 0.0
 
     def unseen(self, seen: Collection[str] = ()) -> int:
         """How many pods its creates may still make: those sent, less the pods of its name
@@ -73,8 +76,11 @@ class Resource:
         """Until when (wall time) its creates may make a pod: RunPod may carry a create out
         after the client stopped waiting, so the call's deadline is given once more after
         it."""
-        deadline = (self.lands_by - self.asked_at) if self.lands_by else DEFAULT_LANDING
-        return self.asked_at + 2 * deadline
+        return max(self.asked_at, self.window_from) + 2 * self.deadline()
+
+    def deadline(self) -> float:
+        """The create call's own deadline, retries included."""
+        return (self.lands_by - self.asked_at) if self.lands_by else DEFAULT_LANDING
 
 
 @dataclass
@@ -103,9 +109,11 @@ class RunRecord:
                 # Asked again (refused before, or its pod gone): a new create, which may land
                 # as the first did; an id it had is of a pod that is no longer there. Earlier
                 # creates of it that may still land are still counted, within the new window.
-                earlier = resource.unseen() if now < resource.landing_ends() else 0
+                ends = resource.landing_ends()
+                earlier = resource.unseen() if now < ends else 0
                 resource.id, resource.asked_at, resource.sent = None, now, earlier + 1
                 resource.lands_by = now + call_deadline
+                resource.window_from = ends - 2 * call_deadline if earlier else 0.0
                 self.save()
                 return resource
         resource = Resource(kind, name, rank, None, now, now + call_deadline)
@@ -130,9 +138,7 @@ class RunRecord:
         (sent now, perhaps past the call's deadline after a slow look) within a deadline from
         now."""
         resource.sent += 1
-        deadline = (resource.lands_by - resource.asked_at) if resource.lands_by else \
-            DEFAULT_LANDING
-        resource.lands_by = max(resource.lands_by, time.time() + deadline)
+        resource.window_from = max(resource.window_from, time.time())
         self.save()
 
     def unlanded(self, landed: Mapping[str, Collection[str]] | None = None) -> set[str]:
@@ -268,6 +274,8 @@ def _wrong_field(record: RunRecord) -> str:
                 or not isinstance(resource.asked_at, (int, float))
                 or not isinstance(resource.lands_by, (int, float))
                 or not math.isfinite(resource.lands_by)
+                or not isinstance(resource.window_from, (int, float))
+                or not math.isfinite(resource.window_from)
                 or type(resource.sent) is not int or not 0 <= resource.sent <= MAX_SENT):
             return f"a resource is not one podagent writes ({resource})"
     return ""

@@ -42,8 +42,9 @@ from podagent.wire import Event, GangPhase, HeadState
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
 RECORD_WAIT = 0.25  # the loop's wait for the head's next record
-# The clean-up's look for creates still landing, in call deadlines: a create sent again after
-# a slow look lands within about four (a record re-attached to is not trusted for longer).
+# The clean-up's look for creates still landing, in call deadlines (this run's, or the
+# default an earlier `up` of the run had): a create lands within two of its own; a record
+# re-attached to is not trusted for longer.
 LANDING_AT_MOST = 4
 # A head whose container keeps being started again is a crash loop, billing for nothing.
 # (A run resumed after a lost node or a restarted head starts it a few times at most.)
@@ -264,8 +265,9 @@ class Up:
         self._phase(Phase.CLEANING)
         # A create cut off (a signal, a timeout) or sent again after an error may still land
         # within its own deadline, given once more after it (as `podagent down` waits).
-        landing = min(self.record.landing_left(time.time()), LANDING_AT_MOST *
-                      self.spec.api_timeout) if self.record is not None else 0.0
+        at_most = LANDING_AT_MOST * max(self.spec.api_timeout, state.DEFAULT_LANDING)
+        landing = min(self.record.landing_left(time.time()), at_most) \
+            if self.record is not None else 0.0
         down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep,
                        timeout=down.GONE_TIMEOUT + self.spec.api_timeout + landing,
                        landing_time=landing)

@@ -461,13 +461,20 @@ class Client(Transport):
     def _create(self, path: str, body: Mapping[str, Any],
                 find: Callable[[], dict[str, Any] | None],
                 resending: Callable[[], None] | None = None) -> dict[str, Any]:
-        def look() -> dict[str, Any] | None:
+        def settled() -> dict[str, Any] | None:
+            """The look for a create that may have been carried out; its failure is its own,
+            never the create's refusal (a key refused stays that)."""
             try:
-                found = find()
-            except RunPodApiError as exc:  # the look's own failure, not the create's
+                return find()
+            except RunPodAuthError:
+                raise
+            except RunPodApiError as exc:
                 raise CreateUnsettled(f"RunPod API: a create of {body['name']!r} may have been "
                                       f"carried out, and the look for it failed: {exc}"
                                       ) from None
+
+        def look() -> dict[str, Any] | None:
+            found = settled()
             if found is None and resending is not None:
                 resending()  # nothing listed: the create goes out again
             return found
@@ -487,8 +494,8 @@ class Client(Transport):
                 answer.data["id"]:
             return answer.data
         # A 2xx without what was created: it may exist all the same. Found by its name, or
-        # the answer is nonsense (and nothing of that name was made).
-        found = find()
+        # the answer is nonsense (and its pod may still be listed later).
+        found = settled()
         if found is not None:
             return found
         # Not a refusal: RunPod took the create (2xx), and may list its pod later. Left

@@ -193,7 +193,8 @@ def test_the_record_is_written_before_the_call_and_survives_reading_back(tmp_pat
     on_disk = json.loads(state.path_of(tmp_path, "demo").read_text())
     assert on_disk["resources"][0] == {"kind": "pod", "name": "podagent-demo-head", "rank": 0,
                                        "id": None, "asked_at": asked.asked_at,
-                                       "lands_by": asked.asked_at + 60.0, "sent": 1}
+                                       "lands_by": asked.asked_at + 60.0, "sent": 1,
+                                       "window_from": 0.0}
     # Unanswered, it may still land until its call's deadline, and as long again after it
     # (RunPod may carry a create out after the client stopped waiting); a record from before
     # `lands_by` was kept counts the default deadline.
@@ -239,8 +240,21 @@ def test_a_create_sent_again_after_a_lost_answer_may_make_a_second_pod(tmp_path)
     record.refused(worker)
     assert record.unlanded({"podagent-demo-head": {"first"}}) == {"podagent-demo-w1"}
     assert record.unlanded({"podagent-demo-head": {"first"}, "podagent-demo-w1": {"x"}}) == set()
-    # Asked again while the first may still land (a second `up`): both are counted.
-    assert record.asking("pod", "podagent-demo-w1", 1, 60.0).sent == 2
+    # Asked again while the first may still land (a second `up`, with a shorter deadline):
+    # both are counted, and the first is awaited as long as its own window says.
+    first_ends = worker.landing_ends()
+    again = record.asking("pod", "podagent-demo-w1", 1, 10.0)
+    assert again.sent == 2 and again.landing_ends() == pytest.approx(first_ends)
+
+
+def test_creates_sent_again_and_again_keep_one_deadline_from_the_last(tmp_path):
+    """Each create sent again may land within the call's deadline from when it went out
+    (given once more): the window ends there, and does not grow with each resend."""
+    record = state.new(tmp_path, "demo", "https://api.runpod.io", "1 x 8 H100")
+    asked = record.asking("pod", "podagent-demo-head", 0, 8.0)
+    for _ in range(5):
+        record.resent(asked)
+    assert asked.landing_ends() == pytest.approx(time.time() + 16.0, abs=1.0)
 
 
 def test_a_create_sent_again_after_a_slow_look_is_awaited_a_deadline_from_then(tmp_path):
