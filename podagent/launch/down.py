@@ -39,7 +39,7 @@ class Found:
         return [p for p in self.pods if p.get("status") in BILLING_STATUSES]
 
     def __bool__(self) -> bool:
-        return bool(self.clusters) or bool(self.live_names())
+        return bool(self.live_by_name())
 
     def live_names(self) -> set[str]:
         return set(self.live_by_name())
@@ -80,8 +80,8 @@ class Sweep:
 
     listed: list[dict[str, Any]] | None = None
     accepted: set[str] = field(default_factory=set)
-    # name -> ids of the run's pods it saw live (seen once, known to exist: a terminated pod
-    # leaves the list, and the create that made it can make no other)
+    # name -> ids of the run's live pods and clusters it saw (seen once, known to exist: a
+    # terminated pod leaves the list, and the create that made it can make no other)
     landed: dict[str, set[str]] = field(default_factory=dict)
     # The caller's --timeout ended the look while a create whose answer never came may still
     # make a pod (its pod was not seen meanwhile).

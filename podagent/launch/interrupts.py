@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from podagent.waiting import WAIT_SLICE, Deadline
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-SLICE = 0.05  # the main thread's waits are sleeps this long between looks (see wait_until)
 T = TypeVar("T")
 
 
@@ -89,12 +90,12 @@ def signum_of(exc: BaseException) -> int:
 
 
 def wait_until(done: Callable[[], bool], timeout: float | None = None) -> bool:
-    """Until done() (True) or `timeout` seconds (False), in sleeps of SLICE."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    """Until done() (True) or `timeout` seconds (False), in sleeps of WAIT_SLICE."""
+    deadline = None if timeout is None else Deadline.after(timeout)
     while not done():
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and deadline.passed:
             return False
-        time.sleep(SLICE)
+        time.sleep(WAIT_SLICE)
     return True
 
 

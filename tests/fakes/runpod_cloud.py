@@ -1115,8 +1115,9 @@ class FakeRunPodCloud(ServedFake):
             self._take_garble(call.method, call.path)
         later = later if garble_later is None else garble_later
         who = self._whose(call.headers.get("Authorization"))
-        if (fault or garbled) is not None and later is not None:
-            reply = fault or garbled
+        told = fault or garbled  # what the client hears instead of the API's answer
+        if told is not None and later is not None:
+            reply = told
             threading.Timer(later, self._carry_out_late, (call, who)).start()
         elif fault is not None and not acting:
             reply = fault
