@@ -70,10 +70,12 @@ def test_cluster_forms_with_workers_started_before_head_dns(make_pod, dns_server
         # podnet1 exists in the pod: the preset check passes. A join attempt that Ray timed out
         # on a loaded machine (seen on Ray 2.48) is retried, and warned of: not a failure; nor
         # is a raylet that exited soon after joining (seen on Ray 2.48 under CI load), which
-        # the worker joins again.
+        # the worker joins again; nor a head whose GCS was slow to answer while its port took
+        # connections (seen under CI load: the worker waits for a busy head, as it should).
+        tolerated = ("joining failed (attempt", "this pod's raylet exited (rejoin 1 of",
+                     "but its port takes connections (a loaded or frozen pod)")
         warnings = [line for line in w.output.splitlines()
-                    if "WARNING" in line and "joining failed (attempt" not in line
-                    and "this pod's raylet exited (rejoin 1 of" not in line]
+                    if "WARNING" in line and not any(t in line for t in tolerated)]
         assert warnings == [], warnings
         assert "the head is closing the run" in w.output
     assert "RAY_WORKER=1" in workers[0].output
