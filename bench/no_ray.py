@@ -40,7 +40,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from podagent import cli, errors
+from podagent import errors
+from podagent.run import exits
 from tests.harness import benchkit
 from tests.harness import cluster as harness
 from tests.harness.agents import Agent
@@ -55,7 +56,7 @@ TORCH_PORT = 29500  # torch's rendezvous / accelerate's main process port on the
 # torch looks up the host name of every TCPStore peer; pods reach no name server of this
 # machine's resolv.conf, so one quick try instead of glibc's 2 x 5 s (as in the e2e tests).
 QUICK_RESOLVER = {"RES_OPTIONS": "timeout:1 attempts:1"}
-PEER_LOST = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.PeerLost)
+PEER_LOST = next(code for cls, code, _ in exits.EXIT_CODES if cls is errors.PeerLost)
 SLOW_PODAGENT_S = 15.0  # the acceptance's bound on podagent's exits after a loss
 POLL_S = 0.05
 

@@ -1,4 +1,4 @@
-"""One error hierarchy. Exit codes are chosen only at the CLI edge (cli.EXIT_CODES)."""
+"""One error hierarchy. Each error's exit code is in the one table, run/exits.py."""
 
 from __future__ import annotations
 

@@ -69,19 +69,18 @@ class Event(Named):
 
 
 class HeadState(Named):
-    """RECALLING -> PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
+    """PREPARING -> CLEANING -> STARTING_RAY -> STARTING_REWARD -> WAITING_WORKERS
     -> WAITING_REWARD -> SUBMITTING -> RUNNING -> DONE, and RUNNING -> RECOVERING -> SUBMITTING
     when a node of the job is lost (PODAGENT_ON_NODE_LOSS).
 
-    RECALLING reads the run's ledger: a run that finished earlier goes straight to DONE (a
-    restarted container never runs it again); one interrupted mid-job is submitted again.
+    Before it, the start (run/start.py) read the run's ledger: a run that finished earlier is
+    not run again (no state is entered); one interrupted mid-job is submitted again.
     The reward server loads while the workers join. Re-attaching (CLEANING finds this pod's Ray
     still running this run's job) skips STARTING_RAY: the reward server is kept if it answers,
     the workers are counted, not awaited, and SUBMITTING finds the job and follows it.
     Any state may raise (an error or a signal) or end on a stop request; teardown then runs
     from `finally`.
     """
-    RECALLING = "recalling"
     PREPARING = "preparing"
     CLEANING = "cleaning"
     STARTING_RAY = "starting_ray"

@@ -134,19 +134,19 @@ class HeadNode:
 
 
 class Head(Lifecycle[HeadState]):
-    """The head's lifecycle: recall the run, start Ray and the reward server, gather the
-    workers, run and follow the job (restarting it as the policy says), and end in order."""
+    """The head's lifecycle: start Ray and the reward server, gather the workers, run and
+    follow the job (restarting it as the policy says), and end in order. The run's ledger is
+    the start's (run/start.py recalled it and recorded this start)."""
 
-    FIRST, LAST, SUCCESS = HeadState.RECALLING, HeadState.DONE, SUCCEEDED
+    FIRST, LAST, SUCCESS = HeadState.PREPARING, HeadState.DONE, SUCCEEDED
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
-                 signals: Signals):
+                 signals: Signals, ledger: Ledger):
         self.stop_watch = StopWatch(reporter)
         self._node: HeadNode | None = None  # from PREPARING on
         # Every wait of the head sleeps through this: it also ends on a stop request.
         super().__init__(settings, decision, reporter, WatchedSignals(signals, self._look))
-        self.ledger = Ledger.load(settings.run_dir, settings.run_name)
-        self.finished_earlier: dict[str, Any] | None = None  # the ledger's, when it finished
+        self.ledger = ledger
         self.reward: RewardServer | None = None
         self.job: JobAttempt | None = None  # from SUBMITTING until it ends or is restarted
         self._next_watch = self._next_own_look = 0.0
@@ -177,7 +177,6 @@ class Head(Lifecycle[HeadState]):
 
     def handlers(self) -> dict[HeadState, Callable[[], HeadState]]:
         return {
-            HeadState.RECALLING: self._recall,
             HeadState.PREPARING: self._prepare,
             HeadState.CLEANING: self._clean,
             HeadState.STARTING_RAY: self._start_ray,
@@ -190,11 +189,6 @@ class Head(Lifecycle[HeadState]):
         }
 
     # --- states --------------------------------------------------------------------------------
-
-    def _recall(self) -> HeadState:
-        self.finished_earlier = ledger_mod.recall(self.ledger, self.settings.run_name,
-                                                  self.settings.run_dir, self.reporter)
-        return HeadState.DONE if self.finished_earlier else HeadState.PREPARING
 
     def _prepare(self) -> HeadState:
         self._node = HeadNode(self.settings, self.reporter, self.signals, self.ledger)
@@ -360,12 +354,6 @@ class Head(Lifecycle[HeadState]):
 
     # --- what the CLI asks, and teardown -------------------------------------------------------
 
-    def earlier_outcome(self) -> str | None:
-        return self.finished_earlier["outcome"] if self.finished_earlier else None
-
-    def record_exit(self, code: int) -> None:
-        record_or_warn(lambda: self.ledger.exit_code(code), self.reporter)
-
     def after_run(self) -> AfterRun | None:
         return AfterRun(self.settings.after_run) if self.ledger.finished else None
 
@@ -375,8 +363,6 @@ class Head(Lifecycle[HeadState]):
     def _teardown(self, outcome: str) -> None:
         """Every step runs whatever the one before did: a full volume must not leave the job,
         the reward server or Ray running."""
-        if self.finished_earlier:
-            return  # nothing was started
         guarded, settings, head, job, reward = (self._guarded, self.settings, self._node,
                                                 self.job, self.reward)
         # First: a pod being stopped has seconds, and a restarted head reads this.

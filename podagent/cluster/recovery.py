@@ -21,7 +21,7 @@ from podagent.cluster.job_spec import JobAttempt
 from podagent.config import Settings
 from podagent.ray_access.gcs import NodeInfo
 from podagent.report import Reporter
-from podagent.run import policy
+from podagent.run import policy, restarts
 from podagent.run.ledger import Ledger, record_or_warn
 from podagent.waiting import Signals
 from podagent.wire import Ending, Event
@@ -39,11 +39,15 @@ class NodeLost(Exception):
 
 @dataclass(frozen=True)
 class Restart:
-    """The restart under way: which one, and the times its figures are measured from."""
-    n: int
+    """The restart under way (the kernel's count and backoff), and the times its figures are
+    measured from."""
+    counted: restarts.Restart
     noticed: float  # wall clock: the run stopped making progress (a loss seen or the job ended)
     stopped: float  # wall clock: the restart began
-    earliest: float  # monotonic: the job is not submitted again before (the backoff)
+
+    @property
+    def n(self) -> int:
+        return self.counted.n
 
 
 class Recovery:
@@ -88,38 +92,27 @@ class Recovery:
         """Counts the restart against PODAGENT_RESTARTS (across container restarts: the ledger
         keeps them), says it loudly and records it. Restarts used up raise (RunHung after a
         hang, else RestartsExhausted)."""
-        settings = self.settings
-        number = policy.admit(settings, len(self.ledger.restarts), why, kind)
         now = time.time()
         # The run stopped making progress when the job ended or the loss was seen, if earlier.
         noticed = min(t for t in (self.census.first_noticed(), job.ended_at, now)
                       if t is not None)
-        self.census.begin_recovery()
         ended = "stopped" if job.stopped_by_us else f"ended {job.status or 'LOST'}"
         submission = job.submission_id
-        self.reporter.warn(f"RESTART {number}/{settings.restarts}: {why}; job {submission} "
-                           f"{ended}; waiting for {settings.expected_workers} worker(s) (a "
-                           f"replacement pod counts), then the job is submitted again, "
-                           f"resuming from the newest checkpoint")
-        backoff = policy.backoff(settings, number)
-        self.under_way = Restart(number, noticed, now, time.monotonic() + backoff)
-        ips = [w.ip for w in lost]
-        entry = {"n": number, "reason": why, "lost": ips, "job": submission,
-                 "job_status": job.status}
-        record_or_warn(lambda: self.ledger.restarting(entry), self.reporter)
-        self.reporter.event(Event.RESTART, n=number, of=settings.restarts, reason=why, lost=ips,
-                            job=submission)
+        counted = restarts.begin(
+            self.settings, self.ledger, self.reporter, why,
+            f"job {submission} {ended}; waiting for {self.settings.expected_workers} worker(s) "
+            f"(a replacement pod counts), then the job is submitted again, resuming from the "
+            f"newest checkpoint", kind, lost=[w.ip for w in lost], job=submission,
+            job_status=job.status)
+        self.census.begin_recovery()
+        self.under_way = Restart(counted, noticed, now)
         return self.under_way
 
     def before_resubmitting(self) -> None:
         """The cluster is whole again (and Ray no longer lists the lost nodes: the census's
         gather waited for that): wait for what is left of the backoff."""
-        restart = self.under_way
-        wait = restart.earliest - time.monotonic() if restart else 0.0
-        if restart and wait > 0:
-            self.reporter.say(f"restart {restart.n}: backing off {wait:.1f} s "
-                              f"(PODAGENT_RESTART_BACKOFF)")
-            self.signals.sleep(wait)
+        if self.under_way:
+            restarts.back_off(self.under_way.counted, self.reporter, self.signals)
 
     def resubmitted(self, submission_id: str) -> None:
         """The job of the restart under way was submitted: its figures, said and recorded."""

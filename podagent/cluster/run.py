@@ -1,58 +1,75 @@
-"""Running this pod's role on the Ray engine: the head's or the worker's lifecycle in the run
-kernel's shell (run/shell.py), with W&B's bring-up record; or a dry run of it, which touches
-nothing.
-
-Exit codes are chosen only by the command line, which hands its mapping in (`exit_code` for an
-error, `outcome_code` for a finished run's recorded outcome); 0 is success.
+"""The Ray engine's adapter of a start (run/start.py): the head's or the worker's lifecycle,
+with W&B's bring-up record; its checks; or a dry run of it, which touches nothing.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from podagent import __version__, config, extras, process, trainers
+from podagent import config, extras, trainers
 from podagent.platform.head_location import head_location
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
-from podagent.run import after_run
-from podagent.run.shell import SUCCESS, install_signals, report_end, reporter_for, settle
-from podagent.wire import Event
+from podagent.run import start as run_start
+from podagent.run.shell import reporter_for
 
 if TYPE_CHECKING:  # the lifecycles load only when a role runs
     from podagent.run.lifecycle import Lifecycle
 
 
-def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool,
-             exit_code: Callable[[BaseException], int],
-             outcome_code: Callable[[str], int],
-             restartable: Callable[[int], bool] = lambda code: False) -> int:
-    """Work out the role, check what it needs, and run it (or say what it would do); the exit
-    code. Bad input raises before anything starts."""
-    _warn_early(settings)
-    decision = detect_role(settings, explicit)
-    ray = ray_compat.require()
-    ray_compat.check(settings, ray)
-    _require_parts(settings, decision.role)
-    if dry_run:
-        _dry_run(settings, decision, ray)
-        return SUCCESS
-    return _run(settings, decision, ray, exit_code, outcome_code, restartable)
+def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool) -> int:
+    """This pod's role on Ray, started as every role is (run/start.py): the exit code."""
+    return run_start.start(settings, lambda: RayRole(settings, explicit), dry_run=dry_run)
 
 
-def _warn_early(settings: config.Settings) -> None:
-    """What a run and a dry run say first, before anything can fail: a misspelt variable may
-    be why a part is missing or a role is unclear."""
-    if not settings.warnings:
-        return
-    early = reporter_for(settings, "podagent")
-    for warning in settings.warnings:  # e.g. a PODAGENT_* variable with a typo in its name
-        early.warn(warning)
+class RayRole:
+    """The head or a worker of a Ray cluster, as a start runs it."""
+
+    def __init__(self, settings: config.Settings, explicit: Role | None):
+        self.settings = settings
+        self.decision: RoleDecision = detect_role(settings, explicit)
+        self.ray = ray_compat.require()
+
+    @property
+    def keeps_ledger(self) -> bool:
+        return self.decision.role is Role.HEAD  # the run's ledger is the head's
+
+    def check(self) -> None:
+        ray_compat.check(self.settings, self.ray)
+        _require_parts(self.settings, self.decision.role)
+
+    def dry_run(self) -> None:
+        _dry_run(self.settings, self.decision, self.ray)
+
+    def greeting(self) -> tuple[str, dict[str, Any]]:
+        return f"({self.ray})", {"ray": self.ray.version}
+
+    def begin(self, reporter: Reporter) -> None:
+        _say_untested(reporter, self.ray)
+        _decide_ray_auth(self.settings, reporter)
+
+    def run(self, start: run_start.Start, ending: run_start.Ending) -> None:
+        from podagent.cluster.head import Head
+        from podagent.cluster.worker import Worker
+        from podagent.report import wandb_run
+
+        bringup = wandb_run.attach(start.reporter, self.settings, self.decision.role)
+        if bringup:
+            ending.finish.append(bringup.finish)
+        lifecycle: Lifecycle = (Head(self.settings, self.decision, start.reporter,
+                                     start.signals, start.ledger)
+                                if self.decision.role is Role.HEAD else
+                                Worker(self.settings, self.decision, start.reporter,
+                                       start.signals))
+        try:
+            lifecycle.run()
+        finally:
+            ending.after_run = lifecycle.after_run()
+            ending.over_word = lifecycle.over_word()
 
 
 def _say_untested(reporter: Reporter, ray: ray_compat.RayVersion) -> None:
@@ -152,55 +169,3 @@ def _decide_ray_auth(settings: config.Settings, reporter: Reporter) -> None:
         reporter.say(f"a Ray token file is on this pod ({stray}) but the run has no cluster "
                      f"token: Ray's auth stays off on every node ({ray_node.AUTH_MODE}=disabled)"
                      f"; to use that token, set {config.TOKEN_PATH_VARIABLE} to it on every pod")
-
-
-def _run(settings: config.Settings, decision: RoleDecision, ray: ray_compat.RayVersion,
-         exit_code: Callable[[BaseException], int], outcome_code: Callable[[str], int],
-         restartable: Callable[[int], bool]) -> int:
-    from podagent.cluster.head import Head
-    from podagent.cluster.worker import Worker
-
-    # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
-    # service) inherits the key. The settings keep their own copy of the environment.
-    os.environ.pop(config.RUNPOD_API_KEY, None)
-    reporter = reporter_for(settings, decision.role.value, run_dir=settings.run_dir)
-    for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
-        reporter.log_only(f"WARNING: {warning}")
-    reporter.say(f"podagent {__version__} ({ray}): this pod is the {decision.role.value} "
-                 f"({decision.reason}); run {settings.run_name}")
-    _say_untested(reporter, ray)
-    _decide_ray_auth(settings, reporter)
-    reporter.event(Event.ROLE, role=decision.role.value, reason=decision.reason,
-                   run=settings.run_name, version=__version__, ray=ray.version)
-    from podagent.report import wandb_run
-
-    bringup = wandb_run.attach(reporter, settings, decision.role)
-
-    signals = install_signals(reporter)
-    process.become_subreaper()
-    started = time.monotonic()
-    lifecycle: Lifecycle | None = None
-    code = SUCCESS
-    try:
-        lifecycle = (Head if decision.role is Role.HEAD else Worker)(
-            settings, decision, reporter, signals)
-        lifecycle.run()
-        # A head that found its run finished earlier exits as that run did.
-        earlier = lifecycle.earlier_outcome()
-        code = outcome_code(earlier) if earlier else SUCCESS
-    except Exception as exc:
-        code = report_end(exc, settings, reporter, exit_code)
-    else:
-        reporter.event(Event.EXIT, code=code)
-    finally:
-        if bringup:
-            bringup.finish(code)
-    if lifecycle is not None:
-        lifecycle.record_exit(code)
-        policy = lifecycle.after_run()
-        end = after_run.End(code, over=policy is not None, restartable=restartable(code))
-        settle(settings, reporter, signals, end, started, policy, lifecycle.over_word())
-    reporter.close()
-    return code
-
-

@@ -1,19 +1,17 @@
-"""`podagent torchrun` and `podagent accelerate` on this pod: the role, the run's directory,
-events and ledger as for a Ray run, the supervised run, and what the pod does once it is over.
-
-Exit codes are the command line's: it hands its mapping in, as for the Ray path.
+"""`podagent torchrun` and `podagent accelerate` on this pod: the engine without Ray, as a start
+(run/start.py) runs it. Its role keeps the run's ledger on every pod (each pod's own): a start
+after lost pods is a restart of the run (run/restarts.py), and the supervised run.
 """
 
 from __future__ import annotations
 
 import shlex
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from podagent import __version__, process
 from podagent.choices import AfterRun
 from podagent.config import AFTER_RUN, Settings
-from podagent.errors import HeadUnreachable, PodagentError
+from podagent.errors import HeadUnreachable
 from podagent.gang import mesh
 from podagent.gang.launchers import (
     Accelerate,
@@ -26,11 +24,11 @@ from podagent.gang.supervisor import TRAINING, HeadSupervisor, Plan, WorkerSuper
 from podagent.gang.supervisor import run as supervise
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.report import Reporter
-from podagent.run import beacon, policy, resume
-from podagent.run.ledger import INTERNAL_ERROR, SUCCEEDED, Ledger, recall, record_or_warn
+from podagent.run import beacon, restarts, resume
+from podagent.run import start as run_start
+from podagent.run.ledger import Ledger
 from podagent.run.policy import Cause
 from podagent.waiting import Signals
-from podagent.wire import Event
 
 LAUNCHERS: dict[str, type[Torchrun] | type[Accelerate]] = {"torchrun": Torchrun,
                                                            "accelerate": Accelerate}
@@ -43,112 +41,64 @@ def launcher_for(name: str, user_args: Sequence[str]) -> Launcher:
 
 
 def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str | None,
-        dry_run: bool, exit_code: Callable[[BaseException], int],
-        outcome_code: Callable[[str], int],
-        restartable: Callable[[int], bool] = lambda code: False) -> int:
-    from podagent.run import after_run
-    from podagent.run.shell import SUCCESS, install_signals, report_end, reporter_for, settle
+        dry_run: bool) -> int:
+    """This pod's part of a run without Ray, started as every role is: the exit code."""
+    return run_start.start(settings, lambda: GangRole(settings, launcher, data_check, loader),
+                           dry_run=dry_run)
 
-    decision = detect_role(settings)
-    role = decision.role
-    asked_rank = launcher.requested_rank(settings, role)  # a contradiction: exit 2, now
-    if dry_run:
-        _dry_run(settings, launcher, role, decision.reason, data_check, loader)
-        return SUCCESS
-    reporter = reporter_for(settings, role.value, run_dir=settings.run_dir)
-    reporter.say(f"podagent {__version__} {launcher.name}: this pod is the {role.value} "
-                 f"({decision.reason}); run {settings.run_name}")
-    reporter.event(Event.ROLE, role=role.value, reason=decision.reason, run=settings.run_name,
-                   version=__version__, launcher=launcher.name)
-    signals = install_signals(reporter)
-    process.become_subreaper()  # the launcher's workers stay ours when it dies
-    started = time.monotonic()
-    ledger = Ledger.load(settings.run_dir, settings.run_name)
-    finished = recall(ledger, settings.run_name, settings.run_dir, reporter)
-    code = SUCCESS
-    policy: AfterRun | None = None  # a worker told by its head that the run is over
-    head_addr: str | None = None
-    if finished:
-        code = outcome_code(finished["outcome"])
-    else:
-        outcome = SUCCEEDED
+
+class GangRole:
+    """The head or a worker of a run without Ray, as a start runs it."""
+
+    keeps_ledger = True  # each pod its own: its starts, its restarts, its end
+
+    def __init__(self, settings: Settings, launcher: Launcher, data_check: bool,
+                 loader: str | None):
+        self.settings, self.launcher = settings, launcher
+        self.data_check, self.loader = data_check, loader
+        self.decision: RoleDecision = detect_role(settings)
+        self.asked_rank: int | None = None
+
+    def check(self) -> None:
+        # A machine rank that contradicts the worked-out one: exit 2, now.
+        self.asked_rank = self.launcher.requested_rank(self.settings, self.decision.role)
+
+    def dry_run(self) -> None:
+        _dry_run(self.settings, self.launcher, self.decision.role, self.decision.reason,
+                 self.data_check, self.loader)
+
+    def greeting(self) -> tuple[str, dict[str, Any]]:
+        return self.launcher.name, {"launcher": self.launcher.name}
+
+    def begin(self, reporter: Reporter) -> None:
+        pass
+
+    def run(self, start: run_start.Start, ending: run_start.Ending) -> None:
+        settings, reporter, ledger = self.settings, start.reporter, start.ledger
+        assert ledger is not None  # keeps_ledger
+        restart = restarts.after_lost_starts(settings, ledger, reporter)
+        if restart:
+            restarts.back_off(restart, reporter, start.signals)
         try:
-            number = check_restarts(settings, ledger, reporter)
-            if number:
-                _back_off(settings, number, reporter, signals)
-            cause, me, head_addr = _supervised(settings, launcher, decision, reporter, signals,
-                                               data_check, loader, asked_rank, ledger, number)
-            error = cause.error(me, launcher.name, settings)
-            if error is not None:
-                raise error
+            cause, me, head_addr = _supervised(
+                settings, self.launcher, self.decision, reporter, start.signals,
+                self.data_check, self.loader, self.asked_rank, ledger,
+                restart.n if restart else 0)
         except mesh.HeadSaysOver as said:
             over = beacon.read(said.line, settings.run_name, settings.auth_token)
             if over is None:
-                outcome = HeadUnreachable.__name__
-                code = report_end(HeadUnreachable(f"{said}: not this run's head, or not "
-                                                  f"proven with the cluster token"),
-                                  settings, reporter, exit_code)
-            else:
-                reporter.say(f"the head says run {over.run} is over ({over.outcome}, exit "
-                             f"{over.code}): this pod was away when it closed; leaving")
-                reporter.event(Event.EXIT, code=code)
-                policy = AfterRun(over.after_run) if over.after_run in AFTER_RUN else None
-                policy = policy or AfterRun(settings.after_run)
-        except Exception as exc:
-            outcome = type(exc).__name__ if isinstance(exc, PodagentError) else INTERNAL_ERROR
-            code = report_end(exc, settings, reporter, exit_code)
-        else:
-            reporter.event(Event.EXIT, code=code)
-        record_or_warn(lambda: ledger.ended(outcome, None), reporter)
-        record_or_warn(lambda: ledger.exit_code(code), reporter)
-    over = policy is not None or bool(ledger.finished)
-    end = after_run.End(code, over=over, restartable=restartable(code))
-    settle(settings, reporter, signals, end, started, policy,
-           (head_addr, []) if head_addr else None)
-    reporter.close()
-    return code
-
-
-# How a start ends when a pod of the run was lost or never came: the run is not over (the
-# restarted containers start it again), but only so often.
-LOSSES = ("PeerLost", "WorkersTimeout", "HeadUnreachable")
-
-
-def check_restarts(settings: Settings, ledger: Ledger,
-                   reporter: Reporter | None = None) -> int:
-    """A run whose pods keep getting lost is restarted (RunPod starts the containers again,
-    the script resumes from its checkpoint) as the kernel's restart policy allows: a pod
-    gone for good must not keep the others restarting, billing, for ever. Each earlier start
-    that ended so is one restart in the ledger's `restarts`, where a hang's restart is one too
-    (the supervisor's): one PODAGENT_RESTARTS budget, whatever the mix of causes. The number
-    of the restart this start is (0: none)."""
-    counted = {entry.get("after_start") for entry in ledger.restarts}
-    number = losses = 0
-    for index, start in enumerate(ledger.data["starts"][:-1]):
-        if start.get("outcome") not in LOSSES:
-            continue
-        losses += 1
-        if index in counted:
-            continue
-        why = f"a pod was lost or missing ({start['outcome']})"
-        number = policy.admit(settings, len(ledger.restarts),
-                              f"run {settings.run_name}: a pod was lost or missing {losses} "
-                              f"time(s)")
-        entry = {"n": number, "reason": why, "after_start": index}
-        if reporter is None:
-            ledger.restarting(entry)
-        else:  # counted in memory either way; a volume that refuses is a warning
-            record_or_warn(lambda entry=entry: ledger.restarting(entry), reporter)
-    return number
-
-
-def _back_off(settings: Settings, number: int, reporter: Reporter, signals: Signals) -> None:
-    wait = policy.backoff(settings, number)
-    reporter.warn(f"RESTART {number}/{settings.restarts}: a pod of the run was lost; starting "
-                  f"it again" + (f" after {wait:g} s (PODAGENT_RESTART_BACKOFF)" if wait else ""))
-    reporter.event(Event.RESTART, n=number, of=settings.restarts, backoff_s=wait)
-    if wait:
-        signals.sleep(wait)
+                raise HeadUnreachable(f"{said}: not this run's head, or not proven with the "
+                                      f"cluster token") from None
+            reporter.say(f"the head says run {over.run} is over ({over.outcome}, exit "
+                         f"{over.code}): this pod was away when it closed; leaving")
+            ending.after_run = (AfterRun(over.after_run) if over.after_run in AFTER_RUN
+                                else AfterRun(settings.after_run))
+            return
+        if head_addr:
+            ending.over_word = (head_addr, [])
+        error = cause.error(me, self.launcher.name, settings)
+        if error is not None:
+            raise error
 
 
 def _supervised(settings: Settings, launcher: Launcher, decision: RoleDecision,

@@ -36,9 +36,9 @@ from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import RoleDecision
 from podagent.report import JobOutput, Reporter
-from podagent.run import hangs, policy, resume, stacks
+from podagent.run import hangs, policy, restarts, resume, stacks
 from podagent.run.hangs import DUMP_WAIT
-from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
+from podagent.run.ledger import SUCCEEDED, Ledger
 from podagent.run.lifecycle import Lifecycle
 from podagent.run.policy import Cause, stronger
 from podagent.run.progress import HEARTBEAT_FILE, HEARTBEAT_VARIABLE, ProgressWatch
@@ -449,23 +449,16 @@ class HeadSupervisor(Supervisor):
 
     def _restart_after_hang(self, hub: mesh.Hub, cause: Cause, waiting: set[str]
                             ) -> Cause | None:
-        settings, ledger = self.settings, self.ledger
+        settings = self.settings
         why = policy.restart_reason(settings, cause) or ""
-        # The ledger's restarts are every restart of the run, a lost pod's too (gang/run.py):
-        # one budget.
-        done = len(ledger.restarts) if ledger is not None \
-            else self.restarts_before + self.hangs - 1
-        try:
-            number = policy.admit(settings, done, why, Ending.HUNG)
+        try:  # the ledger's restarts are every restart of the run, a lost pod's too: one budget
+            restart = restarts.begin(
+                settings, self.ledger, self.reporter, why,
+                "stopping the training on every pod and starting it again (it resumes from "
+                "its newest checkpoint)", Ending.HUNG,
+                done=self.restarts_before + self.hangs - 1, culprits=cause.pod)
         except RunHung as final:
             return replace(cause, detail=f"{final}; {cause.detail}")
-        self.reporter.warn(f"RESTART {number}/{settings.restarts}: {why}; stopping the "
-                           f"training on every pod and starting it again (it resumes from "
-                           f"its newest checkpoint)")
-        if ledger is not None:
-            record_or_warn(lambda: ledger.restarting(
-                {"n": number, "reason": why, "culprits": cause.pod}), self.reporter)
-        self.reporter.event(Event.RESTART, n=number, of=settings.restarts, reason=why)
         hub.broadcast({"halt": {"n": self.hangs}})
         self._stop_training(hurried=policy.hurried_stop(settings, cause, False))
         deadline = Deadline.after(settings.stop_timeout + END_WAIT)
@@ -479,13 +472,9 @@ class HeadSupervisor(Supervisor):
             return Cause(Ending.LOST, ", ".join(sorted(waiting)),
                          f"its training did not stop within "
                          f"{settings.stop_timeout + END_WAIT:g} s of the head's halt")
-        wait = policy.backoff(settings, number)
-        if wait:
-            self.reporter.say(f"restart {number}: backing off {wait:g} s "
-                              f"(PODAGENT_RESTART_BACKOFF)")
-            self.signals.sleep(wait)
+        restarts.back_off(restart, self.reporter, self.signals)
         self._again = True
-        self.watch.reset(f"restart {number}")
+        self.watch.reset(f"restart {restart.n}")
         return None
 
     def _judge(self, step: Step, reports: list[dict[str, Any]]) -> Cause | None:

@@ -48,13 +48,13 @@ def client(key: str, url: str, say: Callable[[str], None],
     return Client(key, url, timeout=timeout, say=say)
 
 
-def up(spec: UpSpec, key: str, explain: Callable[[int], str], interrupts: Interrupts,
+def up(spec: UpSpec, key: str, interrupts: Interrupts,
        stream: TextIO | None = None, follow_only: bool = False) -> int:
     extras.require("up", "podagent up's live view")
     view = views.Unblocked(views.choose(stream))
     api = client(key, spec.api_url, lambda line: view.line(f"[up] {line}"), spec.api_timeout)
     try:
-        return Up(spec, api, view, interrupts, explain=explain, follow_only=follow_only).run()
+        return Up(spec, api, view, interrupts, follow_only=follow_only).run()
     finally:
         view.close()
         api.close()

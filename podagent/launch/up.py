@@ -38,6 +38,7 @@ from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, View
 from podagent.launch.watch import CostMeter, Watch
 from podagent.platform.runpod_api import Client
+from podagent.run import exits
 from podagent.wire import Event, GangPhase, HeadState
 
 POLL = 2.0  # seconds between looks at the pods' statuses (one list call for all)
@@ -136,11 +137,9 @@ class Up:
 
     def __init__(self, spec: UpSpec, client: Client, view: View,
                  interrupts: Interrupts | None = None,
-                 explain: Callable[[int], str] = lambda code: f"exit {code}",
                  follow_only: bool = False):
         self.spec, self.client, self.view = spec, client, view
         self.interrupts = interrupts or Interrupts()
-        self.explain = explain  # an exit code's meaning (the CLI's table)
         self.follow_only = follow_only  # `up --name RUN` alone: never create anything
         self.board = Board(spec.run, spec.shape(), expected=spec.workers)
         self.checked: Checked | None = None
@@ -398,7 +397,7 @@ class Up:
         took = time.monotonic() - self.started
         cost = self.watch.cost if self.watch else CostMeter()
         hours, dollars = cost.totals(time.time())
-        outcome = "succeeded" if code == 0 else f"ended: {self.explain(code)}"
+        outcome = "succeeded" if code == 0 else f"ended: {exits.meaning(code)}"
         first = (f"; the job's first line after {self.head.first_job_line - self.started:.1f}"
                  f" s" if self.head.first_job_line else "")
         pace = self.client.pace

@@ -133,9 +133,14 @@ class Ledger:
         self.restarts[-1].update(submission=submission_id, **figures)
         self._write()
 
+    @property
+    def start_ended(self) -> bool:
+        """Whether this start's end is recorded already."""
+        return bool(self.data["starts"]) and "outcome" in self.data["starts"][-1]
+
     def ended(self, outcome: str, job_status: str | None) -> None:
         """This start of the run is over; a finished outcome ends the run for good. Its exit
-        code follows from the outcome (the CLI's table) and is added by `exit_code()`."""
+        code follows from the outcome (run/exits.py) and is added by `exit_code()`."""
         if self.data["starts"]:
             self.data["starts"][-1].update(ended_at=_now(), outcome=outcome)
         if outcome in FINISHED:
@@ -153,7 +158,7 @@ class Ledger:
                 and all(start.get("outcome") == INTERNAL_ERROR for start in last))
 
     def exit_code(self, code: int) -> None:
-        """The code this start exited with (chosen by the CLI): on the start, and on the
+        """The code this start exited with (run/exits.py): on the start, and on the
         run's end when this start finished it."""
         if self.data["starts"]:
             self.data["starts"][-1]["exit_code"] = code

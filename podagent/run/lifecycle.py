@@ -100,14 +100,7 @@ class Lifecycle(Generic[State]):
         """What the `state` event says beside the state's name."""
         return {}
 
-    # --- what the CLI asks once `run()` is over ----------------------------------------------
-
-    def earlier_outcome(self) -> str | None:
-        """The outcome of a run found finished by an earlier start (the code repeats it)."""
-        return None
-
-    def record_exit(self, code: int) -> None:
-        """Keep the code this start exits with, where the role keeps a record (the head)."""
+    # --- what the start asks once `run()` is over ----------------------------------------------
 
     def after_run(self) -> AfterRun | None:
         """What the pod does next once the run is over for good; None when it is not (a

@@ -2,7 +2,7 @@
 signal handling, the one line an error ends a start with, and what the pod does once this
 start is over (`settle`).
 
-Exit codes are chosen only by the command line, which hands its mapping in.
+Exit codes come from the one table (run/exits.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -86,13 +85,14 @@ def claim(settings: config.Settings, run_dir: Path) -> None:
     _claims[run_dir] = held
 
 
-def report_end(exc: Exception, settings: config.Settings, reporter: Reporter,
-               exit_code: Callable[[BaseException], int]) -> int:
-    """The code of a run an error ended, said once: podagent's error as one line (none for a
-    signal: whoever sent it knows), a bug as one line on screen and its traceback in the log."""
+def report_end(exc: Exception, settings: config.Settings, reporter: Reporter) -> int:
+    """The code of a run an error ended (run/exits.py), said once: podagent's error as one
+    line (none for a signal: whoever sent it knows), a bug as one line on screen and its
+    traceback in the log."""
     from podagent.errors import Interrupted, PodagentError
+    from podagent.run import exits
 
-    code = exit_code(exc)
+    code = exits.exit_code(exc)
     if isinstance(exc, PodagentError):
         if not isinstance(exc, Interrupted):
             reporter.error(str(exc))

@@ -12,7 +12,8 @@ import json
 import time
 from pathlib import Path
 
-from podagent import cli, errors
+from podagent import errors
+from podagent.run import exits
 from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
 
@@ -25,7 +26,7 @@ HUNG_RANK = 2
 
 
 def _code(error: type[errors.PodagentError]) -> int:
-    return next(code for cls, code, _ in cli.EXIT_CODES if cls is error)
+    return next(code for cls, code, _ in exits.EXIT_CODES if cls is error)
 
 
 def events(agent: Agent, name: str) -> list[dict]:

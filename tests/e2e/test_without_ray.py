@@ -9,7 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from podagent import cli, errors
+from podagent import errors
+from podagent.run import exits
 from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import _ip, wait_for
 
@@ -23,7 +24,7 @@ LOSS_DEADLINE = 15.0  # the acceptance's bound: every other pod out this soon af
 
 
 def _code(error: type[errors.PodagentError]) -> int:
-    return next(code for cls, code, _ in cli.EXIT_CODES if cls is error)
+    return next(code for cls, code, _ in exits.EXIT_CODES if cls is error)
 
 
 def _three_pods(make_pod, dns_server, tmp_path, agents, launcher: str, *launcher_args: str,

@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from podagent import cli
+from podagent.run import exits
 from tests.fakes import reward_cmd
 from tests.harness.agents import Agent, pod_run_dir
 from tests.harness.pods import DnsServer, Pod, PodNetwork, _ip, _kill_netns_processes
@@ -913,7 +913,7 @@ class CellRun:
         outcomes = [e.get("outcome") for e in c.events(this_start=last)
                     if e.get("event") == "teardown_started"]
         if last and outcomes and outcomes[-1]:
-            expected = cli.code_for_outcome(outcomes[-1])
+            expected = exits.code_for_outcome(outcomes[-1])
             allowed = {130, 143} if expected is None else {expected}
             if done.code not in allowed and not (c.name == "head" and self._finished_earlier(c)):
                 violations.append(f"(b) {c.name} exited {done.code}, but its run ended "

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from podagent import cli, errors
+from podagent import errors
+from podagent.run import exits
 from tests.harness.agents import Agent, clean_environ
 from tests.harness.pods import DnsServer, Pod, PodNetwork, _kill_netns_processes, wait_for
 
@@ -32,7 +33,7 @@ RAY_PORT, DASHBOARD_PORT = 6379, 8265
 VENV_BIN = Path(sys.executable).parent
 # The `ray` beside this Python; a system Python's Ray installed elsewhere has it on PATH.
 RAY = str(VENV_BIN / "ray") if (VENV_BIN / "ray").exists() else (shutil.which("ray") or "ray")
-EXIT_HEAD_LOST = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.HeadLost)
+EXIT_HEAD_LOST = next(code for cls, code, _ in exits.EXIT_CODES if cls is errors.HeadLost)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 import podagent
 from podagent import cli, config, errors
 from podagent.platform import nccl
-from podagent.run import ledger
+from podagent.run import exits, ledger
 
 _DROP_PREFIXES = ("RAY_", "PODAGENT_", "RUNPOD_", "NCCL_", "GLOO_", "WANDB_")
 _DROP_NAMES = {"HEAD_POD_ID", "NODE_RANK", "PRIMARY_ADDR", "NUM_NODES", "EXPECTED_WORKERS",
@@ -259,12 +259,12 @@ EXIT_CODES = [
 @pytest.mark.parametrize(("exc", "code"), EXIT_CODES, ids=[type(e).__name__ for e, _ in
                                                            EXIT_CODES])
 def test_exit_code(exc, code):
-    assert cli.exit_code(exc) == code
+    assert exits.exit_code(exc) == code
 
 
 def test_exit_code_table_documents_every_code():
     documented: set[int] = set()
-    for row in cli.exit_code_table().splitlines()[2:]:
+    for row in exits.table().splitlines()[2:]:
         cell = row.split("|")[1]
         documented.update(int(code) for code in cell.split("/"))
     assert documented == {0} | {code for _, code in EXIT_CODES}
@@ -274,7 +274,7 @@ def test_what_the_pod_does_after_each_code_is_said_for_every_code():
     """The table's third column: a pod stops itself after every code a new start cannot mend
     (RunPod would start it again, and again); the others are left to RunPod's restart."""
     rows = {row.split("|")[1].strip(): row.split("|")[3].strip()
-            for row in cli.exit_code_table().splitlines()[2:]}
+            for row in exits.table().splitlines()[2:]}
     assert rows["2"].startswith("stops itself") and rows["13"].startswith("stops itself")
     assert rows["16"].startswith("stops itself") and rows["23"].startswith("stops itself")
     assert rows["6"].startswith("exits; RunPod starts it again")
@@ -287,9 +287,9 @@ def test_a_finished_runs_code_follows_from_its_recorded_outcome(outcome):
     """A restarted head repeats a finished run's exit code from the outcome alone (the head
     that finished it may have been killed before it wrote the code)."""
     error = getattr(errors, outcome, None)
-    expected = cli.exit_code(error("x")) if error else (70 if outcome == ledger.INTERNAL_ERROR
+    expected = exits.exit_code(error("x")) if error else (70 if outcome == ledger.INTERNAL_ERROR
                                                         else 0)
-    assert cli.code_for_outcome(outcome) == expected
+    assert exits.code_for_outcome(outcome) == expected
 
 
 # --- dry run: the configuration path that touches nothing -------------------------------------

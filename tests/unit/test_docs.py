@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from podagent import cli, config
+from podagent import config
+from podagent.run import exits
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -29,7 +30,7 @@ def test_up_options_table_matches_the_code():
 
 
 def test_readme_exit_code_table_matches_the_code():
-    assert cli.exit_code_table() in README
+    assert exits.table() in README
 
 
 def test_every_setting_is_documented_with_flag_and_variable():

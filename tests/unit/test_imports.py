@@ -1,6 +1,6 @@
 """The package's shape: podagent's import graph has no cycle and no layer imports upward; no
-class of some length goes without a docstring saying its one job, and the top level stays
-small.
+class of some length goes without a docstring saying its one job, the top level stays
+small, and the start sequence and the restart count are the kernel's alone.
 
 Imports are read with `ast` from every module of podagent/, those inside functions (late
 imports) included: a late import still ties two modules together. `from podagent import x`
@@ -215,6 +215,69 @@ def test_neither_engine_imports_the_other():
     crossing = [i for i in IMPORTS if {layer(i.importer)[1], layer(i.imported)[1]}
                 == set(ENGINES)]
     assert not crossing, "\n".join(f"  {i}" for i in crossing)
+
+
+# What only the run kernel does (run/start.py, run/restarts.py): a call of one of these
+# outside podagent/run/ is an engine writing its own start sequence or its own restart count.
+KERNEL_ONLY = {
+    "install_signals": "a start's signal handling", "become_subreaper": "a start's subreaper",
+    "recall": "a start's ledger recall", "report_end": "a start's end line and code",
+    "settle": "what a pod does after a start", "restarting": "a restart's ledger entry",
+    "policy.admit": "a restart's count", "policy.backoff": "a restart's backoff",
+    "event(Event.RESTART)": "a restart's event",
+}
+
+
+def kernel_only_calls(modules: dict[str, Path]) -> list[str]:
+    """Calls outside podagent/run/ of what only the kernel does, as path:line: what."""
+    found = []
+    root = modules["podagent"].parent.parent
+    for module, path in modules.items():
+        if module.startswith("podagent.run.") or module == "podagent.run":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            names = []
+            if isinstance(func, ast.Name):
+                names.append(func.id)
+            elif isinstance(func, ast.Attribute):
+                names.append(func.attr)
+                if isinstance(func.value, ast.Name):
+                    names.append(f"{func.value.id}.{func.attr}")
+                first = node.args[0] if node.args else None
+                if (func.attr == "event" and isinstance(first, ast.Attribute)
+                        and ast.unparse(first) == "Event.RESTART"):
+                    names.append("event(Event.RESTART)")
+            for name in names:
+                if name in KERNEL_ONLY:
+                    found.append(f"  {path.relative_to(root)}:{node.lineno}: {name} "
+                                 f"({KERNEL_ONLY[name]})")
+    return found
+
+
+def test_no_start_sequence_and_no_restart_count_outside_the_kernel():
+    """Both engines are adapters of one start (run/start.py) and one restart (run/restarts.py):
+    neither installs signals, recalls the ledger, picks an exit code, settles the pod, or
+    counts, records or backs off a restart of its own."""
+    found = kernel_only_calls(MODULES)
+    assert not found, "done outside podagent/run/:\n" + "\n".join(found)
+
+
+def test_the_kernel_only_scan_sees_what_it_looks_for(tmp_path):
+    package = tmp_path / "podagent"
+    (package / "run").mkdir(parents=True)
+    (package / "gang").mkdir()
+    for init in (package, package / "run", package / "gang"):
+        (init / "__init__.py").write_text("")
+    (package / "run" / "start.py").write_text("install_signals(r)\npolicy.admit(s, 0, 'x')\n")
+    (package / "gang" / "run.py").write_text(
+        "import x\nsignals = install_signals(r)\nn = policy.admit(s, 0, 'w')\n"
+        "r.event(Event.RESTART, n=1)\nledger.restarting({})\nr.event(Event.EXIT)\n")
+    found = kernel_only_calls(module_files(package))
+    assert [line.split(": ", 1)[1].split(" (")[0] for line in found] == [
+        "install_signals", "policy.admit", "event(Event.RESTART)", "restarting"]
 
 
 def test_leaves_import_nothing_of_podagent():

@@ -9,9 +9,10 @@ import json
 
 import pytest
 
-from podagent import cli, config, runstate
+from podagent import config, runstate
 from podagent.errors import RestartsExhausted, RunHung
 from podagent.gang.messages import MAX_QUIET, Beat, Dumped, Malformed, from_worker
+from podagent.run import exits
 from podagent.run.policy import Cause, admit, restart_reason, stronger
 from podagent.wire import Ending
 
@@ -107,7 +108,7 @@ def test_a_hang_once_restarts_are_used_up_ends_the_run_as_hung_with_its_own_code
     with pytest.raises(RunHung, match="PODAGENT_RESTARTS=2") as hung:
         admit(settings, 2, "a hang", Ending.HUNG)
     assert not isinstance(hung.value, RestartsExhausted)
-    assert cli.exit_code(hung.value) == 25
+    assert exits.exit_code(hung.value) == 25
 
 
 @pytest.mark.parametrize("kind", [Ending.LOST, Ending.FAILED])
@@ -115,7 +116,7 @@ def test_other_causes_once_restarts_are_used_up_are_restarts_exhausted(kind):
     settings = config.build({}, {"PODAGENT_RESTARTS": "0"})
     with pytest.raises(RestartsExhausted) as exhausted:
         admit(settings, 0, "lost podB", kind)
-    assert cli.exit_code(exhausted.value) == 16
+    assert exits.exit_code(exhausted.value) == 16
 
 
 def test_a_final_hang_is_a_run_hung_error_on_every_pod():

@@ -13,16 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from podagent import cli, config, errors
-from podagent.gang.run import check_restarts
-from podagent.run import policy
-from podagent.run.ledger import Ledger
-from podagent.wire import Ending
+from podagent import errors
+from podagent.run import exits
 from tests.harness.agents import clean_environ
 from tests.harness.pods import wait_for
 
-BAD_INPUT = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.ConfigError)
-OVERLAP = next(code for cls, code, _ in cli.EXIT_CODES if cls is errors.DataOverlap)
+BAD_INPUT = next(code for cls, code, _ in exits.EXIT_CODES if cls is errors.ConfigError)
+OVERLAP = next(code for cls, code, _ in exits.EXIT_CODES if cls is errors.DataOverlap)
 
 
 def _free_port() -> int:
@@ -248,58 +245,6 @@ def test_two_pods_whose_run_directories_coincide_are_refused_not_mixed(tmp_path)
 def _read(logs: Path) -> str:
     """Every pod log under `logs`, as text."""
     return "".join(p.read_text(errors="replace") for p in logs.glob("*/*/podagent-*.log"))
-
-
-def test_hang_restarts_and_lost_pod_restarts_share_one_budget(tmp_path):
-    """A run without Ray keeps one PODAGENT_RESTARTS budget whatever the mix of causes: a
-    hang's restart (the supervisor records it in the ledger) counts against the restarts
-    after lost pods, and each lost pod's restart is recorded there once for the hang's count."""
-    settings = config.build({}, {"PODAGENT_RESTARTS": "2", "PODAGENT_LOG_DIR": str(tmp_path)})
-    ledger = Ledger.load(tmp_path, "r")
-    ledger.started("pod")
-    assert check_restarts(settings, ledger) == 0
-    # a hang in the first start: restarted in place (what HeadSupervisor records)
-    ledger.restarting({"n": policy.admit(settings, len(ledger.restarts), "hang",
-                                         Ending.HUNG), "reason": "hang"})
-    ledger.ended("PeerLost", None)  # then a pod was lost: the containers start it again
-    ledger.started("pod")
-    assert check_restarts(settings, ledger) == 2  # the second restart of the run, not the first
-    assert check_restarts(settings, ledger) == 0  # counted once, however often it is asked
-    assert len(Ledger.load(tmp_path, "r").restarts) == 2  # on the volume, for the next start
-    with pytest.raises(errors.RunHung, match="already restarted 2 time"):
-        policy.admit(settings, len(ledger.restarts), "hang", Ending.HUNG)  # a hang now
-    ledger.ended("PeerLost", None)
-    ledger.started("pod")
-    with pytest.raises(errors.RestartsExhausted, match="already restarted 2 time"):
-        check_restarts(settings, ledger)
-
-
-def test_a_run_whose_pods_keep_getting_lost_is_started_again_only_so_often(tmp_path):
-    settings = config.build({}, {"PODAGENT_RESTARTS": "2", "PODAGENT_LOG_DIR": str(tmp_path)})
-    ledger = Ledger.load(tmp_path, "r")
-    for outcome in ("PeerLost", "WorkersTimeout"):  # the first start, then a restart, ended so
-        ledger.started("pod")
-        ledger.ended(outcome, None)
-    ledger.started("pod")
-    assert check_restarts(settings, ledger) == 2  # the second restart may run
-    ledger.ended("PeerLost", None)
-    ledger.started("pod")
-    with pytest.raises(errors.RestartsExhausted, match=r"lost or missing 3 time\(s\); the run "
-                                                       r"was already restarted 2 time\(s\) "
-                                                       r"\(PODAGENT_RESTARTS=2\)"):
-        check_restarts(settings, ledger)
-
-
-def test_a_first_start_is_no_restart_and_the_backoff_doubles(tmp_path):
-    settings = config.build({}, {"PODAGENT_RESTARTS": "5", "PODAGENT_RESTART_BACKOFF": "4",
-                                 "PODAGENT_LOG_DIR": str(tmp_path)})
-    ledger = Ledger.load(tmp_path, "r")
-    ledger.started("pod")
-    assert check_restarts(settings, ledger) == 0
-    ledger.ended("JobFailed", None)  # a finished run is never a restart
-    ledger.started("pod")
-    assert check_restarts(settings, ledger) == 0
-    assert [policy.backoff(settings, n) for n in (1, 2, 3, 8)] == [4.0, 8.0, 16.0, 300.0]
 
 
 def test_every_launcher_the_settings_take_has_its_class():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from podagent import cli, config, errors
+from podagent import config, errors
+from podagent.run import exits
 from podagent.run.policy import Cause, hurried_stop, restart_reason, stronger
 from podagent.wire import Ending
 
@@ -15,7 +16,7 @@ HEAD, W1, W2 = "10.0.0.1 (h)", "10.0.0.2 (a)", "10.0.0.3 (b)"
 
 def _exit(cause: Cause, me: str) -> tuple[int, str]:
     error = cause.error(me, "torchrun")
-    return (0, "") if error is None else (cli.exit_code(error), str(error))
+    return (0, "") if error is None else (exits.exit_code(error), str(error))
 
 
 def test_a_lost_pod_outranks_the_failures_that_follow_it_whatever_came_first():
@@ -48,7 +49,7 @@ def test_a_failed_training_fails_the_run_on_every_pod_naming_where():
 
 def test_a_stop_a_failed_data_check_and_a_success_exit_alike_on_every_pod():
     for me in (HEAD, W1):
-        assert _exit(Cause("stopped", "pod-x"), me)[0] == cli.exit_code(errors.JobStopped("x"))
+        assert _exit(Cause("stopped", "pod-x"), me)[0] == exits.exit_code(errors.JobStopped("x"))
         assert _exit(Cause("overlap", HEAD, "data check: ..."), me) == (23, "data check: ...")
         assert _exit(Cause("succeeded"), me) == (0, "")
 
@@ -85,9 +86,9 @@ def test_with_on_node_loss_fail_a_lost_pod_fails_the_run_on_every_pod():
     assert restart_reason(settings, lost) is None
     for me in (HEAD, W2):
         error = lost.error(me, "torchrun", settings)
-        assert cli.exit_code(error) == 3 and "PODAGENT_ON_NODE_LOSS=fail" in str(error)
+        assert exits.exit_code(error) == 3 and "PODAGENT_ON_NODE_LOSS=fail" in str(error)
     assert restart_reason(config.build({}, {}), lost) == f"lost {W1}"
-    assert cli.exit_code(lost.error(W2, "torchrun", config.build({}, {}))) == 22
+    assert exits.exit_code(lost.error(W2, "torchrun", config.build({}, {}))) == 22
 
 
 # --- a Ray job's end -----------------------------------------------------------------------------
