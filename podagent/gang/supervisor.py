@@ -472,7 +472,8 @@ class HeadSupervisor(Supervisor):
             return Cause(Ending.LOST, ", ".join(sorted(waiting)),
                          f"its training did not stop within "
                          f"{settings.stop_timeout + END_WAIT:g} s of the head's halt")
-        restarts.back_off(restart, self.reporter, self.signals)
+        # Counted from the training's stop on every pod: stopping it is no pause.
+        restarts.back_off(restart, self.reporter, self.signals, since=time.monotonic())
         self._again = True
         self.watch.reset(f"restart {restart.n}")
         return None

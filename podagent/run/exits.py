@@ -151,5 +151,8 @@ def meaning(code: int) -> str:
     if code == EXIT_INTERNAL:
         return "internal error in podagent"
     if code > 128:
-        return f"stopped by {signal.Signals(code - 128).name}"
+        try:
+            return f"stopped by {signal.Signals(code - 128).name}"
+        except ValueError:  # no such signal: a code a job chose
+            return f"exit {code}"
     return next((meaning for _, c, meaning in EXIT_CODES if c == code), f"exit {code}")

@@ -58,10 +58,12 @@ def begin(settings: Settings, ledger: Ledger | None, reporter: Reporter, why: st
     return restart
 
 
-def back_off(restart: Restart, reporter: Reporter, signals: Signals) -> None:
-    """Wait for what is left of the restart's backoff (the engine may have spent some of it
-    waiting for the pods); a signal ends the wait."""
-    wait = restart.earliest - time.monotonic()
+def back_off(restart: Restart, reporter: Reporter, signals: Signals,
+             since: float | None = None) -> None:
+    """Wait for what is left of the restart's backoff, counted from `since` (monotonic; by
+    default from the restart's start: the Ray head spends it waiting for the pods); a signal
+    ends the wait."""
+    wait = (restart.began if since is None else since) + restart.backoff - time.monotonic()
     if wait > 0:
         reporter.say(f"restart {restart.n}: backing off {wait:.1f} s (PODAGENT_RESTART_BACKOFF)")
         signals.sleep(wait)

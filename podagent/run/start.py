@@ -104,10 +104,13 @@ def start(settings: config.Settings, engine: Callable[[], Engine], *, dry_run: b
 
 def _run(settings: config.Settings, engine: Engine) -> int:
     decision = engine.decision
-    # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
-    # service) inherits the key. The settings keep their own copy of the environment.
-    os.environ.pop(config.RUNPOD_API_KEY, None)
     reporter = reporter_for(settings, decision.role.value, run_dir=settings.run_dir)
+    # podagent alone talks to RunPod's API: no child (Ray, the job, the reward server, W&B's
+    # service) inherits a key. The settings keep their own copy of the environment; until the
+    # pod's directory is this process's (reporter_for claims it), an error ends the start at
+    # the command line's boundary, which stops the pod with the key from the environment.
+    for key in (config.RUNPOD_API_KEY, config.RUNPOD_ACCOUNT_KEY):
+        os.environ.pop(key, None)
     for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
         reporter.log_only(f"WARNING: {warning}")
     words, fields = engine.greeting()
@@ -128,6 +131,7 @@ def _run(settings: config.Settings, engine: Engine) -> int:
         if engine.keeps_ledger:
             ledger = Ledger.load(settings.run_dir, settings.run_name)
             finished = recall(ledger, settings.run_name, settings.run_dir, reporter)
+        signals.check()  # a signal already: it ends the start, as between a lifecycle's states
         if finished is None:
             engine.run(Start(settings, decision, reporter, signals, ledger), ending)
         else:  # it ends as it did: the code follows from the outcome, so a head killed
