@@ -355,7 +355,7 @@ class Head(Lifecycle[HeadState]):
     # --- what the CLI asks, and teardown -------------------------------------------------------
 
     def after_run(self) -> AfterRun | None:
-        return AfterRun(self.settings.after_run) if self.ledger.finished else None
+        return self.settings.after_run if self.ledger.finished else None
 
     def over_word(self) -> tuple[str, list[str]] | None:
         return self._node.over_word() if self._node else None

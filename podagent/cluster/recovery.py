@@ -65,7 +65,7 @@ class Recovery:
     def note_alive(self, alive: set[str]) -> None:
         """The workers alive now (one look at the node table while the job runs): a loss is
         reported once, and with PODAGENT_ON_NODE_LOSS=restart ends the job's follow."""
-        policy = OnNodeLoss(self.settings.on_node_loss)
+        policy = self.settings.on_node_loss
         if self.census.note_losses(alive, AFTER_LOSS[policy]) and policy is OnNodeLoss.RESTART:
             raise NodeLost()
 

@@ -163,13 +163,7 @@ class Worker(Lifecycle[WorkerState]):
         over = beacon.ask(ip, settings.supervisor_port, settings.run_name, settings.auth_token,
                           timeout=OVER_ASK_TIMEOUT)
         if over is not None:
-            try:
-                self._after_run = AfterRun(over.after_run)
-            except ValueError:
-                self._after_run = AfterRun(settings.after_run)
-            self.reporter.say(f"the head {ip} says run {over.run} is over ({over.outcome}, "
-                              f"exit {over.code}): this pod was away when it closed; leaving")
-            self.reporter.event(Event.RUN_OVER, outcome=over.outcome, code=over.code)
+            self._after_run = over.heard(self.reporter, ip, settings.after_run)
             raise RunOver(over)
 
     @property

@@ -83,10 +83,9 @@ def build(
             values["run_name"] = time.strftime("podagent-%Y%m%d-%H%M%S", started)
     # A RunPod pod whose process exits is restarted, and would run again: stay up instead.
     values.setdefault("after_run", AfterRun.default(
-        on_runpod=bool(values.get("pod_id")), can_stop=bool(runpod_key(env, from_file=False))
-    ).value)
+        on_runpod=bool(values.get("pod_id")), can_stop=bool(runpod_key(env, from_file=False))))
     restarts = values.get("restarts", FIELD_BY_ATTR["restarts"].default)
-    values.setdefault("on_node_loss", OnNodeLoss.default(restarts).value)
+    values.setdefault("on_node_loss", OnNodeLoss.default(restarts))
     values.setdefault("log_dir", _default_log_dir())
     profile = trainers.read(values["job"]) if values.get("job") else None
     if profile is not None and "resume_flag" not in values:

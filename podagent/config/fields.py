@@ -43,6 +43,7 @@ from podagent.config.parsers import (
     http_url,
     ipv4,
     key,
+    named,
     number,
     path,
     pod_id,
@@ -315,11 +316,11 @@ FIELDS: tuple[Field, ...] = (
         Field("stop_timeout", "PODAGENT_STOP_TIMEOUT", "--stop-timeout", seconds,
               "Seconds a child gets after SIGTERM before SIGKILL; left unset, a training "
               "without Ray that a lost pod or a hang ends gets at most 3 s.", default=10.0),
-        Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", choice(*AFTER_RUN),
+        Field("after_run", "PODAGENT_AFTER_RUN", "--after-run", named(AfterRun),
               "What podagent does when the run is over, or after an exit a new start cannot mend "
               "(bad input, a refused token, restarts used up, a crash loop): "
               + one_of([f"{policy} ({policy.meaning})" for policy in AfterRun]) + ".",
-              default=AfterRun.EXIT.value,
+              default=AfterRun.EXIT,
               default_doc="stop-pod on RunPod (RUNPOD_POD_ID and its RUNPOD_API_KEY set; stay "
                           "without the key), else exit"),
         Field("runpod_api_url", RUNPOD_API_URL, "--runpod-api-url", http_url,
@@ -340,12 +341,12 @@ FIELDS: tuple[Field, ...] = (
               "it stops the training on every pod.", default=5.0),
     ),
     *_in("restarts",
-        Field("on_node_loss", "PODAGENT_ON_NODE_LOSS", "--on-node-loss", choice(*ON_NODE_LOSS),
+        Field("on_node_loss", "PODAGENT_ON_NODE_LOSS", "--on-node-loss", named(OnNodeLoss),
               "What the head does when a node of the running job is lost: restart (stop the job at "
               "once, wait until the cluster is whole again, a replacement pod counting, and submit "
               "it again resuming from the newest checkpoint), wait (leave the job to decide; if it "
               "fails, restart it as above) or fail (leave the job to decide, never restart).",
-              default=OnNodeLoss.RESTART.value,
+              default=OnNodeLoss.RESTART,
               default_doc="restart when PODAGENT_RESTARTS > 0, else fail"),
         Field("restarts", "PODAGENT_RESTARTS", "--restarts", whole(0, 1000),
               "How many times a run may be restarted after a lost node, a hang "

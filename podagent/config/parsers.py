@@ -14,8 +14,12 @@ import os
 import re
 import shlex
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
+
+E = TypeVar("E", bound=Enum)
 
 _LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
@@ -126,6 +130,19 @@ def http_url(raw: str) -> str:
             or any(c.isspace() or not c.isprintable() for c in raw)):
         raise ValueError(rule)
     return raw.rstrip("/")
+
+
+def named(kind: type[E]) -> Callable[[str], E]:
+    """One of an enum's names, parsed into its member: code then holds the member, never the
+    name to convert again."""
+    allowed = tuple(member.value for member in kind)
+
+    def parse(raw: str) -> E:
+        if raw not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return kind(raw)
+
+    return parse
 
 
 def choice(*allowed: str) -> Callable[[str], str]:

@@ -791,7 +791,7 @@ class HeadSaysOver(Exception):
     reads and checks it): this pod was away when the run ended."""
 
     def __init__(self, rv: Rendezvous, line: bytes):
-        self.line = line
+        self.line, self.head = line, rv.head_ip
         super().__init__(f"{rv}: the head says the run is over")
 
 

@@ -9,8 +9,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from podagent.choices import AfterRun
-from podagent.config import AFTER_RUN, Settings
+from podagent.config import Settings
 from podagent.errors import HeadUnreachable
 from podagent.gang import mesh
 from podagent.gang.launchers import (
@@ -89,10 +88,7 @@ class GangRole:
             if over is None:
                 raise HeadUnreachable(f"{said}: not this run's head, or not proven with the "
                                       f"cluster token") from None
-            reporter.say(f"the head says run {over.run} is over ({over.outcome}, exit "
-                         f"{over.code}): this pod was away when it closed; leaving")
-            ending.after_run = (AfterRun(over.after_run) if over.after_run in AFTER_RUN
-                                else AfterRun(settings.after_run))
+            ending.after_run = over.heard(reporter, said.head, settings.after_run)
             return
         if head_addr:
             ending.over_word = (head_addr, [])

@@ -340,8 +340,11 @@ def settle_unconfigured(environ: Mapping[str, str], code: int,
     unless PODAGENT_AFTER_RUN asks otherwise."""
     if not environ.get("RUNPOD_POD_ID", "").strip():
         return
-    raw = environ.get("PODAGENT_AFTER_RUN", "").strip()
-    policy = raw if raw in {p.value for p in AfterRun} else AfterRun.STOP_POD.value
+    field = config.FIELD_BY_ATTR["after_run"]  # its variable and rule, as the settings read it
+    try:
+        policy = field.parse(environ.get(field.env, "").strip())
+    except ValueError:  # unset, or itself the bad input: a pod that bills must not stay up
+        policy = AfterRun.STOP_POD
     try:  # the address may be the bad input itself
         url = config.http_url(environ.get(runpod_api.API_URL, "").strip() or
                               runpod_api.DEFAULT_URL)

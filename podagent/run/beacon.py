@@ -23,7 +23,13 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from podagent.choices import AfterRun
+from podagent.wire import Event
+
+if TYPE_CHECKING:
+    from podagent.report import Reporter
 
 ANSWER_LIMIT = 4096  # bytes of an answer a worker reads: the line is short
 TICK = 0.25
@@ -39,6 +45,17 @@ class Over:
     def fields(self) -> dict[str, Any]:
         return {"run": self.run, "outcome": self.outcome, "code": self.code,
                 "after_run": self.after_run}
+
+    def heard(self, reporter: Reporter, head: str, settings_after_run: AfterRun) -> AfterRun:
+        """A worker that was away when its head closed the run heard this: said once, and what
+        the pod does next, as the head asked (a policy this podagent does not know: its own)."""
+        reporter.say(f"the head {head} says run {self.run} is over ({self.outcome}, exit "
+                     f"{self.code}): this pod was away when it closed; leaving")
+        reporter.event(Event.RUN_OVER, outcome=self.outcome, code=self.code)
+        try:
+            return AfterRun(self.after_run)
+        except ValueError:
+            return settings_after_run
 
     def proof(self, token: str | None) -> str:
         if not token:

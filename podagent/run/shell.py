@@ -137,7 +137,7 @@ def settle(settings: config.Settings, reporter: Reporter, signals: Signals, end:
     A signal (RunPod stopping the pod) ends it at once."""
     if signals.received:
         return
-    policy = policy or AfterRun(settings.after_run)
+    policy = policy or settings.after_run
     summary = (f"run {settings.run_name} is over (exit {end.code}); logs in {settings.run_dir}"
                if end.over else f"exit {end.code}; logs in {settings.run_dir}")
     pod = after_run.Pod(settings.pod_id, settings.runpod_api_key, settings.runpod_api_url)

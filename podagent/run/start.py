@@ -151,7 +151,7 @@ def _run(settings: config.Settings, engine: Engine) -> int:
     over = ending.after_run is not None or bool(ledger and ledger.finished)
     end = after_run.End(code, over=over, restartable=exits.restartable(code))
     settle(settings, reporter, signals, end, started,
-           ending.after_run or (AfterRun(settings.after_run) if over else None),
+           ending.after_run or (settings.after_run if over else None),
            ending.over_word)
     reporter.close()
     return code
