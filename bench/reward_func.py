@@ -143,16 +143,16 @@ def child(mode: str, *args: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def start_server(rule_file: str, workers: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(server_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """podagent's reward server with these options on a free port, once it answers /health
+    (this bench's and bench/verl_client.py's); (the process, its /get_reward URL)."""
     sys.path.insert(0, str(REPO))
     from podagent.waiting import Backoff, NotYet, retry
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv = [sys.executable, "-m", "podagent.rewards", "--port", str(port), "--func", rule_file]
-    if workers:
-        argv += ["--workers", str(workers)]
+    argv = [sys.executable, "-m", "podagent.rewards", "--port", str(port), *server_args]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=REPO,
@@ -197,7 +197,9 @@ def main() -> int:
             rule_file = Path(tmp, f"{name}.py")
             rule_file.write_text(textwrap.dedent(text))
             local = child("in-process", str(rule_file), str(count), str(args.seed))
-            proc, url = start_server(str(rule_file), args.workers, Path(tmp, f"{name}.log"))
+            workers = ["--workers", str(args.workers)] if args.workers else []
+            proc, url = start_server(["--func", str(rule_file), *workers],
+                                     Path(tmp, f"{name}.log"))
             try:
                 remote = child("served", str(rule_file), str(count), str(args.seed), url,
                                str(args.in_flight))

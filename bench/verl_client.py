@@ -40,43 +40,6 @@ import reward_func as rf  # noqa: E402 (bench/reward_func.py: the workload)
 from tests.harness.benchkit import git_commit, median, table, write_results  # noqa: E402
 
 WAYS = ("batched", "sync", "async")
-START_TIMEOUT = 120.0
-
-
-def start_server(workers: int, log: Path) -> tuple[subprocess.Popen, str]:
-    from podagent.waiting import Backoff, NotYet, retry
-
-    port = _free_port()
-    argv = [sys.executable, "-m", "podagent.rewards", "--port", str(port), "--scoring",
-            "boxed", "--workers", str(workers)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=REPO,
-                                env={k: v for k, v in os.environ.items()
-                                     if not k.startswith("PODAGENT_")})
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> None:
-        import requests
-
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            requests.get(f"{url}/health", timeout=5).raise_for_status()
-        except requests.RequestException as exc:
-            raise NotYet(str(exc)) from None
-
-    retry(ready, awaited="the reward server to answer /health", backoff=Backoff(0.1, 0.5),
-          deadline=START_TIMEOUT)
-    return proc, f"{url}/get_reward"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child(way: str, url: str, items_path: str, reward_workers: int) -> dict[str, object]:
@@ -143,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="verl-client-"))
-    proc, url = start_server(args.workers, args.out / "server.log")
+    proc, url = rf.start_server(["--scoring", "boxed", "--workers", str(args.workers)],
+                                args.out / "server.log")
     runs: list[dict[str, object]] = []
     try:
         warm = work / "warm.json"  # the verifiers' first items, untimed

@@ -115,6 +115,20 @@ class Supervisor(Lifecycle[GangPhase]):
     def phase(self) -> GangPhase:
         return self.state
 
+    def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
+        """The same phases on every pod; the head's and a worker's handlers differ."""
+        return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
+                GangPhase.ENDING: self._end}
+
+    def _rendezvous(self) -> GangPhase:
+        raise NotImplementedError
+
+    def _running(self) -> GangPhase:
+        raise NotImplementedError
+
+    def _end(self) -> GangPhase:
+        raise NotImplementedError
+
     def _check_signals(self) -> None:
         pass  # every handler turns a signal into the run's end (`_signal_cause`)
 
@@ -277,10 +291,6 @@ class HeadSupervisor(Supervisor):
 
     _again = False  # the step runs again (a restart after a hang)
     _resumed: tuple[str, ...] | None = None  # the training as decided for its next start
-
-    def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
-        return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
-                GangPhase.ENDING: self._end}
 
     def _rendezvous(self) -> GangPhase:
         hub = mesh.Hub(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
@@ -560,10 +570,6 @@ class WorkerSupervisor(Supervisor):
         if self._told is None:
             return resume.starting(self.settings, self.plan.script, self.reporter).command
         return resume.as_told(self.settings, self.plan.script, self._told, self.reporter)
-
-    def handlers(self) -> dict[GangPhase, Callable[[], GangPhase]]:
-        return {GangPhase.RENDEZVOUS: self._rendezvous, GangPhase.RUNNING: self._running,
-                GangPhase.ENDING: self._end}
 
     def _rendezvous(self) -> GangPhase:
         link = mesh.Link(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
