@@ -5,6 +5,7 @@ reports its own errors, through the start (run/start.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
-from podagent import __version__, config, errors, extras
+from podagent import __version__, config, errors
 from podagent.choices import RAY_LAUNCHER
 from podagent.platform.roles import Role, detect_role
 from podagent.ray_access import ray_compat
@@ -176,12 +177,41 @@ def _build(flags: dict[str, str | None],
     return config.build(flags, os.environ, job_argv)
 
 
+def _ray_role(settings: config.Settings, explicit: Role | None, data_check: bool,
+              loader: str | None) -> Any:
+    from podagent.cluster.run import RayRole
+
+    return RayRole(settings, explicit)
+
+
+def _gang_role(settings: config.Settings, explicit: Role | None, data_check: bool,
+               loader: str | None) -> Any:
+    from podagent.gang.run import GangRole
+
+    return GangRole(settings, data_check, loader)
+
+
+# What runs a pod's role, by PODAGENT_LAUNCHER (`podagent head|worker` name Ray, `podagent
+# torchrun|accelerate` their launcher): each makes the role the kernel's start runs.
+ENGINES: dict[str, Callable[[config.Settings, Role | None, bool, str | None], Any]] = {
+    RAY_LAUNCHER: _ray_role, "torchrun": _gang_role, "accelerate": _gang_role}
+
+
+def _start(settings: config.Settings, explicit: Role | None = None, dry_run: bool = False,
+           data_check: bool = False, loader: str | None = None) -> None:
+    """This pod's role, started as every role is (run/start.py); exits with its code."""
+    from podagent.run import start
+
+    make = ENGINES[settings.launcher]
+    sys.exit(start.start(settings, lambda: make(settings, explicit, data_check, loader),
+                         dry_run=dry_run))
+
+
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
               job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
-    from podagent.cluster import run
-
-    settings = _build(flags, job_argv)
-    sys.exit(run.run_role(settings, explicit, dry_run=dry_run))
+    """`podagent head|worker`: a role of the Ray engine, whatever PODAGENT_LAUNCHER says."""
+    settings = dataclasses.replace(_build(flags, job_argv), launcher=RAY_LAUNCHER)
+    _start(settings, explicit, dry_run)
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -222,14 +252,11 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
     """
     if ctx.invoked_subcommand is None:
         settings = _build(_flags(ctx, flags))
-        if settings.launcher != RAY_LAUNCHER:  # a run without Ray, its job the launcher's args
-            if not settings.job:
-                raise errors.InputError(
-                    f"{settings.source_name('launcher')}={settings.launcher} needs the job: "
-                    f"PODAGENT_JOB='[{settings.launcher.upper()} OPTIONS] [--] SCRIPT ARGS'")
-            _run_without_ray(settings, settings.launcher, settings.job, bool(dry_run),
-                             data_check=False, loader=None)
-        _run_role(_flags(ctx, flags), explicit=None, dry_run=bool(dry_run))
+        if settings.launcher != RAY_LAUNCHER and not settings.job:  # the launcher's args
+            raise errors.InputError(
+                f"{settings.source_name('launcher')}={settings.launcher} needs the job: "
+                f"PODAGENT_JOB='[{settings.launcher.upper()} OPTIONS] [--] SCRIPT ARGS'")
+        _start(settings, dry_run=bool(dry_run))
 
 
 @main.command("help", context_settings=CONTEXT)
@@ -422,27 +449,6 @@ def _launcher_settings(ctx: click.Context, name: str, launcher_args: tuple[str, 
     return _build(_flags(ctx, {"launcher": name}), launcher_args or None)
 
 
-def _run_without_ray(settings: config.Settings, name: str, launcher_args: tuple[str, ...],
-                     dry_run: bool, data_check: bool, loader: str | None) -> None:
-    from podagent.gang import run as gang_run
-
-    extras.require_torch(f"podagent {name}")
-    if name == "accelerate":
-        extras.require("accelerate", "podagent accelerate")
-    if loader is not None:
-        if not data_check:
-            raise errors.InputError("--loader goes with --data-check")
-        from podagent.gang import datacheck
-
-        datacheck.check_loader_spec(loader)
-    launcher = gang_run.launcher_for(name, launcher_args)
-    if not launcher.script and not data_check:
-        raise errors.InputError(f"podagent {name} needs a training script: podagent {name} "
-                                f"[OPTIONS] [--] SCRIPT ARGS (or --data-check)")
-    sys.exit(gang_run.run(settings, launcher, data_check=data_check, loader=loader,
-                          dry_run=dry_run))
-
-
 @main.command(context_settings=LAUNCHER_CONTEXT)
 @launcher_options
 @_boundary(pod=True)
@@ -457,8 +463,8 @@ def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool |
     Options you pass win over podagent's. podagent stays and watches: a pod lost, or a
     training that fails on one pod, stops the training on every pod within seconds.
     """
-    _run_without_ray(_launcher_settings(ctx, "torchrun", launcher_args), "torchrun", launcher_args,
-                     _dry(ctx, dry_run), data_check, loader)
+    _start(_launcher_settings(ctx, "torchrun", launcher_args), dry_run=_dry(ctx, dry_run),
+           data_check=data_check, loader=loader)
 
 
 @main.command(context_settings=LAUNCHER_CONTEXT)
@@ -473,8 +479,8 @@ def accelerate(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool
     --config_file is kept and each of its per-machine values podagent overrides is said.
     Supervised as `podagent torchrun` is.
     """
-    _run_without_ray(_launcher_settings(ctx, "accelerate", launcher_args), "accelerate",
-                     launcher_args, _dry(ctx, dry_run), data_check, loader)
+    _start(_launcher_settings(ctx, "accelerate", launcher_args), dry_run=_dry(ctx, dry_run),
+           data_check=data_check, loader=loader)
 
 
 @main.command(context_settings=CONTEXT)

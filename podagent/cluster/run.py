@@ -21,15 +21,10 @@ if TYPE_CHECKING:  # the lifecycles load only when a role runs
     from podagent.run.lifecycle import Lifecycle
 
 
-def run_role(settings: config.Settings, explicit: Role | None, *, dry_run: bool) -> int:
-    """This pod's role on Ray, started as every role is (run/start.py): the exit code."""
-    return run_start.start(settings, lambda: RayRole(settings, explicit), dry_run=dry_run)
-
-
 class RayRole:
     """The head or a worker of a Ray cluster, as a start runs it."""
 
-    def __init__(self, settings: config.Settings, explicit: Role | None):
+    def __init__(self, settings: config.Settings, explicit: Role | None = None):
         self.settings = settings
         self.decision: RoleDecision = detect_role(settings, explicit)
         self.ray = ray_compat.require()

@@ -1,6 +1,7 @@
 """`podagent torchrun` and `podagent accelerate` on this pod: the engine without Ray, as a start
-(run/start.py) runs it. Its role keeps the run's ledger on every pod (each pod's own): a start
-after lost pods is a restart of the run (run/restarts.py), and the supervised run.
+(run/start.py) runs it (the command line picks it by PODAGENT_LAUNCHER). Its role keeps the
+run's ledger on every pod (each pod's own): a start after lost pods is a restart of the run
+(run/restarts.py), and the supervised run.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+from podagent import extras
 from podagent.config import Settings
-from podagent.errors import HeadUnreachable
+from podagent.errors import HeadUnreachable, InputError
 from podagent.gang import mesh
 from podagent.gang.launchers import (
     Accelerate,
@@ -39,28 +41,43 @@ def launcher_for(name: str, user_args: Sequence[str]) -> Launcher:
     return LAUNCHERS[name](user_args)
 
 
-def run(settings: Settings, launcher: Launcher, *, data_check: bool, loader: str | None,
-        dry_run: bool) -> int:
-    """This pod's part of a run without Ray, started as every role is: the exit code."""
-    return run_start.start(settings, lambda: GangRole(settings, launcher, data_check, loader),
-                           dry_run=dry_run)
-
-
 class GangRole:
-    """The head or a worker of a run without Ray, as a start runs it."""
+    """The head or a worker of a run without Ray (torchrun or accelerate: PODAGENT_LAUNCHER, the
+    launcher's arguments the job's), as a start runs it."""
 
     keeps_ledger = True  # each pod its own: its starts, its restarts, its end
 
-    def __init__(self, settings: Settings, launcher: Launcher, data_check: bool,
-                 loader: str | None):
-        self.settings, self.launcher = settings, launcher
-        self.data_check, self.loader = data_check, loader
+    def __init__(self, settings: Settings, data_check: bool = False, loader: str | None = None):
+        self.settings, self.data_check, self.loader = settings, data_check, loader
+        self.name = settings.launcher
         self.decision: RoleDecision = detect_role(settings)
         self.asked_rank: int | None = None
+        self._launcher: Launcher | None = None
+
+    @property
+    def launcher(self) -> Launcher:
+        if self._launcher is None:
+            raise RuntimeError("the launcher is made by check()")
+        return self._launcher
 
     def check(self) -> None:
-        # A machine rank that contradicts the worked-out one: exit 2, now.
-        self.asked_rank = self.launcher.requested_rank(self.settings, self.decision.role)
+        """The optional parts, the data check's loader, the launcher's arguments and the
+        machine rank asked: bad input is one line and exit 2, now."""
+        name, settings = self.name, self.settings
+        extras.require_torch(f"podagent {name}")
+        if name == "accelerate":
+            extras.require("accelerate", "podagent accelerate")
+        if self.loader is not None:
+            if not self.data_check:
+                raise InputError("--loader goes with --data-check")
+            from podagent.gang import datacheck
+
+            datacheck.check_loader_spec(self.loader)
+        launcher = self._launcher = launcher_for(name, settings.job or ())
+        if not launcher.script and not self.data_check:
+            raise InputError(f"podagent {name} needs a training script: podagent {name} "
+                             f"[OPTIONS] [--] SCRIPT ARGS (or --data-check)")
+        self.asked_rank = launcher.requested_rank(settings, self.decision.role)
 
     def dry_run(self) -> None:
         _dry_run(self.settings, self.launcher, self.decision.role, self.decision.reason,
