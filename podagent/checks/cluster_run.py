@@ -8,6 +8,7 @@ import time
 
 from podagent import config, extras
 from podagent.errors import JobSubmitFailed, PodagentError
+from podagent.platform import discovery
 from podagent.platform.roles import Role
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
@@ -20,7 +21,6 @@ def check_cluster(settings: config.Settings, role: Role, reporter: Reporter) -> 
     """Whether the check job succeeded. Raises when this image cannot run it (no Ray, no
     torch), the head is not found, or the Jobs API does not take it (JobSubmitFailed)."""
     from podagent.cluster.jobs import JobRunner
-    from podagent.control import lookup
 
     ray_compat.require()
     extras.require_torch("the cluster check")
@@ -28,7 +28,7 @@ def check_cluster(settings: config.Settings, role: Role, reporter: Reporter) -> 
     signals.install()
     head_ip = "the head"
     try:
-        head_ip = lookup.head_ip(settings, role, reporter)
+        head_ip = discovery.head_ip_now(settings, role, reporter)
         url = f"http://{head_ip}:{settings.dashboard_port}"
         submission = time.strftime(f"{settings.run_name}-check-%H%M%S", time.gmtime())
         log = settings.run_dir / f"{submission}.log"

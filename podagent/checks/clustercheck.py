@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from podagent.checks import collectives
+from podagent.cluster.runstate import CHECK_JSON_PREFIX
 from podagent.config import FIELD_BY_ATTR
 from podagent.platform import nccl
-from podagent.runstate import CHECK_JSON_PREFIX
 
 # A loaded pod can take minutes to start a Python worker that imports torch; a collective
 # that does not finish in this time is stuck (a rank that cannot reach another).

@@ -12,8 +12,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from podagent import process, runstate
-from podagent.cluster import ray_node
+from podagent import process
+from podagent.cluster import ray_node, runstate
 from podagent.config import Settings
 from podagent.platform.roles import Role
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable, NodeInfo

@@ -12,9 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from podagent import runstate
 from podagent.choices import AfterRun
-from podagent.cluster import exposure, hang, job_spec, node, ray_node, reattach
+from podagent.cluster import exposure, hang, job_spec, node, ray_node, reattach, runstate
 from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
 from podagent.cluster.jobs import SUBMIT_TIMEOUT

@@ -14,8 +14,7 @@ from collections.abc import Callable
 import psutil
 import requests
 
-from podagent import runstate
-from podagent.cluster import ray_node
+from podagent.cluster import ray_node, runstate
 from podagent.cluster.jobs import JobRunner
 from podagent.cluster.node import NodeSetup
 from podagent.config import Settings

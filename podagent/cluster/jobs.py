@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import requests
 
 from podagent.choices import JOB_TERMINAL
+from podagent.cluster.runstate import CHECK_JSON_PREFIX
 from podagent.errors import DashboardSilent, JobFailed, JobStopped, JobSubmitFailed
 from podagent.report import Reporter
-from podagent.runstate import CHECK_JSON_PREFIX
 from podagent.waiting import Backoff, Deadline, Expired, Signals, interruptible, retry
 from podagent.wire import Event
 

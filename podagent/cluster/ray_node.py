@@ -17,7 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, process, runstate
+from podagent import config, process
+from podagent.cluster import runstate
 from podagent.config import Settings
 from podagent.errors import PortInUse, RayStartError
 from podagent.platform import pod

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from podagent import runstate
+from podagent.cluster import runstate
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
 from podagent.run.lifecycle import EndRequested

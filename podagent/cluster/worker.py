@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from podagent import process, runstate
+from podagent import process
 from podagent.choices import AfterRun
-from podagent.cluster import hang, node, ray_node
+from podagent.cluster import hang, node, ray_node, runstate
 from podagent.config import Settings
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.platform.discovery import HeadFinder, HeadLocation
@@ -149,7 +149,8 @@ class Worker(Lifecycle[WorkerState]):
 
     def _finder(self) -> HeadFinder:
         self._next_over_ask = 0.0
-        return HeadFinder(self.settings, self.reporter, self.signals, self._ask_over)
+        return HeadFinder(self.settings, self.reporter, self.signals, self._ask_over,
+                          runstate.head_closing)
 
     def _ask_over(self, ip: str) -> None:
         """The head's Ray is silent: a head whose run is over says so on its supervisor port

@@ -14,10 +14,11 @@ from typing import Any
 
 from podagent.config import Settings
 from podagent.control import logs as logs_mod
-from podagent.control import lookup, no_ray
+from podagent.control import no_ray
 from podagent.control import status as status_mod
 from podagent.control import stop as stop_mod
 from podagent.errors import HeadUnreachable
+from podagent.platform import discovery
 from podagent.platform.roles import Role
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
@@ -100,7 +101,7 @@ class RayChannel(Channel):
 
 def open_channel(settings: Settings, role: Role, reporter: Reporter) -> Channel:
     """The head found, and the channel its run answers on."""
-    ip = lookup.head_ip(settings, role, reporter)
+    ip = discovery.head_ip_now(settings, role, reporter)
     kind = SupervisorChannel if no_ray.answers(settings, ip) else RayChannel
     return kind(settings, role, reporter, ip)
 

@@ -13,10 +13,10 @@ from podagent.control.lookup import (
     HTTP_TIMEOUT,
     JobsApiSilent,
     dashboard,
-    head_ip,
     run_job,
 )
 from podagent.errors import HeadUnreachable
+from podagent.platform import discovery
 from podagent.platform.roles import Role
 from podagent.report import Reporter
 from podagent.waiting import Signals
@@ -29,7 +29,7 @@ def follow_logs(settings: Settings, role: Role, reporter: Reporter, follow: bool
                 ip: str | None = None) -> str | None:
     """Print the run's job log; with follow, keep printing until the job ends. Returns its
     status (None when there is no job yet)."""
-    ip = ip or head_ip(settings, role, reporter)
+    ip = ip or discovery.head_ip_now(settings, role, reporter)
     try:
         job = run_job(settings, ip)
     except JobsApiSilent as exc:

@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import requests
 
 from podagent.config import Settings
-from podagent.platform import discovery, pod
-from podagent.platform.roles import Role
-from podagent.ray_access.gcs import GcsClient, GcsUnavailable
-from podagent.report import Reporter
-from podagent.waiting import Signals
 
 HTTP_TIMEOUT = 5.0
-LOOKUP_TIMEOUT = 10.0  # status and stop are interactive: find the head quickly or say so
-
-
-def head_ip(settings: Settings, role: Role, reporter: Reporter) -> str:
-    if role is Role.HEAD:
-        return pod.choose_node_ip(settings, None)[0]
-    quick = dataclasses.replace(settings, head_timeout=min(settings.head_timeout,
-                                                           LOOKUP_TIMEOUT))
-    where = discovery.HeadFinder(quick, reporter, Signals()).locate()
-    if len(where.candidates) == 1:
-        return where.ip
-    # Several DNS records (a stale one beside the head's): the one whose GCS answers now.
-    for ip in where.candidates:
-        gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
-        try:
-            gcs.check_alive(timeout=discovery.GCS_PROBE_TIMEOUT)
-            return ip
-        except GcsUnavailable:
-            continue
-        finally:
-            gcs.close()
-    return where.ip
 
 
 def dashboard(settings: Settings, ip: str) -> str:

@@ -10,10 +10,12 @@ from typing import Any
 import psutil
 import requests
 
-from podagent import process, runstate
+from podagent import process
+from podagent.cluster import runstate
 from podagent.config import Settings
-from podagent.control.lookup import HTTP_TIMEOUT, JobsApiSilent, dashboard, head_ip, run_job
+from podagent.control.lookup import HTTP_TIMEOUT, JobsApiSilent, dashboard, run_job
 from podagent.errors import HeadUnreachable
+from podagent.platform import discovery
 from podagent.platform.roles import Role
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
@@ -32,7 +34,7 @@ def reward_health(settings: Settings, ip: str) -> dict[str, Any]:
 
 def cluster_status(settings: Settings, role: Role, reporter: Reporter,
                    ip: str | None = None) -> dict[str, Any]:
-    ip = ip or head_ip(settings, role, reporter)
+    ip = ip or discovery.head_ip_now(settings, role, reporter)
     gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
     try:
         ray_version = gcs.check_alive(timeout=HTTP_TIMEOUT)

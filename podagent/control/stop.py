@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 
-from podagent import runstate
+from podagent.cluster import runstate
 from podagent.config import Settings
-from podagent.control.lookup import HTTP_TIMEOUT, head_ip
+from podagent.control.lookup import HTTP_TIMEOUT
 from podagent.errors import HeadUnreachable, StopTimeout
+from podagent.platform import discovery
 from podagent.platform.roles import Role
 from podagent.ray_access.gcs import GcsClient, GcsUnavailable
 from podagent.report import Reporter
@@ -18,7 +19,7 @@ from podagent.waiting import Backoff, Expired, retry
 def request_stop(settings: Settings, role: Role, reporter: Reporter, by: str,
                  timeout: float, ip: str | None = None) -> float:
     """Ask the head to end the run, then wait until its Ray is gone; returns seconds taken."""
-    ip = ip or head_ip(settings, role, reporter)
+    ip = ip or discovery.head_ip_now(settings, role, reporter)
     gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
     started = time.monotonic()
     try:

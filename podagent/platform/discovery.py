@@ -4,6 +4,7 @@ until the head's Ray GCS answers its health RPC."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import time
@@ -14,10 +15,11 @@ from typing import TypeVar
 import dns.exception
 import dns.resolver
 
-from podagent import runstate
 from podagent.config import Settings
 from podagent.errors import AuthRefused, HeadUnreachable
+from podagent.platform import pod
 from podagent.platform.head_location import require_head_location
+from podagent.platform.roles import Role
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsUnavailable
 from podagent.report import Progress, Reporter
@@ -112,11 +114,15 @@ class HeadFinder:
     """Resolves the head and waits for its GCS, all within the head-wait timeout."""
 
     def __init__(self, settings: Settings, reporter: Reporter, signals: Signals,
-                 on_silence: Callable[[str], None] = lambda ip: None):
+                 on_silence: Callable[[str], None] = lambda ip: None,
+                 closing: Callable[[GcsClient], bool] = lambda client: False):
         self.settings, self.reporter, self.signals = settings, reporter, signals
         # Called with an address whose GCS did not answer (it may raise to end the wait: a
         # head whose run is over says so on another port).
         self.on_silence = on_silence
+        # Whether a head whose GCS answers is closing this start of its run (the Ray engine
+        # asks its own store: cluster/runstate.py): joining it now would end in a moment.
+        self.closing = closing
         self.deadline = time.monotonic() + settings.head_timeout
         self.last_dns: DnsResult | None = None
         self.last_probe = "not tried yet"
@@ -193,9 +199,7 @@ class HeadFinder:
                         timeout=GCS_PROBE_TIMEOUT):
                     raise GcsUnavailable("its GCS answers, but the head's own node has not "
                                          "registered yet (Ray is still starting there)")
-                if client.kv_get(runstate.KV_NAMESPACE, runstate.KV_RUN_STATE,
-                                 timeout=GCS_PROBE_TIMEOUT):
-                    # Joining it now would end with its Ray in a moment: wait for its next one.
+                if self.closing(client):  # wait for its next start
                     raise GcsUnavailable("its head is closing this start of the run")
             except GcsAuthRefused as exc:
                 which = ("a different cluster token" if self.settings.auth_token
@@ -253,3 +257,30 @@ class HeadFinder:
             return head.has("dashboard_startup_timeout")
         except ValueError:  # a GCS that names no version: assume the worst
             return False
+
+
+# The asking commands and the cluster check are interactive: find the head quickly or say so.
+LOOKUP_TIMEOUT = 10.0
+
+
+def head_ip_now(settings: Settings, role: Role, reporter: Reporter) -> str:
+    """The head's address for a question asked now (`status`, `stop`, `logs`, the cluster
+    check): this pod's own on the head; else found within LOOKUP_TIMEOUT at most."""
+    if role is Role.HEAD:
+        return pod.choose_node_ip(settings, None)[0]
+    quick = dataclasses.replace(settings, head_timeout=min(settings.head_timeout,
+                                                           LOOKUP_TIMEOUT))
+    where = HeadFinder(quick, reporter, Signals()).locate()
+    if len(where.candidates) == 1:
+        return where.ip
+    # Several DNS records (a stale one beside the head's): the one whose GCS answers now.
+    for ip in where.candidates:
+        gcs = GcsClient(f"{ip}:{settings.ray_port}", metadata=settings.grpc_metadata())
+        try:
+            gcs.check_alive(timeout=GCS_PROBE_TIMEOUT)
+            return ip
+        except GcsUnavailable:
+            continue
+        finally:
+            gcs.close()
+    return where.ip

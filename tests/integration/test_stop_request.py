@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from podagent import runstate
+from podagent.cluster import runstate
 from podagent.ray_access.gcs import GcsClient
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from podagent.cluster.runstate import CHECK_JSON_PREFIX as JSON_PREFIX
 from podagent.report import wandb_run
-from podagent.runstate import CHECK_JSON_PREFIX as JSON_PREFIX
 from tests.integration.conftest import PodagentRun, Runs, wait_for
 from tests.unit.test_wandb_run import OfflineRun
 

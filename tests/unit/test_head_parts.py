@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from podagent import config, runstate
+from podagent import config
 from podagent.cluster import census as census_mod
-from podagent.cluster import exposure, job_spec
+from podagent.cluster import exposure, job_spec, runstate
 from podagent.cluster.census import RECOUNT_EVERY, WorkerCensus
 from podagent.cluster.head_ray import OWN_RAY_GRACE, HeadRay
 from podagent.cluster.stop_watch import StopWatch

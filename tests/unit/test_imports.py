@@ -36,10 +36,11 @@ ALLOWED_CROSS = {
     # `podagent check --cluster` submits the cluster check as a job, through the head's own
     # JobRunner (checks/cluster_run.py); cluster never imports checks.
     ("checks", "cluster"): "the cluster check runs as a job",
-    # ... on the head it finds as the asking commands do (control/lookup.py's head_ip).
-    ("checks", "control"): "the cluster check finds the head as status does",
-    # `status`/`stop`/`logs` ask a run without Ray on the head's supervisor port.
+    # The asking commands (`status`/`stop`/`logs`) are a client of each engine's own protocol
+    # with its pods: a run without Ray's supervisor port (gang/mesh.py), a Ray run's store in
+    # its head's GCS (cluster/runstate.py), which the checks read the cluster check's line of.
     ("control", "gang"): "the asking commands ask the supervisor of a run without Ray",
+    ("control", "cluster"): "the asking commands read a Ray run's state in its head's GCS",
 }
 
 # Modules that import nothing of podagent, so that anything may import them.

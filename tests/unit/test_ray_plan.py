@@ -349,7 +349,7 @@ def test_a_hard_limit_short_for_the_cluster_is_warned_with_the_number_needed():
     (None, "---", None)])  # nothing left of it: no pod label
 def test_each_node_carries_its_pod_and_role_as_labels(
         pod_id, host, label, monkeypatch):
-    from podagent import runstate
+    from podagent.cluster import runstate
 
     monkeypatch.setattr(ray_node.socket, "gethostname", lambda: host)
     env = {"RUNPOD_POD_ID": pod_id} if pod_id else {}

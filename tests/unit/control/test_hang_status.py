@@ -4,7 +4,7 @@ holds it)."""
 
 from __future__ import annotations
 
-from podagent import runstate
+from podagent.cluster import runstate
 from podagent.control import no_ray, status
 
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from podagent import config, runstate
+from podagent import config
+from podagent.cluster import runstate
 from podagent.errors import RestartsExhausted, RunHung
 from podagent.gang.messages import MAX_QUIET, Beat, Dumped, Malformed, from_worker
 from podagent.run import exits

@@ -10,12 +10,12 @@ import signal
 import pytest
 
 from podagent import config
+from podagent.cluster.runstate import parse_stop_request as _parse_stop_request
 from podagent.cluster.stop_watch import WatchedSignals as _Waits
 from podagent.errors import Interrupted, RayStartError
 from podagent.platform.roles import Role, RoleDecision
 from podagent.report import Reporter
 from podagent.run.lifecycle import EndRequested, Lifecycle
-from podagent.runstate import parse_stop_request as _parse_stop_request
 from podagent.waiting import Signals
 
 

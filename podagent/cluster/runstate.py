@@ -23,6 +23,7 @@ import secrets
 from typing import Any
 
 from podagent.choices import AfterRun
+from podagent.ray_access.gcs import GcsClient
 
 KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"
@@ -101,3 +102,11 @@ def parse_stop_request(raw: bytes) -> tuple[str, float | None]:
     # Epoch seconds up to the year 5000; anything else is not a time (and would not format).
     valid = isinstance(at, (int, float)) and not isinstance(at, bool) and 0 < at < 95e9
     return by, float(at) if valid else None
+
+
+def head_closing(client: GcsClient) -> bool:
+    """Whether the head whose GCS this client asks is closing this start of its run (its
+    announcement is up): a worker joining it now would end with its Ray in a moment."""
+    from podagent.platform.discovery import GCS_PROBE_TIMEOUT
+
+    return bool(client.kv_get(KV_NAMESPACE, KV_RUN_STATE, timeout=GCS_PROBE_TIMEOUT))
