@@ -144,9 +144,10 @@ def _run(settings: config.Settings, engine: Engine) -> int:
     finally:
         for finish in ending.finish:
             finish(code)
-    if ledger is not None and finished is None:
-        if not ledger.start_ended:  # the role's teardown records it first where time is short
-            record_or_warn(lambda: ledger.ended(outcome, None), reporter)
+    if ledger is not None and finished is None and not ledger.start_ended:
+        # (the role's teardown records it first where time is short)
+        record_or_warn(lambda: ledger.ended(outcome, None), reporter)
+    if ledger is not None:  # a finished run's too: a head killed before it wrote it
         record_or_warn(lambda: ledger.exit_code(code), reporter)
     over = ending.after_run is not None or bool(ledger and ledger.finished)
     end = after_run.End(code, over=over, restartable=exits.restartable(code))
