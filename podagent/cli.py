@@ -5,7 +5,6 @@ reports its own errors, through the start (run/start.py)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -177,41 +176,43 @@ def _build(flags: dict[str, str | None],
     return config.build(flags, os.environ, job_argv)
 
 
-def _ray_role(settings: config.Settings, explicit: Role | None, data_check: bool,
-              loader: str | None) -> Any:
+def _ray_role(settings: config.Settings, explicit: Role | None, launcher_args: tuple[str, ...],
+              data_check: bool, loader: str | None) -> Any:
     from podagent.cluster.run import RayRole
 
     return RayRole(settings, explicit)
 
 
-def _gang_role(settings: config.Settings, explicit: Role | None, data_check: bool,
-               loader: str | None) -> Any:
+def _gang_role(settings: config.Settings, explicit: Role | None,
+               launcher_args: tuple[str, ...], data_check: bool, loader: str | None) -> Any:
     from podagent.gang.run import GangRole
 
-    return GangRole(settings, data_check, loader)
+    return GangRole(settings, launcher_args, data_check, loader)
 
 
 # What runs a pod's role, by PODAGENT_LAUNCHER (`podagent head|worker` name Ray, `podagent
 # torchrun|accelerate` their launcher): each makes the role the kernel's start runs.
-ENGINES: dict[str, Callable[[config.Settings, Role | None, bool, str | None], Any]] = {
+ENGINES: dict[str, Callable[[config.Settings, Role | None, tuple[str, ...], bool, str | None],
+                            Any]] = {
     RAY_LAUNCHER: _ray_role, "torchrun": _gang_role, "accelerate": _gang_role}
 
 
 def _start(settings: config.Settings, explicit: Role | None = None, dry_run: bool = False,
-           data_check: bool = False, loader: str | None = None) -> None:
+           launcher_args: tuple[str, ...] = (), data_check: bool = False,
+           loader: str | None = None) -> None:
     """This pod's role, started as every role is (run/start.py); exits with its code."""
     from podagent.run import start
 
     make = ENGINES[settings.launcher]
-    sys.exit(start.start(settings, lambda: make(settings, explicit, data_check, loader),
-                         dry_run=dry_run))
+    sys.exit(start.start(settings, lambda: make(settings, explicit, launcher_args, data_check,
+                                                loader), dry_run=dry_run))
 
 
 def _run_role(flags: dict[str, str | None], explicit: Role | None,
               job_argv: tuple[str, ...] | None = None, dry_run: bool = False) -> None:
     """`podagent head|worker`: a role of the Ray engine, whatever PODAGENT_LAUNCHER says."""
-    settings = dataclasses.replace(_build(flags, job_argv), launcher=RAY_LAUNCHER)
-    _start(settings, explicit, dry_run)
+    # Built so: what the settings derive from the launcher (the job's resume flag) is Ray's.
+    _start(_build({**flags, "launcher": RAY_LAUNCHER}, job_argv), explicit, dry_run)
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -256,7 +257,7 @@ def main(ctx: click.Context, dry_run: bool | None, **flags: Any) -> None:
             raise errors.InputError(
                 f"{settings.source_name('launcher')}={settings.launcher} needs the job: "
                 f"PODAGENT_JOB='[{settings.launcher.upper()} OPTIONS] [--] SCRIPT ARGS'")
-        _start(settings, dry_run=bool(dry_run))
+        _start(settings, dry_run=bool(dry_run), launcher_args=settings.job or ())
 
 
 @main.command("help", context_settings=CONTEXT)
@@ -464,7 +465,7 @@ def torchrun(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool |
     training that fails on one pod, stops the training on every pod within seconds.
     """
     _start(_launcher_settings(ctx, "torchrun", launcher_args), dry_run=_dry(ctx, dry_run),
-           data_check=data_check, loader=loader)
+           launcher_args=launcher_args, data_check=data_check, loader=loader)
 
 
 @main.command(context_settings=LAUNCHER_CONTEXT)
@@ -480,7 +481,7 @@ def accelerate(ctx: click.Context, launcher_args: tuple[str, ...], dry_run: bool
     Supervised as `podagent torchrun` is.
     """
     _start(_launcher_settings(ctx, "accelerate", launcher_args), dry_run=_dry(ctx, dry_run),
-           data_check=data_check, loader=loader)
+           launcher_args=launcher_args, data_check=data_check, loader=loader)
 
 
 @main.command(context_settings=CONTEXT)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from podagent.choices import AfterRun
-from podagent.ray_access.gcs import GcsClient
+
+if TYPE_CHECKING:  # the cluster check's ranks import this module: no grpc for them
+    from podagent.ray_access.gcs import GcsClient
 
 KV_NAMESPACE = "podagent"
 KV_RUN_STATE = "run_state"

@@ -47,8 +47,12 @@ class GangRole:
 
     keeps_ledger = True  # each pod its own: its starts, its restarts, its end
 
-    def __init__(self, settings: Settings, data_check: bool = False, loader: str | None = None):
+    def __init__(self, settings: Settings, launcher_args: Sequence[str],
+                 data_check: bool = False, loader: str | None = None):
         self.settings, self.data_check, self.loader = settings, data_check, loader
+        # The command's own (`podagent torchrun ARGS`), none included; PODAGENT_JOB only for
+        # a bare `podagent` with PODAGENT_LAUNCHER set.
+        self.launcher_args = tuple(launcher_args)
         self.name = settings.launcher
         self.decision: RoleDecision = detect_role(settings)
         self.asked_rank: int | None = None
@@ -73,7 +77,7 @@ class GangRole:
             from podagent.gang import datacheck
 
             datacheck.check_loader_spec(self.loader)
-        launcher = self._launcher = launcher_for(name, settings.job or ())
+        launcher = self._launcher = launcher_for(name, self.launcher_args)
         if not launcher.script and not self.data_check:
             raise InputError(f"podagent {name} needs a training script: podagent {name} "
                              f"[OPTIONS] [--] SCRIPT ARGS (or --data-check)")

@@ -166,6 +166,12 @@ class Ledger:
             self.finished["exit_code"] = code
         self._write()
 
+    def finished_code(self, code: int) -> None:
+        """The run's code, on its end only, where the start that finished it left none."""
+        if self.finished is not None and self.finished.get("exit_code") is None:
+            self.finished["exit_code"] = code
+            self._write()
+
     def _write(self) -> None:
         """Whole or not at all; a volume that refuses (full, read-only) is a LedgerError, and
         what was asked stays in memory for the next write."""

@@ -144,11 +144,15 @@ def _run(settings: config.Settings, engine: Engine) -> int:
     finally:
         for finish in ending.finish:
             finish(code)
-    if ledger is not None and finished is None and not ledger.start_ended:
-        # (the role's teardown records it first where time is short)
-        record_or_warn(lambda: ledger.ended(outcome, None), reporter)
-    if ledger is not None:  # a finished run's too: a head killed before it wrote it
+    if ledger is not None and finished is None:
+        if not ledger.start_ended:  # the role's teardown records it first where time is short
+            record_or_warn(lambda: ledger.ended(outcome, None), reporter)
         record_or_warn(lambda: ledger.exit_code(code), reporter)
+    elif ledger is not None and finished is not None and finished.get("exit_code") is None:
+        # A head killed before it wrote the run's code: the code its outcome gives, never
+        # this start's (a signal now), and no earlier start's record touched.
+        run_code = exits.finished_code(finished["outcome"])
+        record_or_warn(lambda: ledger.finished_code(run_code), reporter)
     over = ending.after_run is not None or bool(ledger and ledger.finished)
     end = after_run.End(code, over=over, restartable=exits.restartable(code))
     settle(settings, reporter, signals, end, started,

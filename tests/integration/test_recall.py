@@ -52,3 +52,20 @@ def test_a_run_whose_starts_kept_failing_is_given_up(podagent_runs: Runs) -> Non
     assert run.execute(["head"], env={"PODAGENT_AFTER_RUN": "exit"}, timeout=60
                        ).returncode == 70, run.stdout + run.stderr
     assert "3 starts in a row ended in an internal error" in run.stdout
+
+
+def test_a_finished_runs_code_is_written_on_its_end_and_no_earlier_start_is_rewritten(
+        podagent_runs: Runs) -> None:
+    """The start that finished the run recorded its own code; the run's end has none (its head
+    was killed before it wrote it). A later start fills in the end's code from the outcome and
+    leaves the earlier start's record as it was."""
+    run = podagent_runs.new("recall-keep")
+    # (a code of its own that differs from the outcome's, so that a rewrite would show)
+    earlier = {"at": time.time() - 60, "pod": "head", "pid": 1, "outcome": "JobFailed",
+               "exit_code": 143}
+    _ledger(run, {"outcome": "JobFailed", "job_status": "FAILED"}, [earlier])
+    assert run.execute(["head"], env={"PODAGENT_AFTER_RUN": "exit"}, timeout=60
+                       ).returncode == 3, run.stdout + run.stderr
+    ledger = json.loads(run.read("ledger.json"))
+    assert ledger["finished"]["exit_code"] == 3
+    assert ledger["starts"] == [earlier]  # no start of its own: it ran nothing

@@ -252,3 +252,34 @@ def test_every_launcher_the_settings_take_has_its_class():
     from podagent.gang import run as gang_run
 
     assert set(gang_run.LAUNCHERS) == set(LAUNCHERS) - {RAY_LAUNCHER}
+
+
+def test_a_launcher_command_runs_its_own_arguments_never_the_pods_job(tmp_path):
+    """A pod `up` made for a run without Ray has PODAGENT_JOB set; `podagent torchrun
+    --data-check` typed there runs the data check only, and `podagent torchrun` with no script
+    is the one line that asks for one: neither starts the pod's training."""
+    env = {"PODAGENT_JOB": "train.py --epochs 9", "EXPECTED_WORKERS": "0",
+           "PODAGENT_NODE_IP": "127.0.0.1"}
+    checked = _podagent(tmp_path, "torchrun", "--data-check", "--dry-run", env=env)
+    said = checked.stdout + checked.stderr
+    assert checked.returncode == 0, said
+    assert "data check:" in said and "training:" not in said and "train.py" not in said, said
+    bare = _podagent(tmp_path, "torchrun", "--dry-run", env=env)
+    assert bare.returncode == BAD_INPUT, bare.stdout + bare.stderr
+    assert "podagent torchrun needs a training script" in bare.stderr
+    # A bare `podagent` with PODAGENT_LAUNCHER runs PODAGENT_JOB, as documented.
+    job = _podagent(tmp_path, "--dry-run", env={**env, "PODAGENT_LAUNCHER": "torchrun"})
+    assert job.returncode == 0 and "train.py --epochs 9" in job.stdout, job.stdout + job.stderr
+
+
+def test_a_ray_head_resumes_its_job_as_ray_does_whatever_the_launcher_setting(tmp_path):
+    """`podagent head` runs the Ray engine; what the settings derive from the launcher (the
+    job's resume flag) is Ray's too, or a lost node restarts a script's training from step 0."""
+    env = {"PODAGENT_REWARD": "none", "EXPECTED_WORKERS": "0", "PODAGENT_NODE_IP": "127.0.0.1"}
+    plain = _podagent(tmp_path, "head", "--dry-run", "--", "python", "train.py", env=env)
+    other = _podagent(tmp_path, "head", "--dry-run", "--", "python", "train.py",
+                      env={**env, "PODAGENT_LAUNCHER": "torchrun"})
+    lines = [[line for line in done.stdout.splitlines() if "after a lost pod" in line]
+             for done in (plain, other)]
+    assert plain.returncode == other.returncode == 0, other.stdout + other.stderr
+    assert lines[0] and lines[0] == lines[1], lines
