@@ -471,3 +471,9 @@ def test_a_commands_help_shows_the_first_settings_and_points_at_the_rest(tmp_pat
     dry = run_cli(tmp_path, ("--ray-port", "7001", "--node-ip", "10.0.0.5", "--dry-run"), {})
     assert dry.returncode == 0, dry.stderr
     assert "ray start --head --port 7001 " in dry.stdout
+
+
+def test_every_launcher_the_settings_take_has_an_engine():
+    from podagent.choices import LAUNCHERS
+
+    assert set(cli.ENGINES) == set(LAUNCHERS)
