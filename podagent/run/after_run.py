@@ -7,11 +7,11 @@ used up): the run would start again, or fail again, in a loop, each start billin
 end is judged (`final`):
 
 * over: the run ended for good (its ledger says so, or the head said so);
-* final: the CLI's table says a new start cannot mend this code; or the pod keeps ending in
-  codes a start could mend, CRASH_LOOP times in a row, each soon after it started (counted in
-  `StartBook`, on the volume, which a restart keeps); or there is no volume, so a new start
-  would remember nothing (RunPod wipes the container disk when it starts it again) and begin
-  the run anew;
+* final: the exit codes' table (run/exits.py) says a new start cannot mend this code; or the
+  pod keeps ending in codes a start could mend, CRASH_LOOP times in a row, each soon after it
+  started (counted in `StartBook`, on the volume, which a restart keeps); or there is no
+  volume, so a new start would remember nothing (RunPod wipes the container disk when it
+  starts it again) and begin the run anew;
 * otherwise podagent exits and RunPod starts it again.
 
 Over or final, the policy says what happens: `stop-pod` (the default on RunPod) asks RunPod's
@@ -62,7 +62,7 @@ VOLUME = "/workspace"  # where RunPod mounts a pod's volume (volumeMountPath's d
 @dataclass(frozen=True)
 class End:
     """How this start of podagent ended: its exit code, whether the run is over for good, and
-    whether the CLI's table says a new start may mend the code."""
+    whether the exit codes' table (run/exits.py) says a new start may mend the code."""
     code: int
     over: bool
     restartable: bool

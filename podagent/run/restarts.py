@@ -33,11 +33,6 @@ class Restart:
     backoff: float  # seconds from `began` before the work starts again
     began: float  # monotonic
 
-    @property
-    def earliest(self) -> float:
-        """Monotonic: the work does not start again before this."""
-        return self.began + self.backoff
-
 
 def begin(settings: Settings, ledger: Ledger | None, reporter: Reporter, why: str, then: str,
           kind: Ending = Ending.LOST, done: int = 0, **record: Any) -> Restart:
@@ -69,8 +64,7 @@ def back_off(restart: Restart, reporter: Reporter, signals: Signals,
         signals.sleep(wait)
 
 
-def after_lost_starts(settings: Settings, ledger: Ledger, reporter: Reporter | None = None
-                      ) -> Restart | None:
+def after_lost_starts(settings: Settings, ledger: Ledger, reporter: Reporter) -> Restart | None:
     """A run whose pods keep getting lost is started again by RunPod (the containers start
     again, the training resumes from its checkpoint) as the policy allows: a pod gone for good
     must not keep the others restarting, billing, for ever. Each earlier start that ended so
@@ -88,10 +82,5 @@ def after_lost_starts(settings: Settings, ledger: Ledger, reporter: Reporter | N
             continue
         why = f"run {settings.run_name}: a pod was lost or missing {losses} time(s)"
         record = {"after_start": index, "outcome": start["outcome"]}
-        if reporter is None:  # counting only: the ledger's volume must take it
-            number = policy.admit(settings, len(ledger.restarts), why)
-            ledger.restarting({"n": number, "reason": why, **record})
-            restart = Restart(number, policy.backoff(settings, number), time.monotonic())
-        else:
-            restart = begin(settings, ledger, reporter, why, "starting it again", **record)
+        restart = begin(settings, ledger, reporter, why, "starting it again", **record)
     return restart

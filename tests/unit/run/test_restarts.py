@@ -21,7 +21,7 @@ def _reporter() -> tuple[Reporter, io.StringIO]:
 
 def _number(settings: config.Settings, ledger: Ledger) -> int:
     """The restart this start is (0: none), as the run without Ray counts it."""
-    restart = restarts.after_lost_starts(settings, ledger)
+    restart = restarts.after_lost_starts(settings, ledger, _reporter()[0])
     return restart.n if restart else 0
 
 
