@@ -138,7 +138,7 @@ def test_missing_worker_times_out_naming_who_joined(make_pod, dns_server, tmp_pa
     it sees the head's closing there too, and leaves with 0 rather than see the head vanish."""
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "3",
-                                       "PODAGENT_WORKER_TIMEOUT": "45"},
+                                       "PODAGENT_WORKER_TIMEOUT": "60"},
                              worker_env={"PODAGENT_REJOIN": "0"})
     for a in (head, *workers):
         a.start()

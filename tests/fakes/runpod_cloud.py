@@ -905,6 +905,7 @@ class FakeRunPodCloud(ServedFake):
         self._pods: dict[str, _PodState] = {}
         self._clusters: dict[str, _ClusterState] = {}
         self._records: list[RequestRecord] = []
+        self._answering = 0  # requests carried out whose record is not appended yet
         self._errors: list[str] = []
         self._faults: list[_Fault] = []
         self._garbles: list[_Garble] = []
@@ -978,8 +979,15 @@ class FakeRunPodCloud(ServedFake):
             view = self.pods[pod_id]
             return view if view.status in statuses else None
 
-        return wait_for(reached, timeout=timeout, interval=0.05,
+        view = wait_for(reached, timeout=timeout, interval=0.05,
                         what=f"pod {pod_id} to be {' or '.join(statuses)}")
+        # The request that changed the status is in `requests` once its answer is recorded:
+        # the change is made before (under load, a schema check apart).
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._answering == 0, timeout=timeout):
+                raise TimeoutError(f"requests still being answered {timeout:g} s after pod "
+                                   f"{pod_id} was {view.status}")
+        return view
 
     def wait_torn_down(self, timeout: float = 30.0) -> None:
         """Until every terminated pod's processes are gone and its namespace deleted."""
@@ -1116,26 +1124,35 @@ class FakeRunPodCloud(ServedFake):
         later = later if garble_later is None else garble_later
         who = self._whose(call.headers.get("Authorization"))
         told = fault or garbled  # what the client hears instead of the API's answer
+        carried = False  # carried out now: counted in _answering until its record is in
         if told is not None and later is not None:
             reply = told
             threading.Timer(later, self._carry_out_late, (call, who)).start()
         elif fault is not None and not acting:
             reply = fault
         else:
+            with self._cond:
+                self._answering += 1
+            carried = True
             reply = self._answer(call, who, counted=fault is None)
             if fault is not None:
                 reply = fault  # done, but the client never hears so
-        if garbled is not None:
-            reply = garbled
-        else:
-            self._check_answer(call.method, call.path, reply)
-
-        record = RequestRecord(call.method, call.path, call.query, call.body, reply.status,
-                               call.errors + call.slips, arrived,
-                               fault is not None or garbled is not None, who,
-                               dict(reply.headers))
-        with self._lock:
-            self._records.append(record)  # before answering: a client's next look sees it
+        try:
+            if garbled is not None:
+                reply = garbled
+            else:
+                self._check_answer(call.method, call.path, reply)
+            record = RequestRecord(call.method, call.path, call.query, call.body, reply.status,
+                                   call.errors + call.slips, arrived,
+                                   fault is not None or garbled is not None, who,
+                                   dict(reply.headers))
+            with self._lock:
+                self._records.append(record)  # before answering: a client's next look sees it
+        finally:
+            if carried:
+                with self._cond:
+                    self._answering -= 1
+                    self._cond.notify_all()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left
             self._send(h, reply)
         with self._lock:
