@@ -18,6 +18,16 @@ import click
 
 from podagent import __version__, config, errors
 from podagent.choices import RAY_LAUNCHER
+from podagent.config.fields import (
+    FIELD_BY_ATTR,
+    FIELDS,
+    FIRST_RUN,
+    GROUPS,
+    REWARD_FIELDS,
+    REWARD_SERVER_GROUP,
+    default_text,
+)
+from podagent.config.parsers import preset_name, run_name
 from podagent.platform.roles import Role, detect_role
 from podagent.ray_access import ray_compat
 from podagent.run.exits import EXIT_INTERNAL, EXIT_OK, exit_code, restartable
@@ -90,11 +100,11 @@ def _dry_run_asked() -> bool:
 
 
 def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """One option per setting, generated from config.FIELDS (strings; parsed by config). Help
-    shows the ones a first run needs (config.FIRST_RUN); every one is taken, and `podagent
+    """One option per setting, generated from FIELDS (strings; parsed by config). Help
+    shows the ones a first run needs (FIRST_RUN); every one is taken, and `podagent
     help settings` lists them all."""
-    for field in reversed(config.FIELDS):
-        shown = {"hidden": field.attr not in config.FIRST_RUN,
+    for field in reversed(FIELDS):
+        shown = {"hidden": field.attr not in FIRST_RUN,
                  "help": f"{field.help} [env: {field.env}]"}
         if field.is_flag:
             func = click.option(field.flag, field.attr, is_flag=True, flag_value="1",
@@ -106,8 +116,8 @@ def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _settings_pointer() -> str:
-    groups = "|".join(group.name for group in (*config.GROUPS, config.REWARD_SERVER_GROUP))
-    return (f"Every setting ({len(config.FIELDS)}), each a flag and a variable: podagent help "
+    groups = "|".join(group.name for group in (*GROUPS, REWARD_SERVER_GROUP))
+    return (f"Every setting ({len(FIELDS)}), each a flag and a variable: podagent help "
             f"settings [{groups}]")
 
 
@@ -116,7 +126,7 @@ class _Command(click.Command):
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_epilog(ctx, formatter)
-        if any(getattr(param, "hidden", False) and param.name in config.FIELD_BY_ATTR
+        if any(getattr(param, "hidden", False) and param.name in FIELD_BY_ATTR
                for param in self.params):
             formatter.write_paragraph()
             formatter.write_text(_settings_pointer())
@@ -143,10 +153,10 @@ class _Face(click.Group):
 def settings_help(group: str | None) -> str:
     """`podagent help settings [GROUP]`: every setting of the group (all groups without one),
     its flag, variable, default and meaning."""
-    server = config.REWARD_SERVER_GROUP
-    tables = {**{each.name: (each, [f for f in config.FIELDS if f.group == each.name])
-                 for each in config.GROUPS},
-              server.name: (server, list(config.REWARD_FIELDS))}
+    server = REWARD_SERVER_GROUP
+    tables = {**{each.name: (each, [f for f in FIELDS if f.group == each.name])
+                 for each in GROUPS},
+              server.name: (server, list(REWARD_FIELDS))}
     if group is not None and group not in tables:
         raise errors.ConfigError("GROUP", group, f"is not a group of settings: one of "
                                                  f"{', '.join(tables)}")
@@ -156,7 +166,7 @@ def settings_help(group: str | None) -> str:
             continue
         rows = []
         for field in fields:
-            default = config.default_text(field)
+            default = default_text(field)
             rows.append((f"{field.flag} / {field.env}",
                          field.help + (f" [default: {default}]" if default else "")))
         with formatter.section(f"{each.title} (podagent help settings {name})"):
@@ -168,7 +178,7 @@ def _flags(ctx: click.Context, own: dict[str, Any]) -> dict[str, str | None]:
     """Group-level flags, overridden by the subcommand's own."""
     merged = dict((ctx.parent.params if ctx.parent else {}) or {})
     merged.update({k: v for k, v in own.items() if v is not None})
-    return {k: v for k, v in merged.items() if k in config.FIELD_BY_ATTR}
+    return {k: v for k, v in merged.items() if k in FIELD_BY_ATTR}
 
 
 def _build(flags: dict[str, str | None],
@@ -320,7 +330,7 @@ def env_command(ctx: click.Context, preset_override: str | None, as_export: bool
     merged = _flags(ctx, flags)
     if preset_override is not None:
         try:
-            merged["nccl_preset"] = config.preset_name(preset_override.strip())
+            merged["nccl_preset"] = preset_name(preset_override.strip())
         except ValueError as exc:
             raise errors.ConfigError("--preset", preset_override, str(exc)) from None
     for line in pod.environment_lines(_build(merged), as_export):
@@ -618,7 +628,7 @@ def down(run: str, timeout: float, key_file: str | None) -> None:
     from podagent.launch import spec as specs
 
     try:
-        config.run_name(run)
+        run_name(run)
     except ValueError as exc:
         raise errors.InputError(f"RUN={run!r}: {exc}") from None
     key = _launch_key(key_file)

@@ -22,7 +22,7 @@ from typing import BinaryIO, Protocol
 
 import psutil
 
-from podagent.config import RAY_OWNER
+from podagent.config.names import RAY_OWNER
 from podagent.waiting import Deadline
 
 _CHUNK = 1 << 16  # a teed output is copied this much at a time

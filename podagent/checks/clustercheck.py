@@ -28,7 +28,7 @@ from typing import Any
 
 from podagent.checks import collectives
 from podagent.cluster.runstate import CHECK_JSON_PREFIX
-from podagent.config import FIELD_BY_ATTR
+from podagent.config.fields import FIELD_BY_ATTR
 from podagent.platform import nccl
 
 # A loaded pod can take minutes to start a Python worker that imports torch; a collective

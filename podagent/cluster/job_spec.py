@@ -13,7 +13,9 @@ from pathlib import Path
 from podagent import process
 from podagent.choices import JOB_TERMINAL
 from podagent.cluster.jobs import JobRunner
-from podagent.config import FIELD_BY_ATTR, Settings, is_secret
+from podagent.config import Settings
+from podagent.config.fields import FIELD_BY_ATTR
+from podagent.config.policy import is_secret
 from podagent.report import Reporter
 from podagent.run import hangs
 from podagent.run import resume as resuming

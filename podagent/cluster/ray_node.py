@@ -17,9 +17,11 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, process
+from podagent import process
 from podagent.cluster import runstate
 from podagent.config import Settings
+from podagent.config.names import RAY_OWNER, ray_owner
+from podagent.config.policy import RAY_AUTH_MODE, child_environ
 from podagent.errors import PortInUse, RayStartError
 from podagent.platform import pod
 from podagent.platform.roles import Role
@@ -57,7 +59,7 @@ HEALTH_CHECK_ENV = {
 # A busy pod's dashboard can take longer; podagent bounds the whole start itself.
 DASHBOARD_STARTUP_ENV = "RAY_DASHBOARD_STARTUP_TIMEOUT_S"
 DASHBOARD_STARTUP_TIMEOUT = "150"
-AUTH_MODE = config.RAY_AUTH_MODE  # token or disabled (Ray 2.52 on)
+AUTH_MODE = RAY_AUTH_MODE  # token or disabled (Ray 2.52 on)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def plan(settings: Settings, role: Role, node_ip: str, num_gpus: int,
         argv.append("--ray-debugger-external")
     # Inherited by every process this Ray starts: a later podagent on this pod tells its own
     # leftovers (stopped) from a Ray someone else started (refused, never stopped).
-    env[config.RAY_OWNER] = config.ray_owner(settings)
+    env[RAY_OWNER] = ray_owner(settings)
     return RayPlan(tuple(argv), env)
 
 
@@ -204,7 +206,7 @@ class RayNode:
         """Run `ray start` to its end. `watch(seconds so far)` is called every WATCH_EVERY
         while it runs; whatever it raises stops the attempt at once (the caller then stops
         what Ray had started) and is raised again."""
-        env = {**config.child_environ(os.environ), **self.plan.env_overrides}
+        env = {**child_environ(os.environ), **self.plan.env_overrides}
         started = time.monotonic()
         # Ray's daemons stay in podagent's process group, as they always have: whoever ends
         # the group (a supervisor's kill of it) ends them with podagent.

@@ -19,15 +19,9 @@ import psutil
 import requests
 
 from podagent import process
-from podagent.config import (
-    CLUSTER_TOKEN,
-    FIELD_BY_ATTR,
-    FIELDS,
-    REWARD_FIELD_BY_ATTR,
-    Settings,
-    child_environ,
-    is_secret,
-)
+from podagent.config import Settings
+from podagent.config.fields import FIELD_BY_ATTR, FIELDS, REWARD_FIELD_BY_ATTR
+from podagent.config.policy import CLUSTER_TOKEN, child_environ, is_secret
 from podagent.errors import RewardServerFailed, RewardServerTimeout
 from podagent.platform import pod
 from podagent.process import ManagedProcess, stop_processes

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from podagent import config, extras, trainers
+from podagent.config.policy import REDACTED_VALUE, TOKEN_PATH_VARIABLE, is_secret
 from podagent.platform.head_location import head_location
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.ray_access import ray_compat
@@ -107,7 +108,7 @@ def _dry_run(settings: config.Settings, decision: RoleDecision,
                          setup.nccl.variables, head_ip="HEAD")
     reporter.say(f"would run: {shlex.join(plan.argv)}")
     for key in sorted(plan.env_overrides):
-        value = config.REDACTED_VALUE if config.is_secret(key) else plan.env_overrides[key]
+        value = REDACTED_VALUE if is_secret(key) else plan.env_overrides[key]
         reporter.say(f"  with {key}={value}")
     if decision.role is Role.HEAD:
         job = shlex.join(settings.job) if settings.job else "the built-in cluster check"
@@ -163,4 +164,4 @@ def _decide_ray_auth(settings: config.Settings, reporter: Reporter) -> None:
     if mode == "disabled" and stray.is_file():
         reporter.say(f"a Ray token file is on this pod ({stray}) but the run has no cluster "
                      f"token: Ray's auth stays off on every node ({ray_node.AUTH_MODE}=disabled)"
-                     f"; to use that token, set {config.TOKEN_PATH_VARIABLE} to it on every pod")
+                     f"; to use that token, set {TOKEN_PATH_VARIABLE} to it on every pod")

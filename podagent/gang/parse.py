@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from podagent.config import child_environ, is_secret
+from podagent.config.policy import child_environ, is_secret
 from podagent.errors import ConfigError, InputError
 
 PARSE_TIMEOUT = 120.0  # seconds: importing torch on a busy pod is slow, never this slow

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from podagent import process
-from podagent.config import CLUSTER_TOKEN, Settings, child_environ
+from podagent.config import Settings
+from podagent.config.policy import CLUSTER_TOKEN, child_environ
 from podagent.errors import (
     InputError,
     Interrupted,

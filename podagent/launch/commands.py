@@ -10,8 +10,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from podagent import config, extras
+from podagent import extras
 from podagent.choices import AfterRun
+from podagent.config.building import read_fields
+from podagent.config.fields import FIELD_BY_ATTR
+from podagent.config.policy import RUNPOD_API_KEY, runpod_key
 from podagent.errors import InputError, PodsLeftBilling, PodsNotReady, RunPodApiError
 from podagent.launch import down as downs
 from podagent.launch import spec as specs
@@ -26,19 +29,19 @@ API_TIMEOUT = 60.0  # one API call, its retries included (`up --api-timeout`)
 
 
 def api_url(environ: Mapping[str, str]) -> str:
-    """RUNPOD_API_URL, read and checked as the pods read it (config.FIELDS holds the one
+    """RUNPOD_API_URL, read and checked as the pods read it (config.fields.FIELDS holds the one
     definition: name, rule, default)."""
-    field = config.FIELD_BY_ATTR["runpod_api_url"]
-    values, _ = config.read_fields([field], {}, environ)
+    field = FIELD_BY_ATTR["runpod_api_url"]
+    values, _ = read_fields([field], {}, environ)
     return values.get("runpod_api_url", field.default)
 
 
 def api_key(environ: Mapping[str, str], key_file: str | None) -> str:
     """From RUNPOD_API_KEY, else a file (--api-key-file or RUNPOD_API_KEY_FILE): never from
     the command line, where every user of the machine could read it."""
-    key = config.runpod_key(environ, key_file)
+    key = runpod_key(environ, key_file)
     if not key:
-        raise InputError(f"no RunPod API key: set {config.RUNPOD_API_KEY}, or give "
+        raise InputError(f"no RunPod API key: set {RUNPOD_API_KEY}, or give "
                          f"--api-key-file FILE (a key is never taken from the command line)")
     return key
 

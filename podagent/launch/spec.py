@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from podagent import config
 from podagent.choices import LAUNCHERS, RAY_LAUNCHER, AfterRun
+from podagent.config.fields import FIELD_BY_ATTR, RUNPOD_API_URL
+from podagent.config.names import UP_RUN_LABEL
+from podagent.config.parsers import http_url, run_name
+from podagent.config.policy import RUNPOD_ACCOUNT_KEY, is_secret
 from podagent.errors import ConfigError, InputError
 from podagent.launch.options import default, flag
 
 PREFIX = "podagent"
-LABEL = config.UP_RUN_LABEL  # the env label every pod of a run carries
+LABEL = UP_RUN_LABEL  # the env label every pod of a run carries
 HEAD_NAME, WORKER_NAME = "head", "w"
 VOLUME_PATH = "/workspace"  # where RunPod mounts the volume: podagent's logs and checkpoints
 CLOUDS = ("SECURE", "COMMUNITY")
@@ -42,10 +45,10 @@ _IMAGE = re.compile(
 # What podagent on the pods is told by `up` itself: a user's -e may not set these.
 OWN_VARIABLES = ("PODAGENT_RUN_NAME", "EXPECTED_WORKERS", "PODAGENT_JOB", "HEAD_POD_ID",
                  "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", "PODAGENT_LAUNCHER",
-                 LABEL, config.RUNPOD_API_URL)
+                 LABEL, RUNPOD_API_URL)
 # The one variable a run's pods may be given an account key in (--secret NAME=SECRET only):
 # the head then terminates every pod of the run at its end.
-ACCOUNT_KEY = config.RUNPOD_ACCOUNT_KEY
+ACCOUNT_KEY = RUNPOD_ACCOUNT_KEY
 
 
 def pod_name(run: str, rank: int) -> str:
@@ -164,7 +167,7 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     value and the rule that is broken (ConfigError)."""
     run = run or default_run_name()
     try:
-        config.run_name(run)
+        run_name(run)
     except ValueError as exc:
         raise _fail(flag("run"), run, str(exc)) from None
     if pods < 1:
@@ -226,7 +229,7 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     if api_timeout <= 0:
         raise _fail(flag("api_timeout"), api_timeout, "must be a positive number of seconds")
     try:
-        config.http_url(api_url)
+        http_url(api_url)
     except ValueError as exc:
         raise _fail("RUNPOD_API_URL", api_url, str(exc).replace(
             "https://rest.runpod.io/v1", "https://api.runpod.io")) from None
@@ -252,7 +255,7 @@ def _environment(pairs: tuple[str, ...], secrets: tuple[str, ...]) -> tuple[tupl
         if name in OWN_VARIABLES:
             raise _fail(flag("env"), name, "is set by `podagent up` itself (give the job after "
                                            "--, the run's name with --name)")
-        if config.is_secret(name) and not _SECRET_REF.fullmatch(value.strip()):
+        if is_secret(name) and not _SECRET_REF.fullmatch(value.strip()):
             # The value is not echoed: it may be the secret itself.
             raise InputError(f"--env {name}=...: a secret is passed by RunPod secret "
                               f"reference, never by value: --secret {name}=<name of a RunPod "
@@ -346,8 +349,8 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
     """The environment podagent on a pod gets from `up`: the user's, then the run's own.
     rank None: every pod of a cluster (the same env; NODE_RANK picks the head)."""
     env = dict(spec.env)
-    if spec.api_url and spec.api_url != config.FIELD_BY_ATTR["runpod_api_url"].default:
-        env[config.RUNPOD_API_URL] = spec.api_url  # a pod stops itself where `up` creates
+    if spec.api_url and spec.api_url != FIELD_BY_ATTR["runpod_api_url"].default:
+        env[RUNPOD_API_URL] = spec.api_url  # a pod stops itself where `up` creates
     env.update({"PODAGENT_RUN_NAME": spec.run, LABEL: spec.run,
                 # Once the run is over each pod stops itself, which ends its GPU billing
                 # whether or not `up` is still there to terminate it (a closed laptop).

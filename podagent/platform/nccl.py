@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import psutil
 
-from podagent.config import preset_dir, preset_names  # noqa: F401 (named here too)
+from podagent.config.parsers import preset_dir, preset_names  # noqa: F401 (named here too)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-from podagent.config import Settings, is_secret
+from podagent.config import Settings
+from podagent.config.policy import is_secret
 from podagent.errors import ConfigError
 from podagent.platform import nccl
 from podagent.platform.roles import detect_role

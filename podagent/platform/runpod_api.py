@@ -31,7 +31,9 @@ from urllib.parse import quote
 import requests
 import requests.auth
 
-from podagent import __version__, config
+from podagent import __version__
+from podagent.config.fields import FIELD_BY_ATTR, RUNPOD_API_URL
+from podagent.config.policy import RUNPOD_API_KEY
 from podagent.errors import (
     CreateUnsettled,
     NoCapacity,
@@ -43,10 +45,10 @@ from podagent.errors import (
 from podagent.waiting import Backoff, Deadline, Expired, NotYet, retry
 
 # The v2 document's server (paths add /v2/...), RUNPOD_API_URL's default.
-DEFAULT_URL = config.FIELD_BY_ATTR["runpod_api_url"].default
+DEFAULT_URL = FIELD_BY_ATTR["runpod_api_url"].default
 # The key: on a pod RunPod injects a pod-scoped RUNPOD_API_KEY (what it may do is not
-# documented); on the user's machine it is the account's (config.runpod_key reads either).
-API_URL, API_KEY = config.RUNPOD_API_URL, config.RUNPOD_API_KEY
+# documented); on the user's machine it is the account's (config.policy.runpod_key reads either).
+API_URL, API_KEY = RUNPOD_API_URL, RUNPOD_API_KEY
 _CONNECT_TIMEOUT = 10.0  # seconds one attempt may take to connect
 _BACKOFF = Backoff(0.5, 8.0)
 _RETRY_AFTER_MAX = 60.0  # a Retry-After beyond this is not waited for in one go

@@ -17,7 +17,8 @@ import importlib.metadata
 import re
 from dataclasses import dataclass
 
-from podagent.config import TOKEN_PATH_VARIABLE, TOKEN_VARIABLES, Settings
+from podagent.config import Settings
+from podagent.config.policy import TOKEN_PATH_VARIABLE, TOKEN_VARIABLES
 from podagent.errors import MissingDependency, RayFeatureMissing
 
 SUPPORTED_FROM = "2.48.0"  # the oldest release tested at run time (OpenRLHF's pin)

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from podagent import config
+from podagent.config.fields import REWARD_FIRST, default_text
 from podagent.errors import ConfigError, PodagentError, PortInUse
 from podagent.rewards import settings as reward_settings
 from podagent.rewards.dataset import DatasetError
@@ -29,13 +29,13 @@ def _fail(message: str, code: int) -> None:
 
 def reward_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """One option per setting, from settings.FIELDS (strings; parsed and checked by build);
-    help shows those a first use needs (config.REWARD_FIRST), `podagent help settings
+    help shows those a first use needs (REWARD_FIRST), `podagent help settings
     reward-server` every one."""
     for field in reversed(reward_settings.FIELDS):
-        default = config.default_text(field) or "unset"
+        default = default_text(field) or "unset"
         func = click.option(
             field.flag, field.attr, default=None, metavar="VALUE",
-            hidden=field.attr not in config.REWARD_FIRST,
+            hidden=field.attr not in REWARD_FIRST,
             help=f"{field.help} [env: {field.env}; default: {default}]")(func)
     return func
 

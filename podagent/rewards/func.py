@@ -65,16 +65,16 @@ class Scored:
 
 def load(path: str) -> Callable[..., Any]:
     """The file's reward_func, its module run once; FuncError naming what is wrong."""
-    from podagent import config
+    from podagent.config.parsers import REWARD_FUNC_RULE, reward_func_file
 
     try:
-        config.reward_func_file(path)  # the rule the head checks too: compiles, defines it
+        reward_func_file(path)  # the rule the head checks too: compiles, defines it
     except ValueError as exc:
         raise FuncError(str(exc)) from None
     name = f"podagent_reward_func_{abs(hash(path))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise FuncError(f"{config.REWARD_FUNC_RULE} (not importable)")
+        raise FuncError(f"{REWARD_FUNC_RULE} (not importable)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling in the file look themselves up here
     try:
@@ -84,7 +84,7 @@ def load(path: str) -> Callable[..., Any]:
         raise FuncError(f"running it raised {_described(exc)}") from None
     func = getattr(module, "reward_func", None)
     if not callable(func):
-        raise FuncError(f"{config.REWARD_FUNC_RULE} (its reward_func is "
+        raise FuncError(f"{REWARD_FUNC_RULE} (its reward_func is "
                         f"{type(func).__name__}, not a function)")
     try:
         inspect.signature(func).bind([], [], [])

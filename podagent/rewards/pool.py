@@ -21,7 +21,7 @@ from typing import Any
 
 import pebble
 
-from podagent.config import REWARD_PRELOAD
+from podagent.config.names import REWARD_PRELOAD
 from podagent.errors import PodagentError
 from podagent.rewards import verify
 from podagent.rewards.verify import short

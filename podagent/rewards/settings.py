@@ -1,6 +1,6 @@
 """The reward server's settings: flags > PODAGENT_REWARD_* variables > defaults, frozen.
 
-As in podagent.config, each setting is declared once (FIELDS, declared in podagent.config):
+As in podagent.config, each setting is declared once (FIELDS, declared in podagent.config.fields):
 RewardSettings is made from the table, and the CLI makes its options and their help from it.
 The head's settings of the server it runs (PODAGENT_REWARD_SCORING, ...) are these same fields:
 podagent.config makes the head's from them, and the head forwards each by its variable.
@@ -11,17 +11,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from podagent import config
 from podagent.choices import SCORING  # noqa: F401 (its old home: bench and others name it here)
+from podagent.config.building import read_fields
+from podagent.config.fields import (
+    REWARD_ENV_PREFIX,
+    REWARD_FIELD_BY_ATTR,
+    REWARD_FIELDS,
+    RewardField,
+    markdown_table,
+    settings_class,
+)
+from podagent.config.parsers import existing_file, key, number, size  # noqa: F401 (named here too)
 from podagent.errors import ConfigError
 
-# The table is declared in podagent.config (podagent warns about a misspelt PODAGENT_REWARD_*
+# The table is declared in podagent.config.fields (podagent warns about a misspelt PODAGENT_REWARD_*
 # variable without importing the reward server); these are its names here.
-ENV_PREFIX = config.REWARD_ENV_PREFIX
-Field = config.RewardField
-FIELDS = config.REWARD_FIELDS
-FIELD_BY_ATTR = config.REWARD_FIELD_BY_ATTR
-size, number, key, existing_file = config.size, config.number, config.key, config.existing_file
+ENV_PREFIX = REWARD_ENV_PREFIX
+Field = RewardField
+FIELDS = REWARD_FIELDS
+FIELD_BY_ATTR = REWARD_FIELD_BY_ATTR
 
 
 def cpu_count() -> int:
@@ -46,7 +54,7 @@ def memory() -> int:
     return physical
 
 
-@config.settings_class(FIELDS)
+@settings_class(FIELDS)
 class RewardSettings:
     """One attribute per field of FIELDS, then where each came from."""
 
@@ -62,7 +70,7 @@ def build(flags: Mapping[str, str | None] | None = None,
           environ: Mapping[str, str] | None = None) -> RewardSettings:
     """Raises ConfigError naming the flag or variable, its value and the rule."""
     env = os.environ if environ is None else environ
-    values, sources = config.read_fields(FIELDS, flags or {}, env)
+    values, sources = read_fields(FIELDS, flags or {}, env)
     values.setdefault("workers", cpu_count())
     values.setdefault("item_memory", memory() // 4)
     values.setdefault("listeners", min(values["workers"], default_listeners(cpu_count())))
@@ -97,7 +105,7 @@ def describe(scoring: str, template: str, strict: bool, func: str | None = None)
 
 def settings_table() -> str:
     """A Markdown table of the options, from FIELDS (for the README)."""
-    return config.markdown_table(FIELDS)
+    return markdown_table(FIELDS)
 
 
 if __name__ == "__main__":

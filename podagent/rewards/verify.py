@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from podagent.config import FORMAT_WEIGHT
+from podagent.config.fields import FORMAT_WEIGHT
 
 # Longer "final answers" are not answers: they are scored wrong without parsing (math-verify's
 # LaTeX parser is super-linear in nesting depth; a 200-deep parenthesis takes it seconds).

@@ -35,8 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from podagent import config
 from podagent.choices import AfterRun
+from podagent.config.fields import FIELD_BY_ATTR
+from podagent.config.names import UP_RUN_LABEL
+from podagent.config.parsers import http_url
+from podagent.config.policy import runpod_key
 from podagent.errors import Interrupted, RunPodApiError, RunPodAuthError
 from podagent.platform import runpod_api
 from podagent.run.ledger import legacy
@@ -176,7 +179,7 @@ class Pod:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], api_url: str | None = None) -> Pod:
         return cls(environ.get("RUNPOD_POD_ID", "").strip() or None,
-                   config.runpod_key(environ, from_file=False),
+                   runpod_key(environ, from_file=False),
                    api_url or runpod_api.DEFAULT_URL)
 
 
@@ -287,7 +290,7 @@ def terminate_run(pod: Pod, reporter: Any) -> Asked:
                                say=reporter.warn)
     try:
         pods = [p for p in client.list_pods(include_cluster_pods=True)
-                if (p.get("env") or {}).get(config.UP_RUN_LABEL) == pod.up_run]
+                if (p.get("env") or {}).get(UP_RUN_LABEL) == pod.up_run]
         clusters = {str(p["cluster"]["id"]) for p in pods if isinstance(p.get("cluster"), dict)}
         alone = [p["id"] for p in pods if not isinstance(p.get("cluster"), dict)]
         for other in (p for p in alone if p != pod.pod_id):
@@ -340,14 +343,14 @@ def settle_unconfigured(environ: Mapping[str, str], code: int,
     unless PODAGENT_AFTER_RUN asks otherwise."""
     if not environ.get("RUNPOD_POD_ID", "").strip():
         return
-    field = config.FIELD_BY_ATTR["after_run"]  # its variable and rule, as the settings read it
+    field = FIELD_BY_ATTR["after_run"]  # its variable and rule, as the settings read it
     try:
         policy = field.parse(environ.get(field.env, "").strip())
     except ValueError:  # unset, or itself the bad input: a pod that bills must not stay up
         policy = AfterRun.STOP_POD
     try:  # the address may be the bad input itself
-        url = config.http_url(environ.get(runpod_api.API_URL, "").strip() or
-                              runpod_api.DEFAULT_URL)
+        url = http_url(environ.get(runpod_api.API_URL, "").strip() or
+                       runpod_api.DEFAULT_URL)
     except ValueError:
         url = runpod_api.DEFAULT_URL
     signals = Signals()

@@ -21,6 +21,8 @@ import psutil
 
 from podagent import config, process
 from podagent.choices import AfterRun
+from podagent.config.names import UP_RUN_LABEL
+from podagent.config.policy import RUNPOD_ACCOUNT_KEY, is_secret, runpod_key
 from podagent.errors import ConfigError, Interrupted
 from podagent.report import Reporter
 from podagent.run import after_run
@@ -34,7 +36,7 @@ SUCCESS = 0
 def secret_values(settings: config.Settings) -> list[str]:
     """What the output must never show: secret variables' values, and the cluster token, which
     may come from a file (RAY_AUTH_TOKEN_PATH) rather than the environment."""
-    values = [v for k, v in settings.environ.items() if config.is_secret(k) and v]
+    values = [v for k, v in settings.environ.items() if is_secret(k) and v]
     return [*values, settings.auth_token] if settings.auth_token else values
 
 
@@ -157,9 +159,9 @@ def settle(settings: config.Settings, reporter: Reporter, signals: Signals, end:
         _say_over(settings, reporter, signals, end, policy, *over_word)
     if over_word is not None and end.over:  # an `up` run's head may terminate the whole run
         pod = dataclasses.replace(
-            pod, account_key=config.runpod_key(settings.environ, from_file=False,
-                                               names=(config.RUNPOD_ACCOUNT_KEY,)),
-            up_run=settings.environ.get(config.UP_RUN_LABEL, "").strip() or None)
+            pod, account_key=runpod_key(settings.environ, from_file=False,
+                                        names=(RUNPOD_ACCOUNT_KEY,)),
+            up_run=settings.environ.get(UP_RUN_LABEL, "").strip() or None)
     after_run.settle(policy, pod, reporter, signals, summary, why)
 
 

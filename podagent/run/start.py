@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from podagent import __version__, config, process
 from podagent.choices import AfterRun
+from podagent.config.policy import RUNPOD_ACCOUNT_KEY, RUNPOD_API_KEY
 from podagent.errors import PodagentError
 from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
@@ -109,7 +110,7 @@ def _run(settings: config.Settings, engine: Engine) -> int:
     # service) inherits a key. The settings keep their own copy of the environment; until the
     # pod's directory is this process's (reporter_for claims it), an error ends the start at
     # the command line's boundary, which stops the pod with the key from the environment.
-    for key in (config.RUNPOD_API_KEY, config.RUNPOD_ACCOUNT_KEY):
+    for key in (RUNPOD_API_KEY, RUNPOD_ACCOUNT_KEY):
         os.environ.pop(key, None)
     for warning in settings.warnings:  # on screen already: the pod's log file keeps them too
         reporter.log_only(f"WARNING: {warning}")

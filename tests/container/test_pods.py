@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from podagent import config
+from podagent.config.fields import FIELD_BY_ATTR
 from tests.container.engine import images
 from tests.container.pods import INTERFACE, PodContainer, PodNet, template_env
 from tests.unit.test_container import dockerfile_instructions, image_argv
@@ -39,7 +39,7 @@ CHECKPOINTING_JOB = (
     "python -c \"import pathlib, time; p = pathlib.Path('/workspace/" + CHECKPOINT + "'); "
     "p.parent.mkdir(parents=True, exist_ok=True); p.write_bytes(b'weights'); "
     "print('training', flush=True); time.sleep(600)\"")
-HEAD_GRACE = config.FIELD_BY_ATTR["head_grace"].default  # not set: the default applies
+HEAD_GRACE = FIELD_BY_ATTR["head_grace"].default  # not set: the default applies
 # Past the grace: the probe that sees it (up to a probe's timeout late) and the worker's own
 # teardown (Ray stopped, TERM -> deadline). Measured 13.4 s in all with the suite's other
 # lanes loading both cores; 5 s of slack was too little there.

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from podagent import config
+from podagent.config.fields import FIELD_BY_ATTR
 from podagent.ray_access import ray_compat
 from tests.harness.agents import Agent, form_cluster, wait_exits
 from tests.harness.pods import wait_for
@@ -208,7 +208,7 @@ def test_head_killed_workers_leave_within_grace(make_pod, dns_server, tmp_path, 
     (PODAGENT_REJOIN=0: they do not wait for the head to come back); every pod's checkpoint dir
     and logs survive. Before that the head pod gets no CPU for longer than the grace (a loaded
     pod: its Ray takes connections and answers nothing): the workers stay."""
-    grace = config.FIELD_BY_ATTR["head_grace"].default  # the default: not set here
+    grace = FIELD_BY_ATTR["head_grace"].default  # the default: not set here
     head, workers = form_cluster(make_pod, dns_server, tmp_path, agents, workers=2,
                              head_env={"EXPECTED_WORKERS": "2", "PODAGENT_JOB": LONG_JOB,
                                        "WANDB_MODE": "offline",

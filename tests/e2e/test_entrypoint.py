@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 import podagent
-from podagent import config
+from podagent.config.policy import TOKEN_VARIABLES
 from tests.harness.agents import clean_environ
 from tests.harness.pods import Pod, PodNetwork, wait_for
 from tests.unit.test_container import (
@@ -89,7 +89,7 @@ class Container:
         env = {}
         for key, value in json.loads(TEMPLATE.read_text())["env"].items():
             if SECRET_REFERENCE.fullmatch(value):
-                if key not in config.TOKEN_VARIABLES:
+                if key not in TOKEN_VARIABLES:
                     continue  # no W&B account here: the user would delete that line
                 value = secrets.token_urlsafe(32)  # the secret the user made with podagent token
             env[key] = value

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from podagent import config, process
+from podagent import process
+from podagent.config.names import RAY_OWNER
 from podagent.ray_access.gcs import GcsClient
 from tests.harness.agents import Agent, clean_environ
 from tests.harness.pods import Pod, wait_for
@@ -123,7 +124,7 @@ def test_the_ray_podagent_left_on_its_pod_is_stopped_by_the_next_start(make_pod,
     ray = daemons(pod)
     # The mark reaches Ray's daemons through the environment of `ray start`...
     for name in ("gcs_server", "raylet"):
-        assert ray[name].environ().get(config.RAY_OWNER) == "podagent run e2e", name
+        assert ray[name].environ().get(RAY_OWNER) == "podagent run e2e", name
     # ...and every Ray process of the pod is podagent's (none someone else's), the agents
     # that renamed themselves included.
     sorted_out = pod.run([sys.executable, "-c", SORT], env=first.env, timeout=60)

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 import podagent
-from podagent import cli, config, errors
+from podagent import cli, errors
+from podagent.config.fields import (
+    FIELD_BY_ATTR,
+    FIELDS,
+    FIRST_RUN,
+    GROUPS,
+    REWARD_FIELDS,
+    REWARD_SERVER_GROUP,
+)
 from podagent.platform import nccl
 from podagent.run import exits, ledger
 
@@ -434,10 +442,10 @@ def test_the_help_fits_one_screen_and_says_where_every_setting_is(tmp_path):
                                            if line.startswith("Options"))
     for name in cli.main.commands:
         assert f"  {name} " in shown.stdout
-    for attr in config.FIRST_RUN:
-        assert config.FIELD_BY_ATTR[attr].flag in shown.stdout
+    for attr in FIRST_RUN:
+        assert FIELD_BY_ATTR[attr].flag in shown.stdout
     pointer = " ".join(shown.stdout.split())  # as wrapped for 80 columns
-    groups = [g.name for g in (*config.GROUPS, config.REWARD_SERVER_GROUP)]
+    groups = [g.name for g in (*GROUPS, REWARD_SERVER_GROUP)]
     assert f"podagent help settings [{'|'.join(groups)}]" in pointer
     assert _help(tmp_path, "help").stdout == shown.stdout
 
@@ -445,21 +453,21 @@ def test_the_help_fits_one_screen_and_says_where_every_setting_is(tmp_path):
 def test_help_settings_lists_every_setting_in_its_group(tmp_path):
     every = _help(tmp_path, "help", "settings")
     assert every.returncode == 0, every.stderr
-    for group in config.GROUPS:
+    for group in GROUPS:
         one = _help(tmp_path, "help", "settings", group.name)  # the reward server's: below
         assert one.returncode == 0 and one.stdout in every.stdout
-        for field in config.FIELDS:
+        for field in FIELDS:
             listed = f"{field.flag} / {field.env}" in one.stdout
             assert listed == (field.group == group.name), (group.name, field.flag)
-    server = _help(tmp_path, "help", "settings", config.REWARD_SERVER_GROUP.name)
+    server = _help(tmp_path, "help", "settings", REWARD_SERVER_GROUP.name)
     assert server.stdout in every.stdout
-    for field in config.REWARD_FIELDS:
+    for field in REWARD_FIELDS:
         assert f"{field.flag} / {field.env}" in server.stdout
     wrong = _help(tmp_path, "help", "settings", "gpus")
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert wrong.stderr.strip().splitlines() == [
         "podagent: error: GROUP='gpus' is not a group of settings: one of "
-        + ", ".join(g.name for g in (*config.GROUPS, config.REWARD_SERVER_GROUP))]
+        + ", ".join(g.name for g in (*GROUPS, REWARD_SERVER_GROUP))]
 
 
 def test_a_commands_help_shows_the_first_settings_and_points_at_the_rest(tmp_path):

@@ -10,11 +10,12 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from podagent import cli, config
+from podagent import cli
+from podagent.config.fields import FIELDS
 
 ROLE_VARIABLES = ["RAY_WORKER", "HEAD_POD_ID", "RUNPOD_POD_ID", "NODE_RANK", "PRIMARY_ADDR",
                   "NUM_NODES", "NODE_ADDR", "EXPECTED_WORKERS", "DEBUG_RAY"]
-VARIABLES = sorted({f.env for f in config.FIELDS} | set(ROLE_VARIABLES))
+VARIABLES = sorted({f.env for f in FIELDS} | set(ROLE_VARIABLES))
 
 hostile = st.one_of(
     st.text(max_size=40),  # any unicode, control characters, whitespace
@@ -48,7 +49,7 @@ def test_any_settings_dry_run_or_one_line_exit_2(tmp_path_factory, env, command)
     if result.exit_code == 2:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1, (env, result.stderr)
-        named = [name for name in [*VARIABLES, *(f.flag for f in config.FIELDS)]
+        named = [name for name in [*VARIABLES, *(f.flag for f in FIELDS)]
                  if name in lines[0]]
         assert named, (env, lines[0])
     assert not any(logs.iterdir()), "the dry run wrote into the log dir"

@@ -10,10 +10,21 @@ import socket
 import pytest
 
 from podagent import config
-from podagent.config.fields import path_component
+from podagent.config.building import derived_run_name
+from podagent.config.fields import (
+    FIELD_BY_ATTR,
+    FIELDS,
+    FIRST_RUN,
+    GROUP_BY_NAME,
+    GROUPS,
+    path_component,
+    settings_page,
+)
+from podagent.config.names import OTHER_VARIABLES, known_variables, unknown_settings
+from podagent.config.parsers import run_name
 from podagent.errors import ConfigError
 
-FIELD_BY_ENV = {f.env: f for f in config.FIELDS}
+FIELD_BY_ENV = {f.env: f for f in FIELDS}
 
 
 def build(env: dict[str, str] | None = None, flags: dict[str, str | None] | None = None,
@@ -42,12 +53,12 @@ PRECEDENCE = [
                          PRECEDENCE, ids=[p[0] for p in PRECEDENCE])
 def test_flag_beats_environment_beats_default(attr, flag_raw, env_raw, flag_val, env_val,
                                               default):
-    env_name = config.FIELD_BY_ATTR[attr].env
+    env_name = FIELD_BY_ATTR[attr].env
 
     both = build({env_name: env_raw}, {attr: flag_raw})
     assert getattr(both, attr) == flag_val
     assert both.sources[attr] == "flag"
-    assert both.source_name(attr) == config.FIELD_BY_ATTR[attr].flag
+    assert both.source_name(attr) == FIELD_BY_ATTR[attr].flag
 
     env_only = build({env_name: env_raw})
     assert getattr(env_only, attr) == env_val
@@ -65,7 +76,7 @@ def test_flag_beats_environment_beats_default(attr, flag_raw, env_raw, flag_val,
     ("head_pod_id", None), ("ray_worker", None), ("min_workers", None),
 ])
 def test_empty_or_whitespace_environment_value_means_unset(attr, default, blank):
-    s = build({config.FIELD_BY_ATTR[attr].env: blank})
+    s = build({FIELD_BY_ATTR[attr].env: blank})
     assert getattr(s, attr) == default
     assert s.sources[attr] == "default"
 
@@ -402,39 +413,39 @@ def test_instant_cluster_property():
 # --- the FIELDS table ---------------------------------------------------------------------------
 
 def test_settings_page_has_one_row_per_field_in_its_groups_table():
-    page = config.settings_page()
+    page = settings_page()
     tables = page.split("\n## ")
-    assert len(tables) == len(config.GROUPS)
+    assert len(tables) == len(GROUPS)
     rows = [line for line in page.splitlines() if line.startswith("| `")]
-    assert len(rows) == len(config.FIELDS)
-    for row, f in zip(rows, config.FIELDS, strict=True):
+    assert len(rows) == len(FIELDS)
+    for row, f in zip(rows, FIELDS, strict=True):
         assert row.startswith(f"| `{f.flag}` | `{f.env}` |")
-    for table, group in zip(tables, config.GROUPS, strict=True):
+    for table, group in zip(tables, GROUPS, strict=True):
         assert table.removeprefix("## ").startswith(group.title)
-        assert {f.flag for f in config.FIELDS if f.group == group.name} == \
+        assert {f.flag for f in FIELDS if f.group == group.name} == \
             set(re.findall(r"^\| `(--[a-z-]+)`", table, re.M))
 
 
 def test_every_setting_is_in_a_group_and_the_first_run_ones_exist():
-    assert {f.group for f in config.FIELDS} == set(config.GROUP_BY_NAME)
-    assert set(config.FIRST_RUN) <= set(config.FIELD_BY_ATTR)
+    assert {f.group for f in FIELDS} == set(GROUP_BY_NAME)
+    assert set(FIRST_RUN) <= set(FIELD_BY_ATTR)
 
 
 def test_fields_flags_and_variables_are_well_formed_and_unique():
-    for f in config.FIELDS:
+    for f in FIELDS:
         assert f.flag and f.flag.startswith("--"), f
         assert re.fullmatch(r"--[a-z][a-z0-9-]*", f.flag), f
         assert f.env == f.env.upper() and re.fullmatch(r"[A-Z][A-Z0-9_]*", f.env), f
         assert f.help.strip()
     for key in ("attr", "env", "flag"):
-        values = [getattr(f, key) for f in config.FIELDS]
+        values = [getattr(f, key) for f in FIELDS]
         assert len(values) == len(set(values)), key
 
 
 def test_fields_defaults_match_settings_defaults():
     defaults = {f.name: f.default for f in dataclasses.fields(config.Settings)
                 if f.default is not dataclasses.MISSING}
-    for f in config.FIELDS:
+    for f in FIELDS:
         assert f.attr in {x.name for x in dataclasses.fields(config.Settings)}
         if f.default is not None:
             assert defaults[f.attr] == f.default, f.attr
@@ -605,7 +616,7 @@ def test_run_name_is_derived_from_what_survives_a_restart(env, name, source):
     again = config.build({}, env, None, now=86400 * 400)  # a restart, much later
     assert first.run_name == again.run_name == name
     assert first.sources["run_name"] == source
-    assert config.run_name(name) == name
+    assert run_name(name) == name
 
 
 @pytest.mark.parametrize("env", [{}, {"NUM_NODES": "4"}, {"NODE_RANK": "0"},
@@ -637,7 +648,7 @@ def test_a_long_head_pod_id_is_shortened_to_a_valid_distinct_name():
     for s in (one, two):
         assert len(s.run_name) == 64
         assert re.fullmatch(r"podagent-a{46}-[0-9a-f]{8}", s.run_name), s.run_name
-        assert config.run_name(s.run_name) == s.run_name
+        assert run_name(s.run_name) == s.run_name
         assert s.sources["run_name"] == "derived from HEAD_POD_ID"
     assert one.run_name != two.run_name
     assert build({"HEAD_POD_ID": "a" * 55}).run_name == "podagent-" + "a" * 55  # 64: as is
@@ -646,7 +657,7 @@ def test_a_long_head_pod_id_is_shortened_to_a_valid_distinct_name():
 def test_a_long_primary_addr_is_shortened_to_a_valid_name():
     addr = ".".join(["label" + "x" * 40] * 5)
     s = build({"PRIMARY_ADDR": addr, "NUM_NODES": "16"})
-    assert len(s.run_name) <= 64 and config.run_name(s.run_name) == s.run_name
+    assert len(s.run_name) <= 64 and run_name(s.run_name) == s.run_name
     assert s.run_name.startswith("podagent-label")
 
 
@@ -659,12 +670,12 @@ def test_a_long_primary_addr_is_shortened_to_a_valid_name():
     ({}, None),
 ])
 def test_derived_part_is_sanitized(values, expected):
-    got = config.derived_run_name(values)
+    got = derived_run_name(values)
     if expected is None:
         assert got is None
         return
     assert got == expected
-    assert config.run_name(got[0]) == got[0]
+    assert run_name(got[0]) == got[0]
 
 
 def test_derived_run_name_always_satisfies_the_rule():
@@ -674,10 +685,10 @@ def test_derived_run_name_always_satisfies_the_rule():
     @settings(max_examples=300, deadline=None)
     @given(st.text(max_size=120), st.text(max_size=80), st.integers(1, 10**6) | st.none())
     def check(head, addr, nodes):
-        got = config.derived_run_name({"head_pod_id": head, "primary_addr": addr,
-                                       "num_nodes": nodes})
+        got = derived_run_name({"head_pod_id": head, "primary_addr": addr,
+                                "num_nodes": nodes})
         if got is not None:
-            assert config.run_name(got[0]) == got[0]
+            assert run_name(got[0]) == got[0]
             assert len(got[0]) <= 64
 
     check()
@@ -753,7 +764,7 @@ def test_the_api_key_is_read_from_the_environment_and_never_shown():
     assert s.runpod_api_key == KEY
     assert KEY not in repr(s) and "t" * 32 not in repr(s)
     assert build().runpod_api_key is None
-    assert "runpod_api_key" not in config.FIELD_BY_ATTR  # never a flag
+    assert "runpod_api_key" not in FIELD_BY_ATTR  # never a flag
 
 
 def test_rejoin_and_api_url():
@@ -775,7 +786,7 @@ def test_rejoin_and_api_url():
 # --- PODAGENT_* variables podagent does not know ----------------------------------------------
 
 def test_a_typo_gets_the_closest_name():
-    assert config.unknown_settings({"PODAGENT_WORKER_TIMOUT": "30"}) == [
+    assert unknown_settings({"PODAGENT_WORKER_TIMOUT": "30"}) == [
         "PODAGENT_WORKER_TIMOUT is not a podagent setting; did you mean "
         "PODAGENT_WORKER_TIMEOUT? (ignored)"]
 
@@ -788,36 +799,36 @@ def test_a_typo_gets_the_closest_name():
     ("PODAGENT_NUM_NODE", "NUM_NODES"),  # the setting, not the name podagent sets for the job
 ])
 def test_suggestions(name, suggestion):
-    [line] = config.unknown_settings({name: "1"})
+    [line] = unknown_settings({name: "1"})
     assert line == f"{name} is not a podagent setting; did you mean {suggestion}? (ignored)"
 
 
 def test_no_close_name_means_no_suggestion():
-    assert config.unknown_settings({"PODAGENT_BANANAS": "1"}) == [
+    assert unknown_settings({"PODAGENT_BANANAS": "1"}) == [
         "PODAGENT_BANANAS is not a podagent setting (ignored)"]
 
 
 def test_a_warning_never_shows_the_value():
     secret = "hunter2-" + "z" * 30
-    lines = config.unknown_settings({"PODAGENT_TOKN": secret, "PODAGENT_API_KEY": secret})
+    lines = unknown_settings({"PODAGENT_TOKN": secret, "PODAGENT_API_KEY": secret})
     assert len(lines) == 2
     assert not any(secret in line for line in lines)
     assert "PODAGENT_TOKN is not a podagent setting; did you mean PODAGENT_TOKEN?" in lines[1]
 
 
 def test_known_names_other_variables_and_empty_values_are_not_warned_about():
-    env = {f.env: "x" for f in config.FIELDS}
-    env.update({name: "x" for name in config.OTHER_VARIABLES})
+    env = {f.env: "x" for f in FIELDS}
+    env.update({name: "x" for name in OTHER_VARIABLES})
     env.update({"PODAGENT_REWARD_WORKERS": "3", "PODAGENT_REWARD_HOST": "0.0.0.0",
                 "PODAGENT_TOKEN": "t" * 32, "PODAGENT_NUM_NODES": "2", "PODAGENT_NUM_GPUS": "8",
                 "PODAGENT_HEAD_ADDR": "10.0.0.1", "PODAGENT_RAY_MATRIX_ONLY": "1",
                 "RAY_WORKER_TIMOUT": "1", "podagent_lower": "1", "PODAGENTX": "1",
                 "PODAGENT_PLACEHOLDER": "", "PODAGENT_BLANK": "  "})
-    assert config.unknown_settings(env) == []
+    assert unknown_settings(env) == []
 
 
 def test_an_odd_name_is_shown_escaped():
-    [line] = config.unknown_settings({"PODAGENT_X\nY": "1"})
+    [line] = unknown_settings({"PODAGENT_X\nY": "1"})
     assert "\n" not in line and line.startswith("'PODAGENT_X\\nY' is not a podagent setting")
 
 
@@ -845,4 +856,4 @@ def test_every_podagent_variable_the_code_uses_is_known():
                                    path.read_text(errors="replace")))
     used -= {"PODAGENT_VERSION"}  # a Python name (podagent.__version__), not a variable
     assert used, "the scan found nothing: the layout changed"
-    assert used <= config.known_variables(), sorted(used - config.known_variables())
+    assert used <= known_variables(), sorted(used - known_variables())

@@ -17,6 +17,8 @@ from packaging.requirements import Requirement
 import podagent
 from podagent import config
 from podagent.cluster import ray_node
+from podagent.config.fields import FIELD_BY_ATTR, FIELDS
+from podagent.config.policy import TOKEN_VARIABLES, is_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -148,7 +150,7 @@ def test_entrypoint_script_only_execs_podagent_with_its_arguments():
     assert commands == ["set -e", 'exec podagent "$@"']
 
 
-SERVICE_PORTS = {str(config.FIELD_BY_ATTR[a].default)
+SERVICE_PORTS = {str(FIELD_BY_ATTR[a].default)
                  for a in ("ray_port", "dashboard_port", "reward_port")}
 
 
@@ -173,7 +175,7 @@ def test_no_secret_is_baked_into_the_image():
     instructions = dockerfile_instructions()
     names = set(dockerfile_env(instructions))
     names |= {i.args.split("=")[0] for i in instructions if i.name == "ARG"}
-    assert not [n for n in names if config.is_secret(n)]
+    assert not [n for n in names if is_secret(n)]
 
 
 def test_env_defaults_are_valid_settings_on_the_volume():
@@ -250,7 +252,7 @@ def test_template_runs_the_images_own_entrypoint(template):
 
 
 def test_template_env_names_are_podagent_or_runpod_variables(template):
-    known = {f.env for f in config.FIELDS} | set(config.TOKEN_VARIABLES)
+    known = {f.env for f in FIELDS} | set(TOKEN_VARIABLES)
     unknown = [k for k in template["env"]
                if k not in known and not k.startswith(("RUNPOD_", "WANDB_"))]
     assert not unknown, f"not podagent's, RunPod's or W&B's variables: {unknown}"
@@ -258,7 +260,7 @@ def test_template_env_names_are_podagent_or_runpod_variables(template):
 
 def test_template_secrets_are_references_never_values(template):
     env = template["env"]
-    secrets = [k for k in env if config.is_secret(k)]
+    secrets = [k for k in env if is_secret(k)]
     assert {"PODAGENT_TOKEN", "WANDB_API_KEY"} <= set(secrets)
     for key in secrets:
         assert SECRET_REFERENCE.fullmatch(env[key]), f"{key} must be a RunPod secret reference"

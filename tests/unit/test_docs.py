@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from podagent import config
+from podagent.config.fields import FIELDS, first_run_table, settings_page
 from podagent.run import exits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,8 +18,8 @@ README = (ROOT / "README.md").read_text()
 def test_settings_tables_match_the_code():
     """docs/settings.md holds every setting, one table per group; the README the first run's."""
     page = (ROOT / "docs" / "settings.md").read_text()
-    assert config.settings_page() in page, "regenerate with: python -m podagent.config"
-    assert config.first_run_table() in README, "regenerate with: python -m podagent.config"
+    assert settings_page() in page, "regenerate with: python -m podagent.config"
+    assert first_run_table() in README, "regenerate with: python -m podagent.config"
 
 
 def test_up_options_table_matches_the_code():
@@ -35,7 +35,7 @@ def test_readme_exit_code_table_matches_the_code():
 
 def test_every_setting_is_documented_with_flag_and_variable():
     page = (ROOT / "docs" / "settings.md").read_text()
-    for field in config.FIELDS:
+    for field in FIELDS:
         assert f"`{field.flag}` | `{field.env}`" in page
 
 

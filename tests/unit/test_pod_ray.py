@@ -14,6 +14,7 @@ import pytest
 
 from podagent import config, process
 from podagent.cluster import node
+from podagent.config.names import RAY_OWNER
 from podagent.errors import ForeignRay
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -38,9 +39,9 @@ class Fakes:
 
     def start(self, *args: str, name: str = "-", marked: bool = False,
               child: bool = False) -> subprocess.Popen[str]:
-        env = {k: v for k, v in os.environ.items() if k != config.RAY_OWNER}
+        env = {k: v for k, v in os.environ.items() if k != RAY_OWNER}
         if marked:
-            env[config.RAY_OWNER] = "podagent run unit"
+            env[RAY_OWNER] = "podagent run unit"
         proc = subprocess.Popen(
             [sys.executable, "-c", SLEEPER, name, "child" if child else "-", SLEEPER, *args],
             env=env, stdout=subprocess.PIPE, text=True)
@@ -76,12 +77,11 @@ def pids(procs: Sequence[psutil.Process]) -> set[int]:
 
 
 def test_the_mark_is_read_past_the_nuls_a_renamed_process_leaves():
-    block = b"\0" * 40 + b"PATH=/bin\0" + config.RAY_OWNER.encode() + b"=podagent run x\0"
-    assert process.environ_holds(block, config.RAY_OWNER)
-    assert not process.environ_holds(b"PATH=/bin\0", config.RAY_OWNER)
-    assert not process.environ_holds(config.RAY_OWNER.encode() + b"=\0", config.RAY_OWNER)
-    assert not process.environ_holds(b"X" + config.RAY_OWNER.encode() + b"=1\0",
-                                     config.RAY_OWNER)
+    block = b"\0" * 40 + b"PATH=/bin\0" + RAY_OWNER.encode() + b"=podagent run x\0"
+    assert process.environ_holds(block, RAY_OWNER)
+    assert not process.environ_holds(b"PATH=/bin\0", RAY_OWNER)
+    assert not process.environ_holds(RAY_OWNER.encode() + b"=\0", RAY_OWNER)
+    assert not process.environ_holds(b"X" + RAY_OWNER.encode() + b"=1\0", RAY_OWNER)
 
 
 def test_on_a_pod_the_mark_tells_podagents_ray_from_anyone_elses(fakes: Fakes):

@@ -16,6 +16,7 @@ import pytest
 
 from podagent import config, limits
 from podagent.cluster import ray_node
+from podagent.config.names import RAY_OWNER
 from podagent.errors import ConfigError, PortInUse
 from podagent.platform import pod
 from podagent.platform.roles import Role
@@ -69,7 +70,7 @@ def test_head_plan():
                                      **ray_node.HEALTH_CHECK_ENV,
                                      "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "150",
                                      **ray_node.auth_env(settings()),
-                                     config.RAY_OWNER: "podagent run podagent-t"}
+                                     RAY_OWNER: "podagent run podagent-t"}
 
 
 def test_head_plan_uses_the_configured_ports_and_temp_dir():
@@ -86,7 +87,7 @@ def test_worker_plan():
     s = settings(PODAGENT_RAY_PORT="7000", PODAGENT_RUN_NAME="run-7")
     p = ray_node.plan(s, Role.WORKER, "10.0.0.6", 1, {}, head_ip="10.0.0.5")
     # A worker's Ray is podagent's too: a later podagent on its pod stops it, never refuses it.
-    assert p.env_overrides[config.RAY_OWNER] == "podagent run run-7"
+    assert p.env_overrides[RAY_OWNER] == "podagent run run-7"
     argv = p.argv
     assert argv[1] == "start"
     assert after(argv, "--address") == "10.0.0.5:7000"
@@ -136,7 +137,7 @@ def test_listen_all_opens_the_dashboard_on_every_interface():
 
 
 def test_listen_rejects_anything_else():
-    with pytest.raises(config.ConfigError, match="PODAGENT_LISTEN='public' must be one of"):
+    with pytest.raises(ConfigError, match="PODAGENT_LISTEN='public' must be one of"):
         settings(PODAGENT_LISTEN="public")
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from podagent import config
+from podagent.config.policy import is_secret
 from podagent.report import REDACTED, Progress, Reporter
 
 SECRET = "wandb-0123456789abcdef"
@@ -164,4 +164,4 @@ def test_progress_is_rate_limited(stream):
     ("KEYBOARD_LAYOUT", False), ("WANDB_PROJECT", False), ("HEAD_POD_ID", False),
 ])
 def test_is_secret(name, secret):
-    assert config.is_secret(name) is secret
+    assert is_secret(name) is secret

@@ -20,6 +20,7 @@ import pytest
 
 from podagent import config, trainers
 from podagent.cluster import job_spec
+from podagent.config.parsers import command_line
 from podagent.report import Reporter
 
 HEAD_URL = "http://10.0.0.1:5000/get_reward"
@@ -118,7 +119,7 @@ def test_a_script_of_your_own_keeps_the_flag_of_before():
     ("python train.py --ckpt.path /c", "script"),  # not OpenRLHF: its options mean nothing here
 ])
 def test_the_trainer_is_read_from_the_command_line_a_shell_command_too(job, trainer):
-    profile = trainers.read(config.command_line(job))
+    profile = trainers.read(command_line(job))
     assert profile.trainer.name == trainer
     assert profile.checkpoint_dir == ("/c" if trainer != "script" else None)
 
@@ -145,7 +146,7 @@ def test_the_trainer_is_read_from_the_command_line_a_shell_command_too(job, trai
     ("python train.py", None),  # a script of its own: nothing to tell
 ])
 def test_a_job_that_would_not_ask_the_heads_reward_server_gets_one_line(job, warned):
-    profile = trainers.read(config.command_line(job))
+    profile = trainers.read(command_line(job))
     line = profile.reward_warning(True, HEAD_URL)
     assert (line is None) if warned is None else (warned in line), line
     assert profile.reward_warning(False, HEAD_URL) is None  # PODAGENT_REWARD=none

@@ -19,6 +19,7 @@ import pytest
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from podagent import config
+from podagent.config.policy import is_secret
 from podagent.errors import RayStartError
 from podagent.platform.roles import Role
 from podagent.report import REDACTED, Reporter, wandb_run
@@ -129,7 +130,7 @@ def make(tmp_path, environ: dict[str, str], **extra: str) -> tuple[config.Settin
            **extra}
     settings = config.build({}, env)
     stream = io.StringIO()
-    secrets = [v for k, v in env.items() if config.is_secret(k) and v]
+    secrets = [v for k, v in env.items() if is_secret(k) and v]
     return settings, Reporter("head", "pod1", settings.run_dir, secrets, stream=stream), stream
 
 

@@ -121,7 +121,8 @@ def test_the_profile_settings_and_their_defaults():
 def test_help_documents_the_reward_formula_and_every_variable():
     """--help shows the formula and the settings a first use needs; `podagent help settings
     reward-server`, where it points, every one."""
-    from podagent import cli, config
+    from podagent import cli
+    from podagent.config.fields import REWARD_FIRST
 
     result = CliRunner().invoke(reward_server, ["--help"])
     assert result.exit_code == 0
@@ -131,4 +132,4 @@ def test_help_documents_the_reward_formula_and_every_variable():
     every = " ".join(cli.settings_help("reward-server").split())
     for field in settings.FIELDS:
         assert field.flag in every and field.env in every
-        assert (field.env in text) == (field.attr in config.REWARD_FIRST)
+        assert (field.env in text) == (field.attr in REWARD_FIRST)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from podagent import config
+from podagent.errors import ConfigError
 from podagent.run import resume as resuming
 
 
@@ -79,5 +80,5 @@ def test_default_directory_is_the_volume_or_none(tmp_path):
 
 
 def test_bad_resume_setting_is_bad_input():
-    with pytest.raises(config.ConfigError, match="PODAGENT_RESUME='sometimes' must be one of"):
+    with pytest.raises(ConfigError, match="PODAGENT_RESUME='sometimes' must be one of"):
         config.build({}, {"PODAGENT_RESUME": "sometimes"})
