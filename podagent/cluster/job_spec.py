@@ -4,6 +4,7 @@ the run ends or restarts."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Collection
@@ -25,6 +26,7 @@ from podagent.waiting import Deadline
 from podagent.wire import Event
 
 CLUSTER_CHECK = (sys.executable, "-m", "podagent.checks.clustercheck")
+RAY_STOP_WAIT = "RAY_JOB_STOP_WAIT_TIME_S"
 
 
 def entrypoint(settings: Settings, reporter: Reporter, resume: bool = True) -> tuple[str, ...]:
@@ -55,6 +57,11 @@ def env(settings: Settings, head_ip: str, nodes: int, gpus: int, reward_url: str
         HEARTBEAT_VARIABLE: os.path.abspath(settings.run_dir / HEARTBEAT_FILE),
         STACKS_VARIABLE: os.path.abspath(hangs.stacks_dir(settings.run_dir)),
     }
+    # Ray's job supervisor sends the job SIGTERM on a stop and SIGKILL after this (Ray's own
+    # default is 3 s): the job gets PODAGENT_STOP_TIMEOUT to checkpoint, as every child does.
+    # Ray reads a whole number; a user's own value stands.
+    variables[RAY_STOP_WAIT] = settings.environ.get(RAY_STOP_WAIT) or str(
+        max(1, math.ceil(settings.stop_timeout)))
     if reward_url:
         variables["REMOTE_RM_URL"] = reward_url
     if ray_debug:

@@ -319,8 +319,19 @@ def test_job_env_carries_wandb_settings_never_the_key():
                    "WANDB_PROJECT": "p",
                    # the hang watch's, absolute: the job's working directory is its own
                    "PODAGENT_HEARTBEAT": os.path.abspath(settings.run_dir / "heartbeat"),
-                   "PODAGENT_STACKS": os.path.abspath(settings.run_dir / "stacks")}
+                   "PODAGENT_STACKS": os.path.abspath(settings.run_dir / "stacks"),
+                   # Ray's SIGKILL after PODAGENT_STOP_TIMEOUT (10 s), not its own 3 s
+                   "RAY_JOB_STOP_WAIT_TIME_S": "10"}
     assert settings.run_dir.parent == Path("podagent-logs", "r1")  # this pod's own
+
+
+@pytest.mark.parametrize(("environ", "wait"), [({"PODAGENT_STOP_TIMEOUT": "2.5"}, "3"),
+                                               ({"PODAGENT_STOP_TIMEOUT": "0.2"}, "1"),
+                                               ({"RAY_JOB_STOP_WAIT_TIME_S": "90"}, "90")])
+def test_the_jobs_stop_grace_is_podagents_in_whole_seconds_unless_set(environ, wait):
+    env = job_spec.env(config.build({}, environ), "10.0.0.1", nodes=1, gpus=0,
+                       reward_url=None, ray_debug=False, submission_id="r-1", attempt=1)
+    assert env["RAY_JOB_STOP_WAIT_TIME_S"] == wait
 
 
 def test_entrypoint_is_the_cluster_check_without_a_job_and_unchanged_on_reattach():
