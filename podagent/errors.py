@@ -120,6 +120,12 @@ class RunHung(PodagentError):
     or used up). The message names the likely culprit and where the stacks are."""
 
 
+class DeadlineReached(PodagentError):
+    """The run reached PODAGENT_DEADLINE (`podagent up --max-duration/--max-cost` sets it):
+    its job was stopped with a grace to checkpoint, every pod ended, and it is not started
+    again."""
+
+
 class LedgerError(PodagentError):
     """The run's ledger on the volume could not be written (full, read-only, gone): the head
     does not submit a job it could not record (a restarted head would not know of it)."""

@@ -33,6 +33,7 @@ class Event(Named):
     RESTARTED = "restarted"
     HANG = "hang"  # no progress for PODAGENT_HANG_TIMEOUT: the stacks dumped, the culprit named
     STOP_REQUESTED = "stop_requested"
+    DEADLINE = "deadline"  # PODAGENT_DEADLINE passed: the run ends in order (run/cap.py)
     # The Ray engine's head
     RAY_HEAD = "ray_head"  # a timed step
     DASHBOARD_READY = "dashboard_ready"  # a timed step
@@ -127,6 +128,7 @@ class Ending(Named):
     FAILED = "failed"  # the training (the job) failed by itself
     HUNG = "hung"  # no progress for PODAGENT_HANG_TIMEOUT (run/progress.py)
     LOST = "lost"  # a pod was lost, cut off or stopped
+    DEADLINE = "deadline"  # PODAGENT_DEADLINE passed (run/cap.py): nothing starts it again
 
 
 class MemberState(Named):

@@ -21,15 +21,15 @@ from podagent.cluster.recovery import JobAttempt, NodeLost, Recovery
 from podagent.cluster.reward_server import RewardServer
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
 from podagent.config import Settings
-from podagent.errors import RayDied
+from podagent.errors import DeadlineReached, RayDied
 from podagent.platform import pod
 from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access.gcs import GcsClient
 from podagent.report import Progress, Reporter
-from podagent.run import hangs
+from podagent.run import cap, hangs
 from podagent.run import ledger as ledger_mod
 from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
-from podagent.run.lifecycle import Lifecycle
+from podagent.run.lifecycle import EndRequested, Lifecycle
 from podagent.waiting import Backoff, Deadline, Expired, Signals, retry
 from podagent.wire import Ending, Event, HeadState
 
@@ -142,6 +142,8 @@ class Head(Lifecycle[HeadState]):
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals, ledger: Ledger):
         self.stop_watch = StopWatch(reporter)
+        self.deadline = cap.DeadlineWatch(settings, reporter)
+        self._capped = False
         self._node: HeadNode | None = None  # from PREPARING on
         # Every wait of the head sleeps through this: it also ends on a stop request.
         super().__init__(settings, decision, reporter, WatchedSignals(signals, self._look))
@@ -162,11 +164,15 @@ class Head(Lifecycle[HeadState]):
         return self._node is not None and self._node.ray.adopted
 
     def _look(self) -> None:
-        """What every wait of the head looks at: a stop request, and (once it is up) this
-        pod's own Ray, at most once a second. A raylet or dashboard that died is not waited
-        past: joins, the reward server and the submission would each wait out their timeouts
-        for nothing (the job's own watch does the same while it runs)."""
+        """What every wait of the head looks at: a stop request, the run's deadline, and (once
+        it is up) this pod's own Ray, at most once a second. A raylet or dashboard that died is
+        not waited past: joins, the reward server and the submission would each wait out their
+        timeouts for nothing (the job's own watch does the same while it runs)."""
         self.stop_watch.look()
+        capped = None if self._capped else self.deadline.reached()
+        if capped is not None:  # once: its teardown's waits look too
+            self._capped = True
+            raise EndRequested(DeadlineReached.__name__, str(capped), capped)
         ray = self._node.ray if self._node else None
         if ray and ray.up and self.state is not HeadState.RUNNING:
             now = time.monotonic()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from podagent import process
 from podagent.choices import AfterRun
 from podagent.cluster import hang, node, ray_node, runstate
+from podagent.cluster.stop_watch import WatchedSignals
 from podagent.config import Settings
 from podagent.errors import HeadLost, HeadUnreachable, RayDied, RayStartError, RayVersionMismatch
 from podagent.platform.discovery import HeadFinder, HeadLocation
@@ -16,7 +17,7 @@ from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsLate, GcsUnavailable, Reach
 from podagent.report import Reporter
-from podagent.run import beacon
+from podagent.run import beacon, cap
 from podagent.run.lifecycle import EndRequested, Lifecycle
 from podagent.waiting import Backoff, Signals, retry
 from podagent.wire import Event, WorkerState
@@ -135,7 +136,10 @@ class Worker(Lifecycle[WorkerState]):
 
     def __init__(self, settings: Settings, decision: RoleDecision, reporter: Reporter,
                  signals: Signals):
-        super().__init__(settings, decision, reporter, signals)
+        # Every wait also looks at the run's deadline: a head gone for good is not looked for
+        # past it (its grace and cap.WORKER_LATE given to the head's own end of the run).
+        super().__init__(settings, decision, reporter,
+                         WatchedSignals(signals, lambda: cap.check_late(settings)))
         self.finder = self._finder()
         self._found: FoundHead | None = None  # from FINDING_HEAD on
         self.setup: node.NodeSetup | None = None  # from PREPARING on

@@ -43,6 +43,7 @@ from podagent.config.parsers import (
     http_url,
     ipv4,
     key,
+    moment,
     named,
     number,
     path,
@@ -366,6 +367,12 @@ FIELDS: tuple[Field, ...] = (
               "(else exit 25); 0: no watch. The default is above a healthy trainer's longest "
               "silence (a large checkpoint save, a long rollout) and far below NCCL's timeout.",
               default=1800.0),
+        Field("deadline", "PODAGENT_DEADLINE", "--deadline", moment,
+              "When the run must be over (Unix seconds, or ISO 8601 with its zone: "
+              "2026-11-30T12:00:00Z): then the head stops the job (SIGTERM, "
+              "PODAGENT_STOP_TIMEOUT to checkpoint), ends the run on every pod and exits 27; a "
+              "start after it ends at once. `podagent up --max-duration/--max-cost` sets it.",
+              default_doc="none"),
         Field("checkpoint_dir", "PODAGENT_CHECKPOINT_DIR", "--checkpoint-dir", path,
               "Directory the job writes checkpoints to; podagent checks its free space and "
               "resumes from it (PODAGENT_RESUME).",

@@ -60,6 +60,43 @@ def seconds(raw: str) -> float:
     return value
 
 
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION = 30 * 86400  # a run capped past a month is not capped
+
+
+def duration(raw: str) -> float:
+    """Seconds from `90s`, `30m`, `12h`, `2d` (a bare number: seconds)."""
+    rule = "must be a duration such as 90s, 30m, 12h or 2d (more than 0, at most 30d)"
+    found = _DURATION.fullmatch(raw.strip().lower())
+    if not found:
+        raise ValueError(rule)
+    value = float(found[1]) * _UNIT[found[2]]
+    if not 0 < value <= MAX_DURATION:
+        raise ValueError(rule)
+    return value
+
+
+def moment(raw: str) -> float:
+    """A point in time as Unix seconds: Unix seconds themselves, or ISO 8601 with its zone
+    (`2026-11-30T12:00:00Z`). A time without a zone is refused: a pod's zone is not the
+    user's."""
+    import datetime
+
+    rule = ("must be a time: Unix seconds, or ISO 8601 with its zone "
+            "(e.g. 2026-11-30T12:00:00Z)")
+    text = raw.strip()
+    if re.fullmatch(r"[0-9]{10,11}(\.[0-9]+)?", text):  # 2001 on: a digit lost is refused
+        return float(text)
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(rule) from None
+    if when.tzinfo is None:
+        raise ValueError(rule)
+    return when.timestamp()
+
+
 def port(raw: str) -> int:
     if not re.fullmatch(r"[0-9]{1,5}", raw) or not 1 <= int(raw) <= 65535:
         raise ValueError("must be a TCP port number from 1 to 65535")

@@ -37,7 +37,7 @@ from podagent.gang import datacheck, mesh
 from podagent.gang.launchers import Launcher, Layout, Step, data_check_step
 from podagent.platform.roles import RoleDecision
 from podagent.report import JobOutput, Reporter
-from podagent.run import hangs, policy, restarts, resume, stacks
+from podagent.run import cap, hangs, policy, restarts, resume, stacks
 from podagent.run.hangs import DUMP_WAIT
 from podagent.run.ledger import SUCCEEDED, Ledger
 from podagent.run.lifecycle import Lifecycle
@@ -107,6 +107,7 @@ class Supervisor(Lifecycle[GangPhase]):
                                    checkpoints=Path(checkpoints) if checkpoints else None,
                                    heartbeat=run_dir / HEARTBEAT_FILE)
         self.hangs = 0  # hangs seen in this start
+        self.cap = cap.DeadlineWatch(settings, reporter)  # the head's: PODAGENT_DEADLINE
 
     @property
     def log_path(self) -> Path:
@@ -298,7 +299,7 @@ class HeadSupervisor(Supervisor):
                        self.reporter, self.events)
         self._hub = hub
         hub.status, hub.logs = self.status, self.logs
-        members = hub.gather(self.settings.worker_timeout, self.signals.check,
+        members = hub.gather(self.settings.worker_timeout, self._check_gathering,
                              self.settings.min_workers)
         self.layout = layout = self._layout(len(members) + 1, 0)
         self._steps = list(self.steps(layout))
@@ -358,7 +359,21 @@ class HeadSupervisor(Supervisor):
         self.reporter.event(Event.RENDEZVOUS_DONE, nodes=len(members) + 1,
                             ranks={str(self.me): 0, **{str(m.peer): m.rank for m in members}})
 
+    def _check_gathering(self) -> None:
+        """The rendezvous's waits: a signal, or the run's deadline (nothing launched past it)."""
+        self.signals.check()
+        capped = self.cap.reached()
+        if capped is not None:
+            raise capped
+
+    def _capped(self) -> Cause | None:
+        capped = self.cap.reached()
+        return None if capped is None else Cause(Ending.DEADLINE, str(self.me), str(capped))
+
     def _head_step(self, step: Step, hub: mesh.Hub) -> Cause | None:
+        capped = self._capped()  # a step (a restart after a hang too) never starts past it
+        if capped is not None:
+            return capped
         training = self._launch(step)
         running = [m for m in hub.members.values() if m.state in mesh.AT_WORK]
         waiting = {str(m.peer) for m in running}
@@ -392,8 +407,11 @@ class HeadSupervisor(Supervisor):
                     cause = stronger(cause, Cause(Ending.FAILED, str(event.peer), step=step.name,
                                                   rc=event.rc))
                 reports.extend(event.reports)
+            capped = self._capped()
+            if capped is not None:
+                cause = stronger(cause, capped)
             if cause is not None:
-                if cause.kind in (Ending.LOST, Ending.STOPPED):
+                if cause.kind in (Ending.LOST, Ending.STOPPED, Ending.DEADLINE):
                     return cause
                 settle_until = settle_until or time.monotonic() + SETTLE
                 if time.monotonic() >= settle_until:
@@ -448,8 +466,9 @@ class HeadSupervisor(Supervisor):
             return None
 
     def _ends_run(self, event: mesh.Event | None) -> Cause | None:
-        """A signal, a lost pod or a stop asked for, while the head handles a hang."""
-        signalled = self._signal_cause()
+        """A signal, a lost pod, a stop asked for or the run's deadline, while the head
+        handles a hang."""
+        signalled = self._signal_cause() or self._capped()
         if signalled:
             return signalled
         if isinstance(event, mesh.Lost):
@@ -572,13 +591,18 @@ class WorkerSupervisor(Supervisor):
             return resume.starting(self.settings, self.plan.script, self.reporter).command
         return resume.as_told(self.settings, self.plan.script, self._told, self.reporter)
 
+    def _check_joining(self) -> None:
+        """The rendezvous's waits: a signal, or a head that never came past the deadline."""
+        self.signals.check()
+        cap.check_late(self.settings)
+
     def _rendezvous(self) -> GangPhase:
         link = mesh.Link(self.rv, self.me, self.settings.peer_grace, self.settings.auth_token,
                          self.reporter, self.events)
         link.quiet = self._quiet
         self._link = link
         go = link.join(self.deadline, self.settings.head_timeout, self.asked_rank,
-                       self.signals.sleep, self.signals.check)
+                       self.signals.sleep, self._check_joining)
         link.head = mesh.Peer(self.rv.head_ip, str(go.get("head") or ""))
         self.layout = layout = self._layout(int(go["nodes"]), int(go["rank"]))
         self.reporter.say(f"{self.rv}: this pod is machine {layout.machine_rank} of "

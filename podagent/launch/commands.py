@@ -98,6 +98,7 @@ def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: fl
                   image=str(pods[0].get("image") or "") or None,
                   cluster=any(p.get("cluster") for p in pods), keep=keep, api_url=url,
                   api_timeout=api_timeout, state_dir=state_dir,
+                  deadline=specs.deadline_of(pods),
                   **({"timeout": timeout} if timeout is not None else {}))
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from podagent.errors import NoCapacity, PodsNotReady, RunPodApiError
+from podagent.errors import InputError, NoCapacity, PodsNotReady, RunPodApiError
 from podagent.launch import down, interrupts, state
 from podagent.launch import spec as specs
 from podagent.launch.spec import Placement, UpSpec
@@ -27,6 +28,7 @@ class Checked:
     """What CHECKING found: where and how to create, the run's record, and what exists."""
     placement: Placement
     record: state.RunRecord
+    spec: UpSpec  # the run's, its deadline worked out (specs.capped)
     pod_ids: dict[str, str] = field(default_factory=dict)  # name -> id, found at RunPod
     cluster_id: str | None = None
 
@@ -56,7 +58,27 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
         # one, also when re-attaching to pods that exist, so that `ls` and `down` know them.
         record = state.new(spec.state_dir, spec.run, spec.api_url, spec.shape(),
                            spec.to_record())
-    checked = Checked(Placement(str(gpu["id"]), data_centers, registry), record,
+    # The cap counts from here, before anything is created: the deadline the pods hold (a
+    # run that exists keeps its own, from its record or its pods).
+    price = specs.price_per_hour(spec, gpu)
+    now = time.time()
+    kept = (record.spec or {}).get("deadline") if found else None
+    held = (float(kept) if isinstance(kept, (int, float)) and not isinstance(kept, bool)
+            else specs.deadline_of(alive))
+    if alive and held is None and not follow_only and (
+            spec.max_duration is not None or spec.max_cost is not None):
+        raise InputError(f"run {spec.run} exists at RunPod without a cap, and its pods cannot "
+                         f"be given one now (--max-duration/--max-cost cap a run as it is "
+                         f"created): `podagent down {spec.run}` first, or leave the cap out")
+    spec, cap_line = specs.capped(spec, price, now, held)
+    if alive and not follow_only and spec.deadline is not None and spec.deadline <= now:
+        raise InputError(f"run {spec.run} passed its deadline ({specs.utc(spec.deadline)}): "
+                         f"nothing more is created for it; `podagent up --name {spec.run}` "
+                         f"follows it to its end, `podagent down {spec.run}` terminates it")
+    if spec.deadline is not None and (record.spec or {}).get("deadline") != spec.deadline:
+        record.spec = {**(record.spec or spec.to_record()), "deadline": spec.deadline}
+        record.try_save()
+    checked = Checked(Placement(str(gpu["id"]), data_centers, registry), record, spec,
                       {str(p["name"]): str(p["id"]) for p in alive},
                       str(found.clusters[0]["id"]) if found.clusters else None)
     if checked.exists:
@@ -64,11 +86,12 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
             + ("" if follow_only else ", creating only what is missing"))
         if follow_only and record.status == state.CREATING:  # the new record above
             record.try_mark(state.RUNNING)
-    price = specs.price_per_hour(spec, gpu)
     priced = f" at about ${price:.2f}/h (RunPod's list price)" if price is not None else ""
     where = f" in {', '.join(data_centers)}" if data_centers else ""
     say(f"run {spec.run}: {spec.shape()}{priced}{where}; state in "
         f"{state.path_of(spec.state_dir, spec.run)}")
+    if cap_line:
+        say(cap_line)
     return checked
 
 

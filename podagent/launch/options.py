@@ -68,6 +68,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption("registry_auth", ("--registry-auth",), str, None, metavar="ID|NAME",
              help="The RunPod registry credential (its id or name) that pulls a private "
                   "--image (not with --cluster: RunPod takes none there)."),
+    UpOption("max_duration", ("--max-duration",), str, None, metavar="DURATION",
+             help="End the run this long after its creation (90s, 30m, 12h, 2d): the job gets "
+                  "SIGTERM and PODAGENT_STOP_TIMEOUT to checkpoint, then every pod ends "
+                  "(exit 27). The pods hold it too (PODAGENT_DEADLINE), detached or not."),
+    UpOption("max_cost", ("--max-cost",), float, None, metavar="USD",
+             help="End the run once it may have cost this much at RunPod's list price for its "
+                  "pods (a duration, as --max-duration; the nearer of the two holds)."),
     UpOption("timeout", ("--timeout",), float, 900.0, metavar="SECONDS",
              help="Every pod must be RUNNING within this."),
     UpOption("api_timeout", ("--api-timeout",), float, 60.0, metavar="SECONDS",

@@ -8,6 +8,7 @@ a run's pods are found again from RunPod's own list even when the local state is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -21,7 +22,7 @@ from typing import Any
 from podagent.choices import LAUNCHERS, RAY_LAUNCHER, AfterRun
 from podagent.config.fields import FIELD_BY_ATTR, RUNPOD_API_URL
 from podagent.config.names import UP_RUN_LABEL
-from podagent.config.parsers import http_url, run_name
+from podagent.config.parsers import duration, http_url, moment, run_name
 from podagent.config.policy import RUNPOD_ACCOUNT_KEY, is_secret
 from podagent.errors import ConfigError, InputError
 from podagent.launch.options import default, flag
@@ -43,9 +44,10 @@ _IMAGE = re.compile(
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
     r"(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?")
 # What podagent on the pods is told by `up` itself: a user's -e may not set these.
+DEADLINE = FIELD_BY_ATTR["deadline"].env  # --max-duration/--max-cost, as the pods hold them
 OWN_VARIABLES = ("PODAGENT_RUN_NAME", "EXPECTED_WORKERS", "PODAGENT_JOB", "HEAD_POD_ID",
                  "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", "PODAGENT_LAUNCHER",
-                 LABEL, RUNPOD_API_URL)
+                 DEADLINE, LABEL, RUNPOD_API_URL)
 # The one variable a run's pods may be given an account key in (--secret NAME=SECRET only):
 # the head then terminates every pod of the run at its end.
 ACCOUNT_KEY = RUNPOD_ACCOUNT_KEY
@@ -100,6 +102,9 @@ class UpSpec:
     keep: bool = False
     detach: bool = False  # leave once the pods run: they stop themselves at the run's end
     registry_auth: str | None = None  # a registry credential's id or name (a private image)
+    max_duration: float | None = None  # seconds from the run's creation (--max-duration)
+    max_cost: float | None = None  # USD at RunPod's list price (--max-cost)
+    deadline: float | None = None  # Unix seconds: the two above from the creation (capped())
     timeout: float = 900.0  # every pod RUNNING within this
     api_url: str = ""
     api_timeout: float = 60.0  # one API call, its retries included
@@ -162,7 +167,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           timeout: float, api_url: str, state_dir: Path | None,
           api_timeout: float = default("api_timeout"), detach: bool = default("detach"),
           registry_auth: str | None = default("registry_auth"),
-          launcher: str = default("launcher")) -> UpSpec:
+          launcher: str = default("launcher"), max_duration: str | None = None,
+          max_cost: float | None = None) -> UpSpec:
     """The spec from the command line (options.UP_OPTIONS), or one line naming the flag, the
     value and the rule that is broken (ConfigError)."""
     run = run or default_run_name()
@@ -224,6 +230,17 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                           "mounts one volume at /workspace)")
     if disk_gb is not None and disk_gb < 1:
         raise _fail(flag("disk_gb"), disk_gb, "must be at least 1 (GB of container disk)")
+    seconds = None
+    if max_duration is not None:
+        try:
+            seconds = duration(max_duration)
+        except ValueError as exc:
+            raise _fail(flag("max_duration"), max_duration, str(exc)) from None
+    if max_cost is not None and not 0 < max_cost < float("inf"):
+        raise _fail(flag("max_cost"), max_cost, "must be a positive number of US dollars")
+    if keep and (seconds is not None or max_cost is not None):
+        raise InputError("give at most one of --keep and --max-duration/--max-cost (at the "
+                         "cap every pod of the run ends; --keep leaves them running)")
     if timeout <= 0:
         raise _fail(flag("timeout"), timeout, "must be a positive number of seconds")
     if api_timeout <= 0:
@@ -240,7 +257,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                   env=_environment(env, secrets), job=tuple(job), launcher=launcher,
                   keep=keep, detach=detach,
                   registry_auth=registry_auth.strip() if registry_auth else None,
-                  timeout=timeout, api_url=api_url.rstrip("/"), api_timeout=api_timeout,
+                  max_duration=seconds, max_cost=max_cost, timeout=timeout,
+                  api_url=api_url.rstrip("/"), api_timeout=api_timeout,
                   state_dir=state_dir or default_state_dir(os.environ))
 
 
@@ -343,6 +361,52 @@ def price_per_hour(spec: UpSpec, gpu: Mapping[str, Any]) -> float | None:
     return None if each is None else float(each) * spec.gpus_per_pod * spec.pods
 
 
+MIN_CAP = 60.0  # a cap nearer than this ends a run before its pods could start
+
+
+def deadline_of(pods: list[Mapping[str, Any]]) -> float | None:
+    """The run's deadline as its pods hold it (a stranger's value is none)."""
+    for pod in pods:
+        raw = (pod.get("env") or {}).get(DEADLINE)
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            return moment(raw)
+    return None
+
+
+def capped(spec: UpSpec, price: float | None, now: float,
+           held: float | None = None) -> tuple[UpSpec, str]:
+    """The spec with its deadline (Unix seconds) from --max-duration and --max-cost counted
+    from `now`, and the line that says it ("" without a cap). A run that exists keeps the
+    deadline it has (`held`: its record's, or its pods'): its pods hold that one."""
+    if held is not None:
+        spec = dataclasses.replace(spec, deadline=held)
+    if spec.deadline is not None:
+        return spec, f"capped: the run ends by {utc(spec.deadline)}"
+    limits: list[tuple[float, str]] = []
+    if spec.max_duration is not None:
+        limits.append((spec.max_duration, f"{flag('max_duration')} {spec.max_duration:g} s"))
+    if spec.max_cost is not None:
+        if not price:
+            raise InputError(f"{flag('max_cost')} needs the run's price, and RunPod's catalog "
+                             f"gives none for {spec.gpu_type} in the {spec.cloud} cloud: use "
+                             f"{flag('max_duration')}")
+        limits.append((spec.max_cost / price * 3600.0,
+                       f"{flag('max_cost')} ${spec.max_cost:g} at ${price:.2f}/h"))
+    if not limits:
+        return spec, ""
+    seconds, why = min(limits)
+    if seconds < MIN_CAP:
+        raise InputError(f"the cap ({why}) ends the run {seconds:.0f} s after its creation: "
+                         f"give at least {MIN_CAP:g} s, for its pods to start")
+    spec = dataclasses.replace(spec, deadline=now + seconds)
+    return spec, (f"capped: the run ends by {utc(spec.deadline)}, {seconds:.0f} s from now "
+                  f"({why})")
+
+
+def utc(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
 # --- what RunPod is asked to create ----------------------------------------------------------
 
 def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[str, str]:
@@ -363,6 +427,8 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
                     "PODAGENT_LOG_FORMAT": "json"})
         if spec.job:
             env["PODAGENT_JOB"] = shlex.join(spec.job)
+    if spec.deadline is not None:  # every pod holds it: a detached run, a worker whose head
+        env[DEADLINE] = f"{spec.deadline:.0f}"  # is gone, a container started again
     if spec.launcher != RAY_LAUNCHER:  # every pod runs the launcher, and the same script
         env.update({"PODAGENT_LAUNCHER": spec.launcher, "PODAGENT_JOB": shlex.join(spec.job),
                     "EXPECTED_WORKERS": str(spec.workers)})

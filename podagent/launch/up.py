@@ -28,7 +28,15 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from podagent.errors import Interrupted, PodagentError, PodGone, PodsLeftBilling, PodsNotReady
+from podagent.config.fields import FIELD_BY_ATTR
+from podagent.errors import (
+    DeadlineReached,
+    Interrupted,
+    PodagentError,
+    PodGone,
+    PodsLeftBilling,
+    PodsNotReady,
+)
 from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.create import Checked, Creator, check
@@ -55,6 +63,9 @@ MAX_HEAD_STARTS = 5
 # while the head is closing the run: its workers stop themselves before it has said so.
 GONE_GRACE = 10.0
 CLOSING_GRACE = 90.0
+# The head ends a capped run at its deadline (PODAGENT_DEADLINE), its job given the stop's
+# grace; `up` ends it itself this much later still (a head gone silent, say).
+DEADLINE_GRACE = 120.0
 
 
 class Phase(str, enum.Enum):
@@ -85,18 +96,24 @@ class Verdict:
     action: str  # "wait", "fail" or "done"
     why: str = ""
     gone: bool = False  # a pod that ran was stopped, failed or terminated at RunPod
+    capped: bool = False  # the run is past its deadline and the head did not end it
 
 
 def judge(statuses: Mapping[str, str | None], started: float, now: float, timeout: float,
           head_exit: int | None, shape: str, head_starts: int = 1,
           ran: Collection[str] = (), exited_since: Mapping[str, float] | None = None,
-          grace: float = GONE_GRACE, cluster: bool = False) -> Verdict:
+          grace: float = GONE_GRACE, cluster: bool = False,
+          past_deadline: float | None = None) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
     code once its run is over for good, how often the head's podagent has started, which pods
-    have been RUNNING (one restarting later is not one that never started) and since when each
-    EXITED pod has been so."""
+    have been RUNNING (one restarting later is not one that never started), since when each
+    EXITED pod has been so, and how long ago the head should have ended a capped run."""
     if head_exit is not None:
         return Verdict("done")
+    if past_deadline is not None and past_deadline >= 0:
+        return Verdict("fail", f"the run passed its deadline (--max-duration/--max-cost) and "
+                               f"the head had not ended it {past_deadline:.0f} s after its "
+                               f"grace: ending it here", capped=True)
     if head_starts > MAX_HEAD_STARTS:
         return Verdict("fail", f"the head's podagent has started {head_starts} times without "
                                f"finishing the run (its container keeps exiting: a crash "
@@ -154,6 +171,7 @@ class Up:
         self.clean_up_failed: Exception | None = None  # the pods may still bill
         self.sweep = down.Sweep()  # what the clean-up saw of them
         self.started = time.monotonic()
+        self.started_at = time.time()
         self.head = HeadProgress(spec.run, self.board, view, self.say, self._phase,
                                  self._head_name, self.started)
 
@@ -199,6 +217,7 @@ class Up:
         spec = self.spec
         self._phase(Phase.CHECKING)
         self.checked = check(spec, self.client, self.follow_only, self.say)
+        spec = self.spec = self.checked.spec  # its deadline worked out
         head = specs.pod_name(spec.run, 0)
         if self.follow_only and not spec.cluster and self.checked.pod_ids \
                 and head not in self.checked.pod_ids:
@@ -320,9 +339,12 @@ class Up:
             verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
                             self.head.exit, self.spec.shape(), self.head.starts, self.ran,
                             self.exited_since, cluster=self.spec.cluster,
-                            grace=CLOSING_GRACE if self.head.closing else GONE_GRACE)
+                            grace=CLOSING_GRACE if self.head.closing else GONE_GRACE,
+                            past_deadline=self._past_deadline())
             if verdict.action == "done":
                 return self.head.exit
+            if verdict.capped:
+                raise DeadlineReached(f"run {self.spec.run}: {verdict.why}")
             if verdict.action == "fail":
                 raise (PodGone if verdict.gone else PodsNotReady)(
                     f"run {self.spec.run}: {verdict.why}")
@@ -330,6 +352,23 @@ class Up:
                 self.head.take(next_item(self.records, RECORD_WAIT))
                 while True:  # what else has come meanwhile
                     self.head.take(self.records.get_nowait())
+
+    def _past_deadline(self) -> float | None:
+        """Seconds since the head should have ended the capped run (None: no cap): once it
+        said it is ending it, the job's grace it gave (its PODAGENT_STOP_TIMEOUT) and
+        DEADLINE_GRACE from then; else from the deadline, or from `up`'s own start when it
+        came later (a run re-attached to: what the head said meanwhile is read first)."""
+        if self.spec.deadline is None:
+            return None
+        if self.head.capping is not None:
+            since, grace = self.head.capping
+            return time.time() - (since + grace + DEADLINE_GRACE)
+        stop = FIELD_BY_ATTR["stop_timeout"]
+        try:
+            grace = stop.parse(dict(self.spec.env).get(stop.env, ""))
+        except ValueError:  # unset (the pods' default), or refused by the pods as by us
+            grace = float(stop.default)
+        return time.time() - (max(self.spec.deadline, self.started_at) + grace + DEADLINE_GRACE)
 
     def _keep_following(self, statuses: Mapping[str, str | None]) -> None:
         """The head's log stream, from when its container starts; started again should its
@@ -428,6 +467,9 @@ class HeadProgress:
         self.last_exit: int | None = None  # the code of the head's podagent's last start
         self._starts: set[Any] = set()  # each start of the head's podagent, by its time
         self.closing = False  # the head's current start is ending the run (its teardown)
+        # The head is ending a capped run (its `deadline` event): when `up` heard it, and the
+        # grace its job has.
+        self.capping: tuple[float, float] | None = None
         self.first_job_line: float | None = None
 
     @property
@@ -490,10 +532,17 @@ class HeadProgress:
             self.board.joined = 0
             self.board.mark_joined(None, False)
             self.view.update(self.board)
+        elif event == Event.DEADLINE and self.capping is None:
+            grace = data.get("grace_s")
+            self.capping = (time.time(), float(grace) if isinstance(grace, (int, float)) and
+                            not isinstance(grace, bool) and 0 <= grace <= 7 * 86400 else 0.0)
         elif event == Event.EXIT and _code(data.get("code")) is not None:
             # Not the end yet: a start cut short (a lost Ray, a signal) is started again by
-            # RunPod and resumes the run. The run is over when the head says so (run_over).
+            # RunPod and resumes the run. The run is over when the head says so (run_over),
+            # or by its code: past the deadline no start runs it again.
             self.last_exit = _code(data.get("code"))
+            if self.last_exit == exits.code_of(DeadlineReached):
+                self.exit = self.last_exit
         elif event == Event.RUN_OVER and _code(data.get("code")) is not None:
             self.exit = _code(data.get("code"))
         elif event == Event.STAYING and self.last_exit is not None:  # before run_over

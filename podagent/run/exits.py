@@ -70,6 +70,9 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
                                  "run's pods could not all be terminated (RunPod refused or did "
                                  "not answer): they may still bill; the line names them, and "
                                  "`podagent down RUN` (again) terminates them"),
+    (errors.DeadlineReached, 27, "PODAGENT_DEADLINE (`up --max-duration/--max-cost`) came: "
+                                 "the job had PODAGENT_STOP_TIMEOUT to checkpoint, every pod "
+                                 "ended"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 
@@ -100,6 +103,11 @@ def exit_code(exc: BaseException) -> int:
     if isinstance(exc, errors.Interrupted):
         return 128 + exc.signum
     return _code_of_class(type(exc))
+
+
+def code_of(error: type[errors.PodagentError]) -> int:
+    """The code of an error class, from the table."""
+    return _code_of_class(error)
 
 
 def _code_of_class(error: type[BaseException]) -> int:

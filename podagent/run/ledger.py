@@ -29,7 +29,7 @@ INTERNAL_ERROR = "InternalError"
 # The run ended for good: the job reached an end of its own, or someone asked for the end.
 # Anything else (a signal, a lost Ray, workers that never came) leaves the run to a restart.
 FINISHED = (SUCCEEDED, "JobFailed", "JobStopped", "StopRequested", "RestartsExhausted",
-            "DataOverlap", "RunHung")
+            "DataOverlap", "RunHung", "DeadlineReached")
 # So many starts in a row ending in an internal error end the run for good: the same bug
 # would meet every restarted container, billing GPUs in a loop.
 INTERNAL_ERRORS_IN_A_ROW = 3

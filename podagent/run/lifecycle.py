@@ -27,11 +27,12 @@ STEP_MINIMUM = 0.2  # however late, a step gets this long (to send SIGKILL, say)
 
 
 class EndRequested(Exception):
-    """An orderly end asked for from outside (e.g. `podagent stop`): teardown runs as for any
-    ending, and the run counts as a success (exit 0), not as an error or a signal."""
+    """An orderly end asked for from outside: teardown runs as for any ending. `podagent stop`'s
+    counts as a success (exit 0), not as an error or a signal; one that carries `error` (the
+    run's deadline: run/cap.py) ends with that error's code once the teardown is done."""
 
-    def __init__(self, outcome: str, message: str):
-        self.outcome = outcome
+    def __init__(self, outcome: str, message: str, error: PodagentError | None = None):
+        self.outcome, self.error = outcome, error
         super().__init__(message)
 
 
@@ -72,6 +73,8 @@ class Lifecycle(Generic[State]):
             outcome = self._finished_outcome()
         except EndRequested as exc:
             outcome = exc.outcome
+            if exc.error is not None:
+                raise exc.error from None  # after the teardown below
         except Interrupted as exc:
             outcome = type(exc).__name__
             self._note_signal()

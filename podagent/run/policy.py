@@ -20,6 +20,7 @@ from podagent.choices import OnNodeLoss
 from podagent.config import Settings
 from podagent.errors import (
     DataOverlap,
+    DeadlineReached,
     JobFailed,
     JobStopped,
     PeerLost,
@@ -32,9 +33,10 @@ from podagent.wire import Ending
 RESTART_BACKOFF_MAX = 300.0
 
 # Which cause ends the run when several show: a pod gone explains the hang and the failures
-# after it; a hang explains the failures of the ranks podagent stopped for it.
-STRENGTH = {Ending.LOST: 4, Ending.HUNG: 3, Ending.FAILED: 2, Ending.OVERLAP: 1,
-            Ending.STOPPED: 1, Ending.SUCCEEDED: 0}
+# after it; a hang explains the failures of the ranks podagent stopped for it. The deadline is
+# the user's cap on what the run costs: past it nothing is started again, whatever else showed.
+STRENGTH = {Ending.DEADLINE: 5, Ending.LOST: 4, Ending.HUNG: 3, Ending.FAILED: 2,
+            Ending.OVERLAP: 1, Ending.STOPPED: 1, Ending.SUCCEEDED: 0}
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class Cause:
             return DataOverlap(self.detail)
         if self.kind is Ending.HUNG:  # a hang restarted is never an end: this one is final
             return RunHung(self.detail)
+        if self.kind is Ending.DEADLINE:
+            return DeadlineReached(self.detail)
         if self.kind is Ending.FAILED and self.pod == me:
             return JobFailed(f"the {self.step} ({launcher}) exited {self.rc} on this pod; "
                              f"stopped it on every pod")

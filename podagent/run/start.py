@@ -3,8 +3,9 @@ engine goes through once, written here only.
 
     warn early -> the engine checks its input (exit 2 before anything starts) -> dry run, or:
     the pod's log -> who this pod is -> signals, subreaper -> the ledger (a finished run is not
-    run again) -> the engine's run -> its end as one line and one code (run/exits.py) -> the
-    ledger's end -> what the pod does next (run/shell.py's `settle`)
+    run again) -> the run's deadline (run/cap.py: past it, nothing starts) -> the engine's run
+    -> its end as one line and one code (run/exits.py) -> the ledger's end -> what the pod
+    does next (run/shell.py's `settle`)
 
 An engine (the Ray head or worker: cluster/run.py; a run without Ray: gang/run.py) is an
 adapter: it checks, dry-runs, and runs its role's lifecycle; it keeps no start sequence, exit
@@ -25,7 +26,7 @@ from podagent.config.policy import RUNPOD_ACCOUNT_KEY, RUNPOD_API_KEY
 from podagent.errors import PodagentError
 from podagent.platform.roles import RoleDecision
 from podagent.report import Reporter
-from podagent.run import after_run, exits
+from podagent.run import after_run, cap, exits
 from podagent.run.ledger import INTERNAL_ERROR, SUCCEEDED, Ledger, recall, record_or_warn
 from podagent.run.shell import SUCCESS, install_signals, report_end, reporter_for, settle
 from podagent.waiting import Signals
@@ -134,6 +135,7 @@ def _run(settings: config.Settings, engine: Engine) -> int:
             finished = recall(ledger, settings.run_name, settings.run_dir, reporter)
         signals.check()  # a signal already: it ends the start, as between a lifecycle's states
         if finished is None:
+            cap.check_at_start(settings)  # past the run's deadline: nothing starts again
             engine.run(Start(settings, decision, reporter, signals, ledger), ending)
         else:  # it ends as it did: the code follows from the outcome, so a head killed
             code = exits.finished_code(finished["outcome"])  # before writing it reads right

@@ -194,6 +194,49 @@ def test_a_head_started_again_mid_run_resumes_and_up_waits_for_the_end(cloud, tm
     nothing_left(cloud)
 
 
+def test_a_capped_run_ends_at_its_deadline_with_a_grace_and_nothing_left(cloud, tmp_path):
+    """--max-cost, nearer than --max-duration, at the run's list price (2 x $2.99/h): the
+    pods hold the deadline; the head stops the job there with the stop's grace (the job's
+    handler takes longer than Ray's own 3 s to "save"), the run ends with 27, every pod is
+    terminated and the spend is said."""
+    saved = tmp_path / "saved"
+    job = (sys.executable, "-c",
+           "import signal, sys, time\n"
+           "def save(*_):\n"
+           "    time.sleep(4)  # longer than Ray's default grace\n"
+           f"    open({str(saved)!r}, 'w').close()\n"
+           "    sys.exit(0)\n"
+           "signal.signal(signal.SIGTERM, save)\n"
+           "print('job started', flush=True)\n"
+           "while True: time.sleep(0.2)\n")
+    # $0.10 at $5.98/h: 60 s from the check (the least a cap may be), for the pods to start
+    # and the job to run (it ran 20 s in).
+    argv = up_job("capped", 2, "--max-cost", "0.10", "--max-duration", "1h",
+                  "-e", "PODAGENT_STOP_TIMEOUT=15", job=job)
+    began = time.time()
+    result = run_up(cloud, tmp_path, argv)
+    out = result.stdout + result.stderr
+    assert result.returncode == 27, out[-5000:]
+    assert "(--max-cost $0.1 at $5.98/h)" in result.stdout
+    made = creates(cloud)
+    deadlines = {r.body["env"]["PODAGENT_DEADLINE"] for r in made}
+    assert len(deadlines) == 1 and len(made) == 2, deadlines
+    deadline = float(deadlines.pop())
+    assert began + 59 <= deadline <= began + 90
+    assert "job started" in result.stdout and saved.exists(), out[-5000:]
+    assert "DEADLINE: the run reached" in result.stdout
+    assert time.time() >= deadline
+    assert re.search(r"run capped ended: PODAGENT_DEADLINE .* \(exit 27\) after [0-9.]+ s; "
+                     r"the job's first line after [0-9.]+ s; 2 pod\(s\), [0-9.]+ pod-hours, "
+                     r"about \$[0-9.]+ at RunPod's rates", result.stdout), result.stdout[-3000:]
+    assert all(p.status == "TERMINATED" for p in cloud.pods.values())
+    nothing_left(cloud)
+    record = json.loads((tmp_path / "state" / "podagent" / "runs" / "capped.json").read_text())
+    assert record["outcome"]["code"] == 27
+    assert record["spec"]["deadline"] == pytest.approx(deadline, abs=0.5)
+    assert record["spec"]["max_cost"] == 0.10
+
+
 @pytest.mark.parametrize("argv_extra, says", [
     (("--pods", "0"), "--pods=0 must be at least 1"),
     (("--gpu", "NVIDIA H100"), "is not a GPU type RunPod offers"),

@@ -254,6 +254,7 @@ EXIT_CODES = [
     (errors.PodGone("pod w1 was stopped at RunPod"), 24),
     (errors.RunHung("no progress for 600 s"), 25),
     (errors.PodsLeftBilling("its pods may still bill"), 26),
+    (errors.DeadlineReached("the run reached its deadline"), 27),
     (errors.RunPodNonsense("answered 201 with an empty body"), 20),
     (errors.RunPodConflict("409"), 20),
     (errors.Interrupted(signal.SIGTERM), 143),

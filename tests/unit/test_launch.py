@@ -15,7 +15,7 @@ import click
 import pytest
 
 from podagent import cli
-from podagent.errors import ConfigError
+from podagent.errors import ConfigError, InputError
 from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.follow import parse
@@ -68,6 +68,12 @@ def build(**over):
     ({"env": ("EXPECTED_WORKERS=3",)}, "is set by `podagent up` itself"),
     ({"secrets": ("HF_TOKEN=has space",)}, "--secret='HF_TOKEN=has space'"),
     ({"api_url": "ftp://x"}, "RUNPOD_API_URL='ftp://x' must be an http"),
+    ({"max_duration": "3 weeks"}, "--max-duration='3 weeks' must be a duration such as 90s"),
+    ({"max_duration": "0s"}, "--max-duration='0s' must be a duration"),
+    ({"max_cost": -5.0}, "--max-cost=-5.0 must be a positive number of US dollars"),
+    ({"max_cost": float("nan")}, "--max-cost=nan must be a positive number"),
+    ({"max_cost": 10.0, "keep": True}, "give at most one of --keep and --max-duration"),
+    ({"env": ("PODAGENT_DEADLINE=1796040000",)}, "is set by `podagent up` itself"),
 ])
 def test_bad_input_is_one_line_naming_it(over, says):
     with pytest.raises(ConfigError) as caught:
@@ -319,6 +325,51 @@ def test_an_unreadable_record_is_one_line_set_aside_and_kept(tmp_path, written):
     assert state.load_hint(tmp_path, "demo", said.append) is None and len(said) == 2
 
 
+def test_a_cap_is_one_deadline_from_the_nearer_limit_given_to_every_pod():
+    """--max-duration and --max-cost become one point in time, counted from the check: the
+    nearer of the two, the cost at the run's list price; every pod's env holds it."""
+    now = 1_796_000_000.0
+    price = specs.price_per_hour(build(), CATALOG[0])  # 3 pods x 8 x $2.99
+    assert price == pytest.approx(71.76)
+    by_cost, line = specs.capped(build(max_cost=35.88, max_duration="2h"), price, now)
+    assert by_cost.deadline == pytest.approx(now + 1800)  # half an hour of $71.76/h
+    assert "1800 s from now (--max-cost $35.88 at $71.76/h)" in line
+    by_time, line = specs.capped(build(max_cost=1000.0, max_duration="20m"), price, now)
+    assert by_time.deadline == now + 1200 and "(--max-duration 1200 s)" in line
+    for rank in range(3):
+        env = specs.pod_env(by_time, rank, "headid" if rank else None)
+        assert env["PODAGENT_DEADLINE"] == f"{now + 1200:.0f}"
+    assert specs.capped(build(), price, now) == (build(), "")
+    assert "PODAGENT_DEADLINE" not in specs.pod_env(build(), 0)
+
+
+def test_a_cap_on_cost_without_a_price_is_refused_and_a_reattach_keeps_its_deadline():
+    with pytest.raises(InputError, match="--max-cost needs the run's price"):
+        specs.capped(build(max_cost=10.0), None, 0.0)
+    # The run exists: its pods hold the deadline of its record, whatever is asked now.
+    kept, line = specs.capped(build(max_duration="5m"), 71.76, 2e9, 1.9e9)
+    assert kept.deadline == 1.9e9 and line.startswith("capped: the run ends by")
+    again = specs.UpSpec.from_record(kept.to_record(), api_url="https://api.runpod.io",
+                                     api_timeout=60.0, state_dir=None)
+    assert again.deadline == 1.9e9 and again.max_duration == 300
+    # Its pods hold it too: a run found at RunPod without a record here.
+    assert specs.deadline_of([{"env": {}}, {"env": {"PODAGENT_DEADLINE": "1900000000"}}]) == 1.9e9
+    assert specs.deadline_of([{"env": {"PODAGENT_DEADLINE": "soon"}}, {"env": None}]) is None
+    # A cap nearer than a pod's start is refused, not run into exit 27 on every start.
+    with pytest.raises(InputError, match="give at least 60 s"):
+        specs.capped(build(max_cost=0.5), 71.76, 2e9)
+
+
+def test_up_ends_a_capped_run_itself_when_the_head_does_not():
+    t0, shape = 100.0, "3 x H100"
+    running = {"a": "RUNNING", "b": "RUNNING"}
+    assert judge(running, t0, t0 + 60, 900, None, shape, past_deadline=-1).action == "wait"
+    late = judge(running, t0, t0 + 60, 900, None, shape, past_deadline=0.5)
+    assert late.action == "fail" and late.capped and "passed its deadline" in late.why
+    # The head's own end (its code) comes first.
+    assert judge(running, t0, t0 + 60, 900, 27, shape, past_deadline=30).action == "done"
+
+
 def test_the_policy():
     t0, shape = 100.0, "3 x H100"
     running = {"a": "RUNNING", "b": "RUNNING"}
@@ -395,6 +446,28 @@ def test_a_record_read_twice_is_one_start_and_run_over_ends_the_run():
     assert progress.exit is None  # a stranger's bytes: not a code
     progress.take(parse('{"ts": 11, "event": "run_over", "code": 3}'))
     assert progress.exit == 3
+
+
+def test_the_heads_word_on_a_capped_run_reaches_up():
+    """The head ending a capped run says its job's grace (`up` waits that long before ending
+    the run itself); a start past the deadline ends the run by its code alone (27: nothing
+    starts it again), whatever else it said."""
+    from podagent.launch.up import HeadProgress
+
+    def progress() -> HeadProgress:
+        return HeadProgress("demo", Board("demo", "2 x H100", expected=1),
+                            PlainView(io.StringIO()), lambda text: None, lambda phase: None,
+                            lambda: "head", 0.0)
+
+    ending = progress()
+    ending.take(parse('{"ts": 1, "event": "deadline", "at": 5, "grace_s": 900}'))
+    assert ending.capping is not None and ending.capping[1] == 900.0
+    hostile = progress()
+    hostile.take(parse('{"ts": 1, "event": "deadline", "grace_s": "forever"}'))
+    assert hostile.capping is not None and hostile.capping[1] == 0.0
+    late = progress()
+    late.take(parse('{"ts": 1, "event": "exit", "code": 27}'))
+    assert late.exit == 27
 
 
 def test_the_heads_records():

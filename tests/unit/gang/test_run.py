@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,41 @@ def test_a_head_whose_hang_watch_is_off_declares_no_hang_from_a_workers_beats(tm
     assert not [e for e in events if e["event"] in ("hang", "restart")], events
     assert sorted(p.name for p in tmp_path.glob("trained-*")) == ["trained-0", "trained-1"]
     assert not list(tmp_path.glob("*/two/**/hangs/*")), "stacks were dumped"
+
+
+def test_at_its_deadline_the_run_ends_on_every_pod_with_a_grace_and_for_good(tmp_path):
+    """PODAGENT_DEADLINE reached while the training runs: every rank gets SIGTERM and the
+    stop's grace (each writes its "checkpoint"), both pods exit 27, and the head's ledger
+    holds the run finished: its container started again ends at once, as it did."""
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "def saved(*_):\n"
+        "    time.sleep(0.5)  # a checkpoint's write\n"
+        "    open(f'saved-{rank}', 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, saved)\n"
+        "open(f'started-{rank}', 'w').close()\n"
+        "while True:\n"
+        "    print('step', flush=True)\n"
+        "    time.sleep(0.5)\n")
+    # Far enough for torch's start on this loaded machine (the ranks' files say it came).
+    deadline = {"PODAGENT_DEADLINE": f"{time.time() + 30:.0f}", "PODAGENT_STOP_TIMEOUT": "20"}
+    head, worker = _two_pods_here(tmp_path, script, deadline, deadline)
+    said = head.stdout + worker.stdout
+    capped = exits.exit_code(errors.DeadlineReached("x"))
+    assert (head.returncode, worker.returncode) == (capped, capped), said[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("started-*")) == ["started-0", "started-1"]
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], said
+    assert "DEADLINE: the run reached" in head.stdout
+    assert "reached its deadline" in worker.stdout  # the head's word, said on the worker
+    again = _podagent(tmp_path, "torchrun", "--nproc-per-node", "1", str(script),
+                      env={"PODAGENT_RUN_NAME": "two", "PODAGENT_AFTER_RUN": "exit",
+                           "EXPECTED_WORKERS": "1", "RAY_WORKER": "0",
+                           "PODAGENT_LOG_DIR": str(tmp_path / "head"), **deadline})
+    assert again.returncode == capped, again.stdout + again.stderr
+    assert "finished earlier (DeadlineReached" in again.stdout
 
 
 @pytest.fixture
