@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podagent import process
-from podagent.errors import AuthRefused, HeadUnreachable, InputError, PortInUse, WorkersTimeout
+from podagent.errors import (
+    AuthRefused,
+    DeadlineReached,
+    HeadUnreachable,
+    InputError,
+    PortInUse,
+    WorkersTimeout,
+)
 from podagent.gang import messages
 from podagent.report import Progress, Reporter
 from podagent.run.workers import accept_shortfall
@@ -68,7 +75,8 @@ class _StartedWithout(Exception):
 
 # The errors a head's answer may carry to its workers, by class name (one line each).
 _ANSWER_ERRORS: dict[str, type[Exception]] = {"WorkersTimeout": WorkersTimeout,
-                                              "InputError": InputError, "auth": AuthRefused}
+                                              "InputError": InputError, "auth": AuthRefused,
+                                              "DeadlineReached": DeadlineReached}
 
 
 @dataclass(frozen=True)
@@ -388,7 +396,12 @@ class Hub:
         deadline = started + timeout
         progress = Progress(self.reporter)
         while len(self.members) < self.rv.workers and (left := deadline - time.monotonic()) > 0:
-            signals_check()
+            try:
+                signals_check()
+            except DeadlineReached as exc:  # the run is over: those that came leave with it
+                for m in self.members.values():
+                    m.wire.send({"error": str(exc), "kind": type(exc).__name__})
+                raise
             progress(f"waiting for workers at the {self.rv}: {len(self.members)} of "
                      f"{self.rv.workers} joined ({time.monotonic() - started:.0f} s)")
             self._select(min(left, 1.0))

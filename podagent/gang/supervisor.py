@@ -28,6 +28,7 @@ from podagent import process
 from podagent.config import Settings
 from podagent.config.policy import CLUSTER_TOKEN, child_environ
 from podagent.errors import (
+    DeadlineReached,
     InputError,
     Interrupted,
     PodagentError,
@@ -299,8 +300,11 @@ class HeadSupervisor(Supervisor):
                        self.reporter, self.events)
         self._hub = hub
         hub.status, hub.logs = self.status, self.logs
-        members = hub.gather(self.settings.worker_timeout, self._check_gathering,
-                             self.settings.min_workers)
+        try:
+            members = hub.gather(self.settings.worker_timeout, self._check_gathering,
+                                 self.settings.min_workers)
+        except DeadlineReached as capped:  # the pods that came were told (Hub.gather)
+            return self._ending(Cause(Ending.DEADLINE, str(self.me), str(capped)))
         self.layout = layout = self._layout(len(members) + 1, 0)
         self._steps = list(self.steps(layout))
         first = self._steps[0].name if self._steps else ""
@@ -320,6 +324,9 @@ class HeadSupervisor(Supervisor):
     def _running(self) -> GangPhase:
         hub, step = self._hub, self._next
         assert hub is not None and step is not None
+        capped = self._capped()  # no pod is told to start a step past the deadline
+        if capped is not None:
+            return self._ending(capped)
         index = self._steps.index(step)
         if index or self._again:
             told = self._resume_word() if step.name == TRAINING else {}

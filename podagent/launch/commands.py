@@ -98,8 +98,16 @@ def reattach_spec(run: str, key: str, url: str, state_dir: Path, api_timeout: fl
                   image=str(pods[0].get("image") or "") or None,
                   cluster=any(p.get("cluster") for p in pods), keep=keep, api_url=url,
                   api_timeout=api_timeout, state_dir=state_dir,
-                  deadline=specs.deadline_of(pods),
+                  deadline=specs.deadline_of(pods), env=_stop_timeout(pods),
                   **({"timeout": timeout} if timeout is not None else {}))
+
+
+def _stop_timeout(pods: list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """The job's stop grace as the pods were given it (`up` waits it out at a cap)."""
+    name = FIELD_BY_ATTR["stop_timeout"].env
+    given = {str((p.get("env") or {}).get(name)) for p in pods
+             if isinstance((p.get("env") or {}).get(name), str)}
+    return ((name, given.pop()),) if len(given) == 1 else ()
 
 
 def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],

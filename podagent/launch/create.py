@@ -53,20 +53,16 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
             f" (its record here: {record.status}"
             + (f", exit {told['code']}" if "code" in told else "") + ")"
             if record is not None else ", and no record of it here"))
-    if record is None or (record.status == state.DOWN and not found):
-        # No record here (deleted, set aside, or the run started on another machine): a new
-        # one, also when re-attaching to pods that exist, so that `ls` and `down` know them.
-        record = state.new(spec.state_dir, spec.run, spec.api_url, spec.shape(),
-                           spec.to_record())
     # The cap counts from here, before anything is created: the deadline the pods hold (a
-    # run that exists keeps its own, from its record or its pods).
+    # run that exists keeps its own, from its record or its pods). Worked out before a new
+    # record is written: a cap refused leaves none behind.
     price = specs.price_per_hour(spec, gpu)
     now = time.time()
-    kept = (record.spec or {}).get("deadline") if found else None
+    kept = (record.spec or {}).get("deadline") if found and record is not None else None
     held = (float(kept) if isinstance(kept, (int, float)) and not isinstance(kept, bool)
             else specs.deadline_of(alive))
-    if alive and held is None and not follow_only and (
-            spec.max_duration is not None or spec.max_cost is not None):
+    asked = spec.max_duration is not None or spec.max_cost is not None
+    if alive and held is None and not follow_only and asked:
         raise InputError(f"run {spec.run} exists at RunPod without a cap, and its pods cannot "
                          f"be given one now (--max-duration/--max-cost cap a run as it is "
                          f"created): `podagent down {spec.run}` first, or leave the cap out")
@@ -75,7 +71,14 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
         raise InputError(f"run {spec.run} passed its deadline ({specs.utc(spec.deadline)}): "
                          f"nothing more is created for it; `podagent up --name {spec.run}` "
                          f"follows it to its end, `podagent down {spec.run}` terminates it")
-    if spec.deadline is not None and (record.spec or {}).get("deadline") != spec.deadline:
+    if held is not None and asked:
+        cap_line += " (the run's own cap: the one given now is not used)"
+    if record is None or (record.status == state.DOWN and not found):
+        # No record here (deleted, set aside, or the run started on another machine): a new
+        # one, also when re-attaching to pods that exist, so that `ls` and `down` know them.
+        record = state.new(spec.state_dir, spec.run, spec.api_url, spec.shape(),
+                           spec.to_record())
+    elif spec.deadline is not None and (record.spec or {}).get("deadline") != spec.deadline:
         record.spec = {**(record.spec or spec.to_record()), "deadline": spec.deadline}
         record.try_save()
     checked = Checked(Placement(str(gpu["id"]), data_centers, registry), record, spec,

@@ -236,6 +236,9 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
             seconds = duration(max_duration)
         except ValueError as exc:
             raise _fail(flag("max_duration"), max_duration, str(exc)) from None
+        if seconds < MIN_CAP:
+            raise _fail(flag("max_duration"), max_duration,
+                        f"must be at least {MIN_CAP:g} s (for the run's pods to start)")
     if max_cost is not None and not 0 < max_cost < float("inf"):
         raise _fail(flag("max_cost"), max_cost, "must be a positive number of US dollars")
     if keep and (seconds is not None or max_cost is not None):

@@ -66,6 +66,7 @@ CLOSING_GRACE = 90.0
 # The head ends a capped run at its deadline (PODAGENT_DEADLINE), its job given the stop's
 # grace; `up` ends it itself this much later still (a head gone silent, say).
 DEADLINE_GRACE = 120.0
+UNKNOWN_GRACE = 300.0  # the job's stop grace when `up` was not told it (and the head is silent)
 
 
 class Phase(str, enum.Enum):
@@ -366,8 +367,8 @@ class Up:
         stop = FIELD_BY_ATTR["stop_timeout"]
         try:
             grace = stop.parse(dict(self.spec.env).get(stop.env, ""))
-        except ValueError:  # unset (the pods' default), or refused by the pods as by us
-            grace = float(stop.default)
+        except ValueError:  # unset here: a template or the image may set it on the pods
+            grace = UNKNOWN_GRACE
         return time.time() - (max(self.spec.deadline, self.started_at) + grace + DEADLINE_GRACE)
 
     def _keep_following(self, statuses: Mapping[str, str | None]) -> None:

@@ -74,6 +74,7 @@ def build(**over):
     ({"max_cost": float("nan")}, "--max-cost=nan must be a positive number"),
     ({"max_cost": 10.0, "keep": True}, "give at most one of --keep and --max-duration"),
     ({"env": ("PODAGENT_DEADLINE=1796040000",)}, "is set by `podagent up` itself"),
+    ({"max_duration": "30s"}, "--max-duration='30s' must be at least 60 s"),
 ])
 def test_bad_input_is_one_line_naming_it(over, says):
     with pytest.raises(ConfigError) as caught:
@@ -355,6 +356,11 @@ def test_a_cap_on_cost_without_a_price_is_refused_and_a_reattach_keeps_its_deadl
     # Its pods hold it too: a run found at RunPod without a record here.
     assert specs.deadline_of([{"env": {}}, {"env": {"PODAGENT_DEADLINE": "1900000000"}}]) == 1.9e9
     assert specs.deadline_of([{"env": {"PODAGENT_DEADLINE": "soon"}}, {"env": None}]) is None
+    # up re-attached from the pods alone waits the job's grace the pods were given.
+    from podagent.launch.commands import _stop_timeout
+    assert _stop_timeout([{"env": {"PODAGENT_STOP_TIMEOUT": "900"}}, {"env": {
+        "PODAGENT_STOP_TIMEOUT": "900"}}]) == (("PODAGENT_STOP_TIMEOUT", "900"),)
+    assert _stop_timeout([{"env": {}}, {"env": None}]) == ()
     # A cap nearer than a pod's start is refused, not run into exit 27 on every start.
     with pytest.raises(InputError, match="give at least 60 s"):
         specs.capped(build(max_cost=0.5), 71.76, 2e9)

@@ -175,7 +175,7 @@ def test_at_its_deadline_the_run_ends_on_every_pod_with_a_grace_and_for_good(tmp
         "    print('step', flush=True)\n"
         "    time.sleep(0.5)\n")
     # Far enough for torch's start on this loaded machine (the ranks' files say it came).
-    deadline = {"PODAGENT_DEADLINE": f"{time.time() + 30:.0f}", "PODAGENT_STOP_TIMEOUT": "20"}
+    deadline = {"PODAGENT_DEADLINE": f"{time.time() + 40:.0f}", "PODAGENT_STOP_TIMEOUT": "20"}
     head, worker = _two_pods_here(tmp_path, script, deadline, deadline)
     said = head.stdout + worker.stdout
     capped = exits.exit_code(errors.DeadlineReached("x"))
@@ -190,6 +190,25 @@ def test_at_its_deadline_the_run_ends_on_every_pod_with_a_grace_and_for_good(tmp
                            "PODAGENT_LOG_DIR": str(tmp_path / "head"), **deadline})
     assert again.returncode == capped, again.stdout + again.stderr
     assert "finished earlier (DeadlineReached" in again.stdout
+
+
+def test_a_deadline_during_the_rendezvous_ends_it_for_the_pods_that_came(tmp_path):
+    """The head waits for two workers, one comes; the deadline passes meanwhile: no training
+    starts anywhere, and the head and the worker that came both end with 27, long before
+    the rendezvous's own timeout."""
+    script = tmp_path / "never.py"
+    script.write_text("open('trained', 'w').close()\n")
+    # Far enough for the worker's podagent to start and join on this loaded machine.
+    deadline = {"PODAGENT_DEADLINE": f"{time.time() + 20:.0f}"}
+    started = time.monotonic()
+    head, worker = _two_pods_here(tmp_path, script, {"EXPECTED_WORKERS": "2", **deadline},
+                                  deadline)
+    capped = exits.exit_code(errors.DeadlineReached("x"))
+    assert (head.returncode, worker.returncode) == (capped, capped), \
+        head.stdout[-3000:] + worker.stdout[-3000:]
+    assert time.monotonic() - started < 50  # the rendezvous's timeout is 60 s
+    assert not (tmp_path / "trained").exists()
+    assert "joined the" in worker.stdout and "reached its deadline" in worker.stdout
 
 
 @pytest.fixture
