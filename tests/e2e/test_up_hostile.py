@@ -78,19 +78,21 @@ def test_a_create_cut_off_by_ctrl_c_is_terminated_once_it_lands(cloud, tmp_path)
 
 
 def test_a_second_ctrl_c_with_creates_on_their_way_leaves_at_once(cloud, tmp_path):
-    """The workers' creates take 8 s each; Ctrl-C, then Ctrl-C again while they are on their
+    """The workers' creates take 15 s each; Ctrl-C, then Ctrl-C again while they are on their
     way: `up` leaves at once, saying `podagent down` (before: it said so, then waited 7 s for
     the creates' answers as Python joined the pool's threads). `down` then finds what landed
     by name, looking for them until each has landed (a create makes one pod), within their
     calls' deadline."""
     run = "leaving"
 
-    def slow_after_the_head(record: Any) -> None:  # the workers' creates take 8 s each
+    # Long enough for `down` to start while they are still on their way, on the loaded
+    # machine (at 8 s, every create had landed once `down` looked).
+    def slow_after_the_head(record: Any) -> None:  # the workers' creates take 15 s each
         if record.method == "POST" and record.path == "/v2/pods":
-            cloud.create_delay = 8.0
+            cloud.create_delay = 15.0
 
     cloud.after_response(slow_after_the_head)
-    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 4, "--api-timeout", "15"))
+    up = _up(cloud, tmp_path, _stand_in(run, tmp_path, 4, "--api-timeout", "25"))
     wait_for(lambda: cloud.create_delay > 0, timeout=60, what="the head's create to be answered")
     time.sleep(1.0)  # the workers' creates are on their way
     up.proc.send_signal(signal.SIGINT)
