@@ -83,8 +83,3 @@ class DeadlineWatch:
                                f"on every pod")
             self.reporter.event(Event.DEADLINE, at=at, grace_s=self.settings.stop_timeout)
         return over
-
-    def left(self) -> float | None:
-        """Seconds until the deadline (None: there is none)."""
-        at = self.settings.deadline
-        return None if at is None else max(0.0, at - self._clock())
