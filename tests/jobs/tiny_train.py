@@ -10,7 +10,7 @@ checkpoint detection ignores it); with podagent's resume flag (`--load_checkpoin
 from the newest checkpoint and the ranks get its weights from rank 0 (no shared disk needed).
 
     python tests/jobs/tiny_train.py --steps 200 --every 20 --step-time 0.05 [--load_checkpoint]
-        [--hang-rank R --hang-at S]
+        [--hang-rank R --hang-at S] [--collective-timeout SECONDS]
 
 With --hang-rank, on the first attempt (PODAGENT_ATTEMPT=1) that rank stops entering the
 collectives at step S and sleeps for ever (a stalled data loader), after writing `.hung.json`
@@ -55,7 +55,8 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=options["collective_timeout"]))
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
                                     torch.nn.Linear(HIDDEN, 1))
@@ -128,6 +129,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load_checkpoint", action="store_true", help="podagent's resume flag")
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-at", type=int, default=0)
+    parser.add_argument("--collective-timeout", type=float, default=60.0,
+                        help="gloo's timeout: how long the others wait for a hung rank")
     args = parser.parse_args(argv)
 
     import ray
@@ -149,7 +152,8 @@ def main(argv: list[str]) -> int:
     port = ray.get(actors[0].free_port.remote(), timeout=120)
     options = {"steps": args.steps, "every": args.every, "step_time": args.step_time,
                "resume": args.load_checkpoint, "checkpoint_dir": str(directory),
-               "attempt": attempt, "hang_rank": args.hang_rank, "hang_at": args.hang_at}
+               "attempt": attempt, "hang_rank": args.hang_rank, "hang_at": args.hang_at,
+               "collective_timeout": args.collective_timeout}
     results = ray.get([a.train.remote(r.rank, len(ranks), ranks[0].node_ip, port, options)
                        for a, r in zip(actors, ranks, strict=True)])
     print(f"TRAINED steps={args.steps} attempt={attempt} loss={results[0]['loss']:.6f}",
