@@ -197,6 +197,8 @@ def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
         told = record.status if record else "no local record"
         if record and record.outcome and "code" in record.outcome:
             told += f" (exit {record.outcome['code']})"
+        if record and record.replacements:
+            told += f", {len(record.replacements)} lost pod(s) replaced"
         rate = sum(float(p.get("cost") or 0.0) for p in its_pods)
         spent = ((record.cost or {}).get("dollars") if record and record.cost else None)
         spent = float(spent) if isinstance(spent, (int, float)) else sum(

@@ -187,6 +187,22 @@ class Creator:
             name = calls[done]
             self._got(asking[name], name, done.result())  # the first failure ends it
 
+    def replace(self, name: str, lost: str) -> None:
+        """Worker `name` created again in place of pod `lost` (terminated): the same body as
+        its first create (image, GPU, env, secrets, volume, the head's id), its create
+        recorded before it goes out, as every create is; a lookup after a lost answer never
+        takes the lost pod for it."""
+        spec, checked = self.spec, self.checked
+        rank = spec.names().index(name)
+        head_id = checked.pod_ids[specs.pod_name(spec.run, 0)]
+        checked.pod_ids.pop(name, None)
+        asked = checked.record.asking("pod", name, rank, spec.api_timeout)
+        self.created = True
+        create = functools.partial(self.client.create_pod,
+                                   specs.pod_body(spec, rank, head_id, checked.placement),
+                                   functools.partial(checked.record.resent, asked), {lost})
+        self._got(asked, name, interrupts.result(self._call(asked, name, create)))
+
     def _call(self, asked: state.Resource, name: str, create: Callable[[], dict[str, Any]]
               ) -> concurrent.futures.Future[Mapping[str, Any]]:
         call = self._pool.submit(self._answered, asked, create)

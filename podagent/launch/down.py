@@ -153,6 +153,27 @@ def _terminate_found(client: Client, found: Found, sweep: Sweep) -> int:
     return len(live)
 
 
+def terminate_one(client: Client, pod_id: str, timeout: float,
+                  say: Callable[[str], None]) -> None:
+    """One pod terminated (a lost pod before its replacement is created: a stopped pod's
+    disk still bills), and awaited until RunPod lists it live no more, within `timeout`: a
+    create whose answer is lost looks its pod up by name, and must not take this one for
+    it. Still listed then: said, and the run's clean-up terminates it by its label."""
+    client.terminate_pod(pod_id)
+
+    def gone() -> bool:
+        pod = client.get_pod(pod_id)
+        if pod is not None and pod.get("status") != "TERMINATED":
+            raise NotYet(f"pod {pod_id} is {pod.get('status')}")
+        return True
+
+    try:
+        retry(gone, awaited=f"the lost pod {pod_id} to leave RunPod's list", backoff=GONE_POLL,
+              deadline=timeout)
+    except Expired as exc:
+        say(f"{exc}; creating its replacement all the same (the run's end terminates it)")
+
+
 def _terminate_known(client: Client, record: RunRecord | None, sweep: Sweep) -> None:
     """Every pod and cluster the record has an id of, asked to go without a list (RunPod's
     list failed): what it refuses is found by the rounds after, or said by the caller."""

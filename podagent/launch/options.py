@@ -75,6 +75,11 @@ UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption("max_cost", ("--max-cost",), float, None, metavar="USD",
              help="End the run once it may have cost this much at RunPod's list price for its "
                   "pods (a duration, as --max-duration; the nearer of the two holds)."),
+    UpOption("replacements", ("--replacements",), int, None, metavar="N",
+             help="Pods RunPod stops, fails or terminates mid-run that `up` replaces (default "
+                  "3): a worker by a new pod of the same spec, the head by the whole run "
+                  "created again; the job resumes from its checkpoint. Then a lost pod ends "
+                  "the run (exit 24); 0: the first does. Not with --cluster or --detach."),
     UpOption("timeout", ("--timeout",), float, 900.0, metavar="SECONDS",
              help="Every pod must be RUNNING within this."),
     UpOption("api_timeout", ("--api-timeout",), float, 60.0, metavar="SECONDS",

@@ -80,6 +80,9 @@ def default_state_dir(environ: Mapping[str, str]) -> Path:
     return Path(base) / "podagent" / "runs"
 
 
+REPLACEMENTS = 3  # lost pods `up` replaces in a run when --replacements is not given
+
+
 @dataclass(frozen=True)
 class UpSpec:
     """A run's shape as `podagent up` was asked for it, checked once."""
@@ -105,6 +108,7 @@ class UpSpec:
     max_duration: float | None = None  # seconds from the run's creation (--max-duration)
     max_cost: float | None = None  # USD at RunPod's list price (--max-cost)
     deadline: float | None = None  # Unix seconds: the two above from the creation (capped())
+    replacements: int = REPLACEMENTS  # lost pods replaced (up.Up._replace, _recreate)
     timeout: float = 900.0  # every pod RUNNING within this
     api_url: str = ""
     api_timeout: float = 60.0  # one API call, its retries included
@@ -168,7 +172,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           api_timeout: float = default("api_timeout"), detach: bool = default("detach"),
           registry_auth: str | None = default("registry_auth"),
           launcher: str = default("launcher"), max_duration: str | None = None,
-          max_cost: float | None = None) -> UpSpec:
+          max_cost: float | None = None,
+          replacements: int | None = None) -> UpSpec:
     """The spec from the command line (options.UP_OPTIONS), or one line naming the flag, the
     value and the rule that is broken (ConfigError)."""
     run = run or default_run_name()
@@ -244,6 +249,14 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     if keep and (seconds is not None or max_cost is not None):
         raise InputError("give at most one of --keep and --max-duration/--max-cost (at the "
                          "cap every pod of the run ends; --keep leaves them running)")
+    if replacements is not None and not 0 <= replacements <= MAX_PODS:
+        raise _fail(flag("replacements"), replacements,
+                    f"must be between 0 and {MAX_PODS} (lost pods replaced)")
+    if replacements is not None and (cluster or detach):
+        raise InputError(f"--replacements cannot be used with "
+                         f"{'--cluster' if cluster else '--detach'}: "
+                         + ("RunPod creates an Instant Cluster's pods as one" if cluster else
+                            "a detached run has no `up` to replace its pods"))
     if timeout <= 0:
         raise _fail(flag("timeout"), timeout, "must be a positive number of seconds")
     if api_timeout <= 0:
@@ -260,7 +273,9 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                   env=_environment(env, secrets), job=tuple(job), launcher=launcher,
                   keep=keep, detach=detach,
                   registry_auth=registry_auth.strip() if registry_auth else None,
-                  max_duration=seconds, max_cost=max_cost, timeout=timeout,
+                  max_duration=seconds, max_cost=max_cost,
+                  replacements=REPLACEMENTS if replacements is None else replacements,
+                  timeout=timeout,
                   api_url=api_url.rstrip("/"), api_timeout=api_timeout,
                   state_dir=state_dir or default_state_dir(os.environ))
 

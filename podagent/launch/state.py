@@ -96,6 +96,9 @@ class RunRecord:
     outcome: dict[str, Any] | None = None
     spec: dict[str, Any] | None = None  # UpSpec.to_record(): `up --name RUN` re-attaches
     cost: dict[str, Any] | None = None  # pod-hours and dollars so far (RunPod's rates)
+    # Lost pods replaced (up.Up._replace), each {name, lost (its id), why, at}: counted
+    # against the spec's replacements, also when `up` is run again on the run.
+    replacements: list[dict[str, Any]] = field(default_factory=list)
     path: Path | None = None
 
     # --- what was asked -------------------------------------------------------------------
@@ -163,6 +166,11 @@ class RunRecord:
 
     def names(self) -> set[str]:
         return {r.name for r in self.resources}
+
+    def replaced(self, name: str, lost: str, why: str) -> None:
+        """A lost pod replaced: counted, with why (saved before the replacement's create)."""
+        self.replacements.append({"name": name, "lost": lost, "why": why, "at": time.time()})
+        self.save()
 
     def mark(self, status: str, **outcome: Any) -> None:
         self.status = status
@@ -267,6 +275,9 @@ def _wrong_field(record: RunRecord) -> str:
     for name in optional_dicts:
         if not isinstance(getattr(record, name), (dict, type(None))):
             return f"its {name} is not an object"
+    if not isinstance(record.replacements, list) or not all(
+            isinstance(r, dict) for r in record.replacements):
+        return "its replacements are not a list of objects"
     for resource in record.resources:
         if (resource.kind not in ("pod", "cluster") or not isinstance(resource.name, str)
                 or not isinstance(resource.id, (str, type(None)))

@@ -13,8 +13,10 @@ itself when the run is over.
 Money first: once anything may have been created, every way out (an error, a bug, Ctrl-C or
 SIGTERM at any moment, the clean-up included) terminates the pods and waits until RunPod lists
 none; only a second interrupt leaves them, saying `podagent down RUN`. A pod that ran and is
-stopped, fails or is terminated at RunPod ends the run. Running it again with the same --name
-re-attaches to the run's pods instead of creating more.
+stopped, fails or is terminated at RunPod is replaced (REPLACING, within --replacements): a
+worker by one of the same spec under its name, which the head takes in, resuming the job; the
+head by the whole run created again. A lost pod past the budget ends the run. Running it again
+with the same --name re-attaches to the run's pods instead of creating more.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from podagent import errors
+from podagent.choices import RAY_LAUNCHER
 from podagent.config.fields import FIELD_BY_ATTR
 from podagent.errors import (
     DeadlineReached,
@@ -75,6 +79,7 @@ class Phase(str, enum.Enum):
     STARTING = "starting pods"
     FORMING = "forming the cluster"
     RUNNING = "running the job"
+    REPLACING = "replacing a lost pod"
     FINISHED = "finished"
     DETACHED = "detached"
     CLEANING = "terminating pods"
@@ -94,21 +99,35 @@ _HEAD_UP = (HeadState.WAITING_WORKERS, GangPhase.RENDEZVOUS)
 
 @dataclass(frozen=True)
 class Verdict:
-    action: str  # "wait", "fail" or "done"
+    action: str  # "wait", "fail", "replace" (`pod`), "recreate" (the head lost) or "done"
     why: str = ""
     gone: bool = False  # a pod that ran was stopped, failed or terminated at RunPod
     capped: bool = False  # the run is past its deadline and the head did not end it
+    pod: str = ""  # the lost pod to replace
 
 
 def judge(statuses: Mapping[str, str | None], started: float, now: float, timeout: float,
           head_exit: int | None, shape: str, head_starts: int = 1,
           ran: Collection[str] = (), exited_since: Mapping[str, float] | None = None,
           grace: float = GONE_GRACE, cluster: bool = False,
-          past_deadline: float | None = None) -> Verdict:
+          past_deadline: float | None = None, head: str = "", spare: int = 0,
+          head_spare: int = 0, born: Mapping[str, float] | None = None) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
     code once its run is over for good, how often the head's podagent has started, which pods
     have been RUNNING (one restarting later is not one that never started), since when each
-    EXITED pod has been so, and how long ago the head should have ended a capped run."""
+    EXITED pod has been so, and how long ago the head should have ended a capped run. A pod
+    that ran and is lost is replaced while replacements are left (`spare` for a worker,
+    `head_spare` for the `head`, whose loss has the whole run created again; never a pod of
+    an Instant Cluster: RunPod makes those as one). The head is judged first: a worker lost
+    with it needs no replacement of its own. `born`: when a replacement was created (its
+    --timeout to run counts from then)."""
+    def lost(name: str, why: str) -> Verdict:
+        if name == head and head_spare > 0 and not cluster:
+            return Verdict("recreate", why, gone=True, pod=name)
+        if name != head and spare > 0 and not cluster:
+            return Verdict("replace", why, gone=True, pod=name)
+        return Verdict("fail", why, gone=True)
+
     if head_exit is not None:
         return Verdict("done")
     if past_deadline is not None and past_deadline >= 0:
@@ -120,10 +139,10 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
                                f"finishing the run (its container keeps exiting: a crash "
                                f"loop); its log above says why")
     exited_since = exited_since or {}
-    for name, status in statuses.items():
+    for name, status in sorted(statuses.items(), key=lambda item: item[0] != head):
         if status == "ERROR" and name in ran:
-            return Verdict("fail", f"pod {name} failed at RunPod (ERROR) while the run went "
-                                   f"on (its system log at RunPod says why)", gone=True)
+            return lost(name, f"pod {name} failed at RunPod (ERROR) while the run went on "
+                              f"(its system log at RunPod says why)")
         if status == "ERROR":
             cause = ("an image RunPod could not pull: an Instant Cluster takes no registry "
                      "credential, so a private image fails there (use pods without --cluster "
@@ -133,15 +152,17 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
             return Verdict("fail", f"pod {name} is in ERROR at RunPod before it ran: likely "
                                    f"{cause}; its system log at RunPod says more")
         if status in (None, "TERMINATED"):
-            return Verdict("fail", f"pod {name} was terminated outside this run",
-                           gone=name in ran)
+            why = f"pod {name} was terminated outside this run"
+            return lost(name, why) if name in ran else Verdict("fail", why)
         if status == "EXITED" and now - exited_since.get(name, now) >= grace:
-            return Verdict("fail", f"pod {name} was stopped at RunPod (EXITED) while the run "
-                                   f"went on, {now - exited_since[name]:.0f} s without the "
-                                   f"head saying the run was over", gone=True)
+            why = (f"pod {name} was stopped at RunPod (EXITED) while the run went on, "
+                   f"{now - exited_since[name]:.0f} s without the head saying the run was over")
+            return lost(name, why) if name in ran else Verdict("fail", why, gone=True)
+    born = born or {}
     waiting = {n: s for n, s in statuses.items()
-               if s not in ("RUNNING", "EXITED") and n not in ran}
-    if waiting and now - started > timeout:
+               if s not in ("RUNNING", "EXITED") and n not in ran
+               and now - max(started, born.get(n, started)) > timeout}
+    if waiting:
         listed = ", ".join(f"{n} {s}" for n, s in sorted(waiting.items()))
         return Verdict("fail", f"{len(waiting)} of {len(statuses)} pod(s) not RUNNING after "
                                f"{timeout:g} s ({listed}) for {shape}: RunPod may have no "
@@ -167,6 +188,10 @@ class Up:
         self.head_log: HeadLog | None = None
         self.ran: set[str] = set()  # pods seen RUNNING at least once
         self.exited_since: dict[str, float] = {}
+        self.born: dict[str, float] = {}  # when each replacement was created (monotonic)
+        # Starts of the head's podagent a lost worker caused (a run without Ray starts again
+        # on every pod): not a crash loop.
+        self.lost_restarts = 0
         self.detached = False
         self.left = False  # a second interrupt: the pods were left as they are
         self.clean_up_failed: Exception | None = None  # the pods may still bill
@@ -338,14 +363,30 @@ class Up:
                         self.detached = True
                         return None
             verdict = judge(statuses, self.started, time.monotonic(), self.spec.timeout,
-                            self.head.exit, self.spec.shape(), self.head.starts, self.ran,
+                            self.head.exit, self.spec.shape(),
+                            # A run without Ray starts its head's podagent again after a
+                            # lost pod: no crash loop.
+                            self.head.starts - self.lost_restarts, self.ran,
                             self.exited_since, cluster=self.spec.cluster,
                             grace=CLOSING_GRACE if self.head.closing else GONE_GRACE,
-                            past_deadline=self._past_deadline())
+                            past_deadline=self._past_deadline(), head=self._head_name(),
+                            # A head ending the run stops its workers itself; a head that
+                            # is gone was lost, whatever it was doing.
+                            spare=0 if self.head.closing else self._spare(),
+                            head_spare=self._spare(), born=self.born)
             if verdict.action == "done":
                 return self.head.exit
             if verdict.capped:
                 raise DeadlineReached(f"run {self.spec.run}: {verdict.why}")
+            if verdict.action in ("replace", "recreate"):
+                if verdict.action == "replace":
+                    self._replace(verdict.pod, verdict.why)
+                else:
+                    self._recreate(verdict.pod, verdict.why)
+                statuses = {name: "PROVISIONING" for name in watch.pod_ids} \
+                    if verdict.action == "recreate" else {**statuses, verdict.pod: "PROVISIONING"}
+                next_look = time.monotonic() + POLL
+                continue
             if verdict.action == "fail":
                 raise (PodGone if verdict.gone else PodsNotReady)(
                     f"run {self.spec.run}: {verdict.why}")
@@ -353,6 +394,100 @@ class Up:
                 self.head.take(next_item(self.records, RECORD_WAIT))
                 while True:  # what else has come meanwhile
                     self.head.take(self.records.get_nowait())
+
+    def _replaced(self) -> int:
+        return len(self.record.replacements) if self.record is not None else 0
+
+    def _spare(self) -> int:
+        """Replacements left: none past the run's deadline, or for `up --name RUN` alone (it
+        creates nothing)."""
+        if self.creator is None or (
+                self.spec.deadline is not None and time.time() >= self.spec.deadline):
+            return 0
+        return max(0, self.spec.replacements - self._replaced())
+
+    def _replace(self, name: str, why: str) -> None:
+        """The lost pod terminated (a stopped pod's disk still bills) and gone from RunPod's
+        list, then one of the same spec created under its name: the head counts it in when
+        it joins and resumes the job from its checkpoint (a run without Ray forms again at
+        the same world size). Counted in the record once its create was answered."""
+        assert self.creator is not None and self.record is not None and self.watch is not None
+        run = self.spec.run
+        if name not in self.spec.names():  # re-attached with fewer --pods than it has
+            raise PodGone(f"run {run}: {why}; it is not one of the {self.spec.pods} pods "
+                          f"--pods gives, so it is not replaced")
+        self._phase(Phase.REPLACING)
+        n = self._replaced() + 1
+        lost = self.watch.pod_ids.get(name, "")
+        self.say(f"{why}: replacing it (replacement {n} of {self.spec.replacements}, "
+                 f"--replacements): the lost pod is terminated and a new one of the same spec "
+                 f"takes its place; the job resumes from its checkpoint")
+        if lost:
+            try:
+                down.terminate_one(self.client, lost, self.spec.api_timeout, self.say)
+            except PodagentError:
+                self.say(f"the lost pod {name} ({lost}) could not be terminated: the run ends")
+                raise
+            self.watch.cost.close(time.time(), name)  # it billed until now, at most
+        try:
+            self.creator.replace(name, lost)
+        except PodagentError:
+            self.say(f"the replacement of {name} could not be created: the run ends")
+            raise
+        self.record.replaced(name, lost, why)
+        if self.spec.launcher != RAY_LAUNCHER:
+            self.lost_restarts += 1
+        self.ran.discard(name)
+        self.exited_since.pop(name, None)
+        self.born[name] = time.monotonic()
+        self.board.row(name).joined = False
+        self._phase(Phase.STARTING)
+
+    def _recreate(self, head: str, why: str) -> None:
+        """The head lost: every pod of the run terminated and gone, then the run created
+        again under its name, as at the start (the head first, then the workers with its
+        id). Each pod's own state is under its pod id, so the new head starts a new ledger;
+        the job resumes from the checkpoints the lost run left on a network volume."""
+        assert self.creator is not None and self.record is not None and self.watch is not None
+        self._phase(Phase.REPLACING)
+        n = self._replaced() + 1
+        kept = ("it resumes from its checkpoints on the network volume"
+                if self.spec.network_volume else
+                "WARNING: without --network-volume its checkpoints were on the lost pods, "
+                "so the job starts over")
+        self.say(f"{why}: the run is created again under its name (replacement {n} of "
+                 f"{self.spec.replacements}, --replacements): every pod is terminated and "
+                 f"created anew; {kept}")
+        lost = self.watch.pod_ids.get(head, "")
+        if self.head_log is not None:
+            self.head_log.stop()
+            self.head_log = None
+        # A queue of its own for the new head's records: the lost head's stream may still
+        # hand one over as it ends.
+        self.records = queue.Queue()
+        down.terminate(self.client, self.spec.run, self.record, self.say,
+                       timeout=down.GONE_TIMEOUT + self.spec.api_timeout)
+        self.watch.cost.close(time.time())  # they billed until now
+        self.record.try_mark(state.CREATING)  # (the termination marked it down)
+        self.watch.pod_ids.clear()
+        self.watch.head_id = None
+        try:
+            self.creator.create()
+        except PodagentError:
+            self.say(f"run {self.spec.run} could not be created again: the run ends")
+            raise
+        self.record.replaced(head, lost, why)
+        self.lost_restarts = 0
+        self.watch.head_id = self.watch.pod_ids.get(specs.pod_name(self.spec.run, 0))
+        now = time.monotonic()
+        self.born = {name: now for name in self.watch.pod_ids}
+        self.ran.clear()
+        self.exited_since.clear()
+        self.head = HeadProgress(self.spec.run, self.board, self.view, self.say, self._phase,
+                                 self._head_name, self.started)
+        self.board.joined = 0
+        self.board.mark_joined(None, False)
+        self._phase(Phase.STARTING)
 
     def _past_deadline(self) -> float | None:
         """Seconds since the head should have ended the capped run (None: no cap): once it
@@ -443,13 +578,17 @@ class Up:
         pace = self.client.pace
         quota = pace.quota("minute")
         allowed = f"; RunPod allows {quota}" if quota else ""
+        replaced = self._replaced()
         self.say(f"run {self.spec.run} {outcome} (exit {code}) after {took:.1f} s{first}; "
-                 f"{len(cost.spans)} pod(s), {hours:.3f} pod-hours, about ${dollars:.2f} at "
-                 f"RunPod's rates; {pace.calls} RunPod API calls (at most "
-                 f"{pace.busiest_minute()} in a minute{allowed})")
+                 f"{len(cost.spans)} pod(s)"
+                 + (f" ({replaced} lost and replaced)" if replaced else "")
+                 + f", {hours:.3f} pod-hours, about ${dollars:.2f} at RunPod's rates; "
+                 f"{pace.calls} RunPod API calls (at most {pace.busiest_minute()} in a "
+                 f"minute{allowed})")
         record = self.record
         if record is not None and mark:
-            record.cost = {"pod_hours": round(hours, 4), "dollars": round(dollars, 2)}
+            record.cost = {"pod_hours": round(hours, 4), "dollars": round(dollars, 2),
+                           "replaced": replaced}
             record.try_mark(state.FINISHED if self.spec.keep else state.DOWN, code=code,
                             took=round(took, 1))
 
@@ -525,7 +664,9 @@ class HeadProgress:
             self.board.joined = workers if isinstance(workers, int) else 0
             self.view.update(self.board)
         elif event == Event.TEARDOWN_STARTED:
-            self.closing = True
+            # Ending the run, unless it ends a start that a new one resumes (a run without
+            # Ray after a lost pod: exit 22, every pod starting again).
+            self.closing = not _resumed_after(data.get("outcome"))
         elif event == Event.ROLE:  # the head's podagent started (again): its workers join anew
             # Counted by the start's own time: the same record read twice is one start.
             self._starts.add((data.get("ts"), data.get("pod")))
@@ -548,6 +689,15 @@ class HeadProgress:
             self.exit = _code(data.get("code"))
         elif event == Event.STAYING and self.last_exit is not None:  # before run_over
             self.exit = self.last_exit
+
+
+def _resumed_after(outcome: Any) -> bool:
+    """Whether a head's start that ends so (an error's name, from its `teardown_started`
+    event) is started again by RunPod, resuming the run."""
+    error = getattr(errors, outcome, None) if isinstance(outcome, str) else None
+    return (isinstance(error, type) and issubclass(error, errors.PodagentError)
+            and not issubclass(error, errors.Interrupted)
+            and exits.restartable(exits.code_of(error)))
 
 
 def _code(value: Any) -> int | None:

@@ -24,14 +24,22 @@ class CostMeter:
     it no longer billing (EXITED, ERROR, terminated)."""
 
     spans: dict[str, list[list[float]]] = field(default_factory=dict)  # [start, end, $/h]
+    ids: dict[str, str] = field(default_factory=dict)  # the pod each name's spans are of
 
     def observe(self, name: str, pod: Mapping[str, Any] | None, now: float) -> None:
         spans = self.spans.setdefault(name, [])
         open_span = spans[-1] if spans and spans[-1][1] < 0 else None
         status = pod.get("status") if pod else None
         if pod is not None and status in BILLING_STATUSES:
+            # A pod seen for the first time (a replacement under the name included) bills
+            # from its creation; one that bills again after a stop, from now.
+            fresh = str(pod.get("id")) != self.ids.get(name)
+            self.ids[name] = str(pod.get("id"))
+            if open_span is not None and fresh:  # another pod now: the last one's span ends
+                open_span[1] = now
+                open_span = None
             if open_span is None:
-                created = rfc3339_ns(pod.get("createdAt")) if not spans else None
+                created = rfc3339_ns(pod.get("createdAt")) if fresh else None
                 spans.append([min(now, created / 1e9) if created else now, -1.0, 0.0])
                 open_span = spans[-1]
             rate = pod.get("cost")
@@ -40,8 +48,10 @@ class CostMeter:
         elif open_span is not None:
             open_span[1] = now
 
-    def close(self, now: float) -> None:
-        for spans in self.spans.values():
+    def close(self, now: float, name: str | None = None) -> None:
+        """Every pod's open span ends now (`name`: that pod's alone, its pod terminated)."""
+        for spans in ([self.spans.get(name, [])] if name is not None
+                      else self.spans.values()):
             if spans and spans[-1][1] < 0:
                 spans[-1][1] = now
 

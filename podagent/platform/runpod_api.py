@@ -23,7 +23,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -446,14 +446,17 @@ class Client(Transport):
     # --- pods and clusters --------------------------------------------------------------------
 
     def create_pod(self, body: Mapping[str, Any],
-                   resending: Callable[[], None] | None = None) -> dict[str, Any]:
+                   resending: Callable[[], None] | None = None,
+                   not_these: Collection[str] = ()) -> dict[str, Any]:
         """POST /v2/pods. A create is not idempotent: after a failure that may have created
         the pod anyway (no answer, 5xx, a 2xx without the pod), the pod is looked up by its
-        name before the create is sent again. RunPod may list a pod some time after making
-        it, so a look that finds nothing does not prove there is none: `resending` is told
-        before each create sent again that way (both may land)."""
-        return check_pod(self._create("/v2/pods", body, lambda: self.find_pod(body["name"]),
-                                      resending), "POST /v2/pods")
+        name before the create is sent again (never one of the ids `not_these`: a lost pod
+        of that name still listed is not its replacement). RunPod may list a pod some time
+        after making it, so a look that finds nothing does not prove there is none:
+        `resending` is told before each create sent again that way (both may land)."""
+        return check_pod(self._create(
+            "/v2/pods", body, lambda: self.find_pod(body["name"], not_these), resending),
+            "POST /v2/pods")
 
     def create_cluster(self, body: Mapping[str, Any],
                        resending: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -512,11 +515,12 @@ class Client(Transport):
         pods = _items(self.call("GET", "/v2/pods", params=params), "pods", "GET /v2/pods")
         return [check_pod(p, "GET /v2/pods") for p in pods]
 
-    def find_pod(self, name: str) -> dict[str, Any] | None:
+    def find_pod(self, name: str, not_these: Collection[str] = ()) -> dict[str, Any] | None:
         """The live pod of that name (a terminated one of an earlier run is not a create's
-        answer)."""
+        answer), other than those of ids `not_these`."""
         return next((p for p in self.list_pods()
-                     if p["name"] == name and p.get("status") != "TERMINATED"), None)
+                     if p["name"] == name and p.get("status") != "TERMINATED"
+                     and p["id"] not in not_these), None)
 
     def get_pod(self, pod_id: str) -> dict[str, Any] | None:
         """None when RunPod no longer knows it (terminated)."""

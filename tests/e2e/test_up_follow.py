@@ -51,9 +51,10 @@ def test_the_heads_log_loses_and_repeats_nothing_through_drops_and_breaks(
         make_cloud, tmp_path, resume):
     """Either way RunPod resumes a stream, `up` shows every line once and in order. Played
     "after", the run ends as the head says; "again", the head pod is then stopped from
-    outside and `up` ends the run within its grace (exit 24), terminating every pod."""
+    outside and, with no replacement allowed, `up` ends the run within its grace (exit 24),
+    terminating every pod."""
     cloud = make_cloud(log_resolution=1.0, log_resume=resume)
-    hold = ("-e", "POD_HEAD_HOLD=1") if resume == "again" else ()
+    hold = ("-e", "POD_HEAD_HOLD=1", "--replacements", "0") if resume == "again" else ()
     up = Output(start_up(cloud, tmp_path, _stand_in("follow", tmp_path, *hold)))
     up.wait(f"job line {LINES}")
     head = next(p for p in of_run(cloud, "follow") if p.name.endswith("-head"))

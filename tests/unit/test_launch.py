@@ -75,6 +75,9 @@ def build(**over):
     ({"max_cost": 10.0, "keep": True}, "give at most one of --keep and --max-duration"),
     ({"env": ("PODAGENT_DEADLINE=1796040000",)}, "is set by `podagent up` itself"),
     ({"max_duration": "30s"}, "--max-duration='30s' must be at least 60 s"),
+    ({"replacements": -1}, "--replacements=-1 must be between 0 and"),
+    ({"replacements": 2, "detach": True}, "--replacements cannot be used with --detach"),
+    ({"replacements": 2, "cluster": True}, "--replacements cannot be used with --cluster"),
 ])
 def test_bad_input_is_one_line_naming_it(over, says):
     with pytest.raises(ConfigError) as caught:
@@ -436,6 +439,27 @@ def test_the_cost_of_a_run_from_runpods_own_fields():
     assert dollars == pytest.approx(2.99 + 1.0)
 
 
+def test_a_replacement_under_the_same_name_bills_from_its_own_creation():
+    from podagent.launch.watch import CostMeter
+    from podagent.platform.runpod_api import rfc3339_ns
+
+    meter = CostMeter()
+    t = rfc3339_ns("2026-11-27T10:00:00Z") / 1e9
+    meter.observe("w1", {"id": "a", "status": "RUNNING", "cost": 1.0,
+                         "createdAt": "2026-11-27T10:00:00Z"}, t + 10)
+    meter.close(t + 3600, "w1")  # lost and terminated after an hour
+    meter.observe("w1", {"id": "b", "status": "RUNNING", "cost": 2.0,
+                         "createdAt": "2026-11-27T11:00:00Z"}, t + 3700)  # seen a bit later
+    meter.observe("w1", {"id": "c", "status": "RUNNING", "cost": 2.0,
+                         "createdAt": "2026-11-27T12:00:00Z"}, t + 7300)  # never seen gone
+    meter.close(t + 10800)
+    hours, dollars = meter.totals(t + 99999)
+    # b billed until c was first seen (the last look that could tell), c from its creation.
+    b = 3700 / 3600
+    assert hours == pytest.approx(1.0 + b + 1.0)
+    assert dollars == pytest.approx(1.0 + 2.0 * b + 2.0)
+
+
 def test_a_record_read_twice_is_one_start_and_run_over_ends_the_run():
     from podagent.launch.up import HeadProgress
 
@@ -608,3 +632,72 @@ def test_up_takes_exactly_the_declared_options_and_errors_name_their_flag():
     with pytest.raises(ConfigError) as caught:
         build(pods=0)
     assert caught.value.name == options.flag("pods") == "--pods"
+
+
+def test_a_lost_worker_is_replaced_while_replacements_are_left():
+    t0, shape = 100.0, "3 x H100"
+    ran = {"head", "w1", "w2"}
+    cases = {"terminated": ({"head": "RUNNING", "w1": None, "w2": "RUNNING"}, {}),
+             "failed": ({"head": "RUNNING", "w1": "ERROR", "w2": "RUNNING"}, {}),
+             "stopped": ({"head": "RUNNING", "w1": "EXITED", "w2": "RUNNING"},
+                         {"w1": t0 + 20})}
+    for what, (statuses, exited) in cases.items():
+        verdict = judge(statuses, t0, t0 + 31, 900, None, shape, ran=ran,
+                        exited_since=exited, head="head", spare=1)
+        assert (verdict.action, verdict.pod, verdict.gone) == ("replace", "w1", True), what
+        # No replacement left, or an Instant Cluster's pod: the run ends, as before.
+        for spare, cluster in ((0, False), (1, True)):
+            ends = judge(statuses, t0, t0 + 31, 900, None, shape, ran=ran,
+                         exited_since=exited, head="head", spare=spare, cluster=cluster)
+            assert ends.action == "fail" and ends.gone, (what, spare, cluster)
+    # The head lost: the whole run is created again; with no replacement left, it ends.
+    head_gone = judge({"head": None, "w1": "RUNNING"}, t0, t0 + 5, 900, None, shape,
+                      ran={"head", "w1"}, head="head", spare=3, head_spare=3)
+    assert (head_gone.action, head_gone.pod) == ("recreate", "head")
+    assert judge({"head": None, "w1": "RUNNING"}, t0, t0 + 5, 900, None, shape,
+                 ran={"head", "w1"}, head="head", spare=3, head_spare=0).action == "fail"
+    # Lost with a worker listed before it: the head is judged first (the worker's
+    # replacement would join a head that is gone).
+    both = judge({"w1": None, "head": None}, t0, t0 + 5, 900, None, shape,
+                 ran={"head", "w1"}, head="head", spare=1, head_spare=1)
+    assert (both.action, both.pod) == ("recreate", "head")
+    # A pod that stopped before it ever ran is not a lost one either.
+    assert judge({"head": "RUNNING", "w1": "EXITED"}, t0, t0 + 31, 900, None, shape,
+                 ran={"head"}, exited_since={"w1": t0}, head="head", spare=3).action == "fail"
+    # A pod that never ran is not a lost one.
+    never = judge({"head": "RUNNING", "w1": None}, t0, t0 + 5, 900, None, shape, ran={"head"},
+                  head="head", spare=3)
+    assert never.action == "fail" and not never.gone
+    # A replacement gets --timeout to run from its own creation, not from the run's start.
+    late = {"head": "RUNNING", "w1": "PROVISIONING"}
+    assert judge(late, t0, t0 + 1000, 900, None, shape, ran={"head"}, head="head",
+                 born={"w1": t0 + 500}).action == "wait"
+    slow = judge(late, t0, t0 + 1401, 900, None, shape, ran={"head"}, head="head",
+                 born={"w1": t0 + 500})
+    assert slow.action == "fail" and "w1 PROVISIONING" in slow.why
+
+
+def test_the_record_counts_replacements_and_refuses_a_damaged_list(tmp_path):
+    record = state.new(tmp_path, "r", "https://rest.runpod.io", "2 x H100")
+    record.replaced("podagent-r-w1", "pod123", "pod podagent-r-w1 was terminated outside")
+    again = state.load(tmp_path, "r")
+    assert again is not None and [r["lost"] for r in again.replacements] == ["pod123"]
+    data = json.loads(state.path_of(tmp_path, "r").read_text())
+    data["replacements"] = "many"
+    state.path_of(tmp_path, "r").write_text(json.dumps(data))
+    with pytest.raises(state.Unreadable, match="replacements are not a list"):
+        state.load(tmp_path, "r")
+
+
+def test_a_head_that_starts_again_after_a_lost_pod_is_not_closing_the_run():
+    """A run without Ray ends a start at a lost pod (exit 22) and starts again: its teardown
+    is no end of the run, so a lost worker is still replaced meanwhile."""
+    from podagent.launch.up import HeadProgress
+
+    progress = HeadProgress("demo", Board("demo", "2 x H100", expected=1),
+                            PlainView(io.StringIO()), lambda text: None, lambda phase: None,
+                            lambda: "head", 0.0)
+    for outcome, closing in (("PeerLost", False), ("JobFailed", True), ("Interrupted", True),
+                             ("success", True), ("__class__", True), (7, True)):
+        progress.take(parse(json.dumps({"event": "teardown_started", "outcome": outcome})))
+        assert progress.closing is closing, outcome
