@@ -105,6 +105,7 @@ def _lose(cloud: FakeRunPodCloud, name: str) -> float:
 def one_run(way: str, pods: int, root: Path) -> dict[str, Any]:
     with PodNetwork(prefix="pr") as net, DnsServer(address=net.host_ip, port=0) as dns, \
             FakeRunPodCloud(net, dns, root / "cloud", api_key=KEY, pod_key="own",
+                            network_volumes={"vol": "US-KS-2"},
                             images={IMAGE: [sys.executable, "-m", "podagent"]}) as cloud:
         env = {**clean_environ(), "RUNPOD_API_KEY": KEY, "RUNPOD_API_URL": cloud.url,
                "XDG_STATE_HOME": str(root / "state"), "PYTHONUNBUFFERED": "1", "TERM": "dumb"}

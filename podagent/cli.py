@@ -619,11 +619,16 @@ def up(key_file: str | None, list_gpus: bool, job: tuple[str, ...], **shape: Any
 @click.option("--timeout", type=click.FloatRange(1, 86400), default=120.0, show_default=True,
               metavar="SECONDS", help="How long RunPod gets to have every pod gone; each API "
               "call's retries end within it too.")
+@click.option("--volume", "volume", is_flag=True,
+              help="Delete the run's network volume too, with its checkpoints and model "
+                   "(asked first; --yes answers yes).")
+@click.option("--yes", "yes", is_flag=True, help="Do not ask before deleting the volume.")
 @key_file_option
 @_boundary
-def down(run: str, timeout: float, key_file: str | None) -> None:
+def down(run: str, timeout: float, volume: bool, yes: bool, key_file: str | None) -> None:
     """Terminate every pod of run RUN (found by this machine's record, their names and their
-    label, so also after a crash mid-create)."""
+    label, so also after a crash mid-create). The run's network volume is kept unless
+    --volume."""
     from podagent.launch import commands
     from podagent.launch import spec as specs
 
@@ -631,10 +636,19 @@ def down(run: str, timeout: float, key_file: str | None) -> None:
         run_name(run)
     except ValueError as exc:
         raise errors.InputError(f"RUN={run!r}: {exc}") from None
+    if volume and not yes and not sys.stdin.isatty():
+        raise errors.InputError("--volume deletes the run's checkpoints and model for good: "
+                                "add --yes to confirm it where nobody can be asked (no "
+                                "terminal)")
     key = _launch_key(key_file)
+
+    def confirm(question: str) -> bool:
+        return yes or click.confirm(question, default=False)
+
     _launched(lambda _interrupts: commands.down(
         run, key, commands.api_url(os.environ), specs.default_state_dir(os.environ),
-        lambda line: click.echo(f"[down] {line}"), timeout) and EXIT_OK)
+        lambda line: click.echo(f"[down] {line}"), timeout,
+        volume=confirm if volume else None) and EXIT_OK)
 
 
 @main.command(name="ls", context_settings=CONTEXT)

@@ -111,8 +111,40 @@ def _stop_timeout(pods: list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
 
 
 def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
-         timeout: float) -> int:
-    """Terminate the run's pods; how many there were."""
+         timeout: float, volume: Callable[[str], bool] | None = None) -> int:
+    """Terminate the run's pods; how many there were. `volume`: the run's network volume is
+    deleted too, once the pods are gone, if it answers yes to the question it is asked."""
+    count = _down_pods(run, key, url, state_dir, say, timeout)
+    if volume is not None:
+        _delete_volume(run, key, url, state_dir, say, timeout, volume)
+    return count
+
+
+def _delete_volume(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
+                   timeout: float, confirm: Callable[[str], bool]) -> None:
+    api = client(key, url, say, min(API_TIMEOUT, timeout))
+    try:
+        record = state.load_hint(state_dir, run, lambda line: None)
+        known = set(record.ids("volume")) if record else set()
+        found = [v for v in api.network_volumes()
+                 if v["id"] in known or v["name"] == specs.volume_name(run)]
+        if not found:
+            say(f"run {run} has no network volume at RunPod")
+            return
+        for volume in found:
+            what = (f"network volume {volume['name']} ({volume['id']}, {volume['size']} GB in "
+                    f"{volume['dataCenter']})")
+            if not confirm(f"Delete {what}, and the checkpoints and model on it, for good?"):
+                say(f"kept {what}")
+                continue
+            api.delete_network_volume(str(volume["id"]))
+            say(f"deleted {what}")
+    finally:
+        api.close()
+
+
+def _down_pods(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
+               timeout: float) -> int:
     # Each call's retries end within --timeout too: `down --timeout 3` against a RunPod that
     # keeps refusing gives up (exit 26) in seconds, not after a minute of retries.
     api = client(key, url, say, min(API_TIMEOUT, timeout))
@@ -179,6 +211,9 @@ def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
     try:
         pods = [p for p in api.list_pods(include_cluster_pods=True)
                 if specs.run_of(p) or any(specs.belongs(p, r) for r in records)]
+        ours = {i for r in records.values() for i in r.ids("volume")}
+        volumes = [v for v in api.network_volumes()
+                   if v["id"] in ours or str(v["name"]).startswith(f"{specs.PREFIX}-")]
     finally:
         api.close()
     runs: dict[str, list[dict[str, Any]]] = {run: [] for run in records}
@@ -187,6 +222,7 @@ def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
         runs.setdefault(run, []).append(pod)
     if not runs:
         out.write("no runs: `podagent up` starts one\n")
+        _list_volumes(volumes, out)
         return 0
     now = time.time()
     billing = 0
@@ -214,11 +250,35 @@ def ls(key: str, url: str, state_dir: Path, out: TextIO = sys.stdout) -> int:
                          f"${_billed_so_far(pod, now):.2f}"))
     rows.append(("total", "", f"{billing} pod(s) billing", f"{total_rate:.2f}",
                  f"${total_cost:.2f}"))
+    _write_table(rows, out)
+    _list_volumes(volumes, out)
+    return billing
+
+
+def _write_table(rows: list[tuple[str, ...]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         out.write("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
                   + "\n")
-    return billing
+
+
+def _list_volumes(volumes: list[dict[str, Any]], out: TextIO) -> None:
+    """The runs' network volumes, kept after their pods: what each costs a month."""
+    if not volumes:
+        return
+    rows = [("network volume", "id", "GB", "data center", "$/month")]
+    monthly = 0.0
+    for volume in sorted(volumes, key=lambda v: str(v["name"])):
+        price = specs.volume_price(int(volume["size"]))
+        monthly += price
+        rows.append((str(volume["name"]), str(volume["id"]), str(volume["size"]),
+                     str(volume["dataCenter"]), f"${price:.2f}"))
+    rows.append(("total", "", str(sum(int(v["size"]) for v in volumes)), "",
+                 f"${monthly:.2f}"))
+    out.write("\n")
+    _write_table(rows, out)
+    out.write("`podagent down RUN --volume` deletes a run's volume (its checkpoints and "
+              "model)\n")
 
 
 def environ() -> Mapping[str, str]:

@@ -7,6 +7,7 @@ so `podagent down` finds it whatever happens next."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +32,8 @@ class Checked:
     spec: UpSpec  # the run's, its deadline worked out (specs.capped)
     pod_ids: dict[str, str] = field(default_factory=dict)  # name -> id, found at RunPod
     cluster_id: str | None = None
+    volume: dict[str, Any] | None = None  # the run's network volume, found at RunPod
+    volume_data_center: str | None = None  # where a new one goes (the pods with it)
 
     @property
     def exists(self) -> bool:
@@ -40,7 +43,8 @@ class Checked:
 def check(spec: UpSpec, client: Client, follow_only: bool,
           say: Callable[[str], None]) -> Checked:
     gpu = specs.check_gpu(spec, client.gpu_types())
-    data_centers = specs.check_data_centers(spec, client.data_centers())
+    catalog = client.data_centers(gpu_availability=spec.shared_volume_gb is not None)
+    data_centers = specs.check_data_centers(spec, catalog)
     registry = specs.check_registry(spec, client.registries()) if spec.registry_auth else None
     # The record is a hint: one that cannot be read is set aside, and the run's pods are
     # found at RunPod by their names and label all the same.
@@ -84,6 +88,12 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
     checked = Checked(Placement(str(gpu["id"]), data_centers, registry), record, spec,
                       {str(p["name"]): str(p["id"]) for p in alive},
                       str(found.clusters[0]["id"]) if found.clusters else None)
+    if spec.shared_volume_gb is not None:
+        _place_volume(checked, client, catalog, say)
+    elif spec.network_volume is None and spec.pods > 1 and not follow_only:
+        say("WARNING: no network volume (--volume, or --no-shared-volume): the checkpoints "
+            "and the model die with the pods when the run ends, and a lost pod's replacement "
+            "cannot resume from them")
     if checked.exists:
         say(f"run {spec.run} exists at RunPod ({len(alive)} pod(s)): re-attaching to it"
             + ("" if follow_only else ", creating only what is missing"))
@@ -96,6 +106,48 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
     if cap_line:
         say(cap_line)
     return checked
+
+
+def _place_volume(checked: Checked, client: Client, catalog: list[Mapping[str, Any]],
+                  say: Callable[[str], None]) -> None:
+    """The run's network volume: the one it has at RunPod (by the record's id or its name;
+    a run created again uses its results), else where a new one goes: a data center the
+    pods may go to that offers network volumes, the GPU type's availability first (RunPod
+    places a pod in its volume's data center)."""
+    spec, record = checked.spec, checked.record
+    name = specs.volume_name(spec.run)
+    known = set(record.ids("volume"))
+    checked.volume = next((v for v in client.network_volumes()
+                           if v["id"] in known or v["name"] == name), None)
+    allowed = set(checked.placement.data_centers)
+    if checked.volume is not None:
+        where = checked.volume["dataCenter"]
+        if allowed and where not in allowed:
+            raise InputError(f"run {spec.run}'s network volume {checked.volume['id']} is in "
+                             f"{where}, where its pods may not go (--data-center; or "
+                             f"`podagent down {spec.run} --volume` deletes it)")
+        checked.placement = dataclasses.replace(checked.placement, data_centers=(where,))
+        say(f"run {spec.run} has its network volume at RunPod ({checked.volume['id']}, "
+            f"{checked.volume['size']} GB in {where}): every pod mounts it at /workspace")
+        return
+    gpu = checked.placement.gpu_id
+    offered = [dc for dc in catalog if str(dc.get("id")) in allowed
+               and dc.get("networkVolumeTypes")]
+
+    def availability(dc: Mapping[str, Any]) -> int:
+        levels = {str(a.get("id")): a.get("availability")
+                  for a in dc.get("gpuAvailability") or [] if isinstance(a, dict)}
+        return -{"HIGH": 3, "MEDIUM": 2, "LOW": 1}.get(str(levels.get(gpu)), 0)
+
+    offered.sort(key=availability)  # stable: the catalog's order among equals
+    if not offered:
+        raise InputError(f"none of the data centers the run's pods may go to "
+                         f"({', '.join(sorted(allowed))}) offers network volumes: give "
+                         f"--data-center one that does, or --no-shared-volume (the "
+                         f"checkpoints and the model then die with the pods)")
+    checked.volume_data_center = str(offered[0]["id"])
+    checked.placement = dataclasses.replace(checked.placement,
+                                            data_centers=(checked.volume_data_center,))
 
 
 class Creator:
@@ -117,6 +169,11 @@ class Creator:
     def create(self) -> None:
         spec, placement = self.spec, self.checked.placement
         try:
+            if spec.shared_volume_gb is not None and self.checked.volume is None:
+                self._volume()
+            if self.checked.volume is not None:  # every pod mounts it
+                spec = self.spec = dataclasses.replace(
+                    spec, network_volume=str(self.checked.volume["id"]))
             if spec.cluster:
                 self._cluster()
             else:
@@ -127,6 +184,24 @@ class Creator:
                              f"{placement.gpu_id} ({spec.cloud} cloud) in {where}: {exc}"
                              ) from None
         self.checked.record.mark(state.RUNNING)
+
+    def _volume(self) -> None:
+        """The run's network volume created (recorded before the call, as every create), in
+        the data center CHECKING chose: its results outlive the pods."""
+        spec, record = self.spec, self.checked.record
+        name = specs.volume_name(spec.run)
+        asked = record.asking("volume", name, None, spec.api_timeout)
+        self.created = True
+        body = {"name": name, "size": spec.shared_volume_gb,
+                "dataCenter": self.checked.volume_data_center}
+        volume = interrupts.result(self._call(asked, name, functools.partial(
+            self.client.create_network_volume, body, functools.partial(record.resent, asked))))
+        self._record(asked, name, str(volume["id"]))
+        self.checked.volume = dict(volume)
+        self.view.line(f"[up] created network volume {name} ({volume['id']}, {volume['size']} GB "
+                       f"in {volume['dataCenter']}, about "
+                       f"${specs.volume_price(int(volume['size'])):.2f}/month): every pod "
+                       f"mounts it at /workspace; it is kept after the run")
 
     def wait(self) -> None:
         """Creates still on their way finish first: a pod created after the clean-up looked
@@ -151,7 +226,7 @@ class Creator:
         self.checked.record.got(asked, made)
         if asked.kind == "pod":
             self.checked.pod_ids[name] = made
-        else:
+        elif asked.kind == "cluster":
             self.checked.cluster_id = made
 
     def _pods(self) -> None:

@@ -51,6 +51,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
              help="A volume of this size on each pod at /workspace (logs, checkpoints)."),
     UpOption("network_volume", ("--network-volume",), str, None, metavar="ID",
              help="A network volume mounted at /workspace instead."),
+    UpOption("shared_volume_gb", ("--shared-volume",), int, None, metavar="GB",
+             help="The size of the network volume `up` creates for a run of several pods "
+                  "(default: from the model size the job names, else 100): mounted at "
+                  "/workspace on every pod, it keeps the checkpoints and the model after the "
+                  "run (`podagent down RUN --volume` deletes it)."),
+    UpOption("no_shared_volume", ("--no-shared-volume",), bool, False,
+             help="No network volume: the checkpoints and the model die with the pods."),
     UpOption("disk_gb", ("--disk",), int, None, metavar="GB", help="Container disk per pod."),
     UpOption("env", ("-e", "--env"), str, (), metavar="NAME=VALUE", multiple=True,
              help="A variable for every pod (repeat). Secrets only with --secret."),

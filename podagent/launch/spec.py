@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -81,6 +82,21 @@ def default_state_dir(environ: Mapping[str, str]) -> Path:
 
 
 REPLACEMENTS = 3  # lost pods `up` replaces in a run when --replacements is not given
+# The network volume `up` creates for a run of several pods (RunPod's CreateNetworkVolumeRequest:
+# size 10 to 4096 GB; storage/network-volumes.mdx: $0.07 per GB and month for the first TB,
+# $0.05 beyond).
+SHARED_MIN, SHARED_MAX, SHARED_DEFAULT = 10, 4096, 100
+CHECKPOINT_BYTES, CHECKPOINTS_KEPT = 14, 2
+FIRST_TB_RATE, BEYOND_RATE = 0.07, 0.05  # $ per GB and month
+
+
+def volume_price(gb: int) -> float:
+    """What a network volume of `gb` costs a month at RunPod's published rate."""
+    return min(gb, 1000) * FIRST_TB_RATE + max(0, gb - 1000) * BEYOND_RATE
+
+
+def volume_name(run: str) -> str:
+    return f"{PREFIX}-{run}"
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,9 @@ class UpSpec:
     data_centers: tuple[str, ...] = ()
     volume_gb: int | None = None  # a persistent volume of the pod at /workspace
     network_volume: str | None = None  # or a network volume's id, mounted at /workspace
+    # The size of the network volume `up` creates for the run (None: none is created): the
+    # run's results outlive its pods (create.Creator._volume).
+    shared_volume_gb: int | None = None
     disk_gb: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     job: tuple[str, ...] = ()
@@ -173,7 +192,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
           registry_auth: str | None = default("registry_auth"),
           launcher: str = default("launcher"), max_duration: str | None = None,
           max_cost: float | None = None,
-          replacements: int | None = None) -> UpSpec:
+          replacements: int | None = None, shared_volume_gb: int | None = None,
+          no_shared_volume: bool = False) -> UpSpec:
     """The spec from the command line (options.UP_OPTIONS), or one line naming the flag, the
     value and the rule that is broken (ConfigError)."""
     run = run or default_run_name()
@@ -233,6 +253,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     if volume_gb is not None and network_volume:
         raise InputError("give at most one of --volume GB and --network-volume ID (RunPod "
                           "mounts one volume at /workspace)")
+    shared = _shared_volume(pods, volume_gb, network_volume, shared_volume_gb,
+                            no_shared_volume, job)
     if disk_gb is not None and disk_gb < 1:
         raise _fail(flag("disk_gb"), disk_gb, "must be at least 1 (GB of container disk)")
     seconds = None
@@ -269,7 +291,8 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     return UpSpec(run=run, gpu_type=gpu_type.strip(), gpus_per_pod=gpus_per_pod, pods=pods,
                   image=image, template=template, cluster=cluster, cloud=cloud.upper(),
                   data_centers=tuple(d.strip() for d in data_centers if d.strip()),
-                  volume_gb=volume_gb, network_volume=network_volume or None, disk_gb=disk_gb,
+                  volume_gb=volume_gb, network_volume=network_volume or None,
+                  shared_volume_gb=shared, disk_gb=disk_gb,
                   env=_environment(env, secrets), job=tuple(job), launcher=launcher,
                   keep=keep, detach=detach,
                   registry_auth=registry_auth.strip() if registry_auth else None,
@@ -278,6 +301,38 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
                   timeout=timeout,
                   api_url=api_url.rstrip("/"), api_timeout=api_timeout,
                   state_dir=state_dir or default_state_dir(os.environ))
+
+
+def _shared_volume(pods: int, volume_gb: int | None, network_volume: str | None,
+                   asked: int | None, none: bool, job: tuple[str, ...]) -> int | None:
+    """The size of the network volume `up` creates for the run, or None: a run of one pod, a
+    volume given (--volume, --network-volume), or --no-shared-volume."""
+    if asked is not None:
+        if none or volume_gb is not None or network_volume:
+            raise InputError("give at most one of --shared-volume GB, --no-shared-volume, "
+                             "--volume GB and --network-volume ID (one volume at /workspace)")
+        if not SHARED_MIN <= asked <= SHARED_MAX:
+            raise _fail(flag("shared_volume_gb"), asked,
+                        f"must be between {SHARED_MIN} and {SHARED_MAX} (GB; RunPod's bounds)")
+        return asked
+    if none or pods < 2 or volume_gb is not None or network_volume:
+        return None
+    return shared_volume_size(job)
+
+
+def shared_volume_size(job: tuple[str, ...]) -> int:
+    """GB for the run's checkpoints and model: from the model size the job's command names
+    (`Qwen2.5-7B-Instruct`: 7 billion parameters), CHECKPOINT_BYTES per parameter (the
+    bf16 weights, fp32 Adam's master weights and two moments: 2 + 12 bytes) for each of
+    CHECKPOINTS_KEPT checkpoints and 2 more for the final model, a fifth more for what else
+    lands there; else SHARED_DEFAULT. Within RunPod's bounds."""
+    found = [float(m.group(1)) for word in job
+             for m in re.finditer(r"(?<![0-9.])([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])", word)]
+    if not found:
+        return SHARED_DEFAULT
+    params = max(found)  # billions
+    gb = params * (CHECKPOINT_BYTES * CHECKPOINTS_KEPT + 2) * 1.2
+    return int(min(SHARED_MAX, max(SHARED_MIN, math.ceil(gb / 10) * 10)))
 
 
 def _environment(pairs: tuple[str, ...], secrets: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -49,7 +49,7 @@ class Unreadable(InputError):
 class Resource:
     """One pod or cluster asked for: its name before the call, its id once RunPod gave it."""
 
-    kind: str  # "pod" or "cluster"
+    kind: str  # "pod", "cluster" or "volume" (a network volume, kept after the run)
     name: str
     rank: int | None = None  # 0 = the head; None for a cluster
     id: str | None = None
@@ -148,7 +148,9 @@ class RunRecord:
         """The names whose creates may still make a pod nobody knows of: more were sent than
         pods of the name are known (`landed`: name -> ids RunPod listed live)."""
         landed = landed or {}
-        return {r.name for r in self.resources if r.unseen(landed.get(r.name, ()))}
+        # (A network volume is kept after the run, and never listed among its pods.)
+        return {r.name for r in self.resources
+                if r.kind != "volume" and r.unseen(landed.get(r.name, ()))}
 
     def landing_left(self, now: float, landed: Mapping[str, Collection[str]] | None = None
                      ) -> float:
@@ -279,7 +281,7 @@ def _wrong_field(record: RunRecord) -> str:
             isinstance(r, dict) for r in record.replacements):
         return "its replacements are not a list of objects"
     for resource in record.resources:
-        if (resource.kind not in ("pod", "cluster") or not isinstance(resource.name, str)
+        if (resource.kind not in ("pod", "cluster", "volume") or not isinstance(resource.name, str)
                 or not isinstance(resource.id, (str, type(None)))
                 or not isinstance(resource.rank, (int, type(None)))
                 or not isinstance(resource.asked_at, (int, float))

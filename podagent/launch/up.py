@@ -237,6 +237,8 @@ class Up:
             failure = exc
         if self.created and not self._leaves_pods(failure):
             self._clean_up(failure)
+        with contextlib.suppress(OSError):  # an output that broke: the end's code stands
+            self._volume_end()
         return self._outcome(failure, code)
 
     def _drive(self) -> int | None:
@@ -253,13 +255,54 @@ class Up:
         if not self.follow_only:
             self._phase(Phase.CREATING)
             self.creator = Creator(spec, self.client, self.checked, self.board, self.view)
-            self.creator.create()
+            try:
+                self.creator.create()
+            finally:
+                spec = self.spec = self.creator.spec  # with the run's network volume
         self.watch = Watch(spec, self.client, self.board, self.view, self.say,
                            self.checked.pod_ids, self.checked.cluster_id)
         self._phase(Phase.STARTING)
         code = self._follow(self.watch)
         self._phase(Phase.DETACHED if self.detached else Phase.FINISHED)
         return code
+
+    def _volume_end(self) -> None:
+        """The run's network volume outlives its pods: said, with what it costs a month and
+        how to delete it; one this `up` created that no pod ever ran with holds nothing, and
+        is deleted (the run never started)."""
+        checked = self.checked
+        if checked is None or self.left:
+            return
+        run = self.spec.run
+        created_here = self.creator is not None and checked.volume_data_center is not None
+        volume = checked.volume
+        if volume is None and created_here and self.record is not None \
+                and self.record.names() & {specs.volume_name(run)}:
+            # Its create's answer never came (a signal, a timeout): by its name.
+            try:
+                volume = self.client.find_network_volume(specs.volume_name(run))
+            except PodagentError as exc:
+                self.say(f"could not look for the network volume of run {run} ({exc}): "
+                         f"`podagent down {run} --volume` deletes it if it was made")
+        if volume is None:
+            return
+        size = int(volume["size"])
+        if created_here and not self.ran and not self.detached and not self.clean_up_failed:
+            try:
+                self.client.delete_network_volume(str(volume["id"]))
+            except PodagentError as exc:
+                self.say(f"the network volume {volume['id']} of run {run} holds nothing (no "
+                         f"pod ran) and could not be deleted ({exc}): `podagent down {run} "
+                         f"--volume` deletes it")
+            else:
+                self.say(f"deleted the network volume {volume['id']} of run {run}: no pod ran, "
+                         f"so it held nothing")
+            return
+        self.say(f"kept: network volume {specs.volume_name(run)} ({volume['id']}), {size} GB "
+                 f"in {volume['dataCenter']}, about ${specs.volume_price(size):.2f}/month at "
+                 f"RunPod's rate, with the run's checkpoints and model"
+                 + ("" if self.detached else " (in /workspace/checkpoints by default)")
+                 + f"; `podagent down {run} --volume` deletes it")
 
     def _leaves_pods(self, failure: BaseException | None) -> bool:
         """Whether this end leaves the pods as they are (and says so)."""
@@ -543,7 +586,8 @@ class Up:
         run, error = self.spec.run, self.clean_up_failed
         left = self.sweep.left()
         if left is None:  # RunPod never listed them: what this run asked for or found
-            known = {r.name: r.id for r in self.record.resources} if self.record else {}
+            known = {r.name: r.id for r in self.record.resources
+                     if r.kind != "volume"} if self.record else {}
             known.update(self.checked.pod_ids if self.checked else {})
             left = [f"{name} ({pod_id or 'id unknown'})" for name, pod_id in known.items()]
         if failure is None and code is not None:

@@ -290,6 +290,17 @@ def check_pod(pod: Any, what: str) -> dict[str, Any]:
     return pod
 
 
+def check_volume(volume: Any, what: str) -> dict[str, Any]:
+    """A NetworkVolume as podagent reads it: an id, a name, its size (GB) and data center."""
+    ok = (isinstance(volume, dict) and isinstance(volume.get("id"), str) and volume["id"]
+          and isinstance(volume.get("name"), str) and isinstance(volume.get("dataCenter"), str)
+          and type(volume.get("size")) is int)
+    if not ok:
+        raise RunPodNonsense(f"RunPod API: {what}: not a network volume as the document gives "
+                             f"one ({_shape(volume)})")
+    return volume
+
+
 class Transport:
     """Requests to one RunPod API root with one key, each within `timeout` seconds (retries
     included). `say` (optional) hears each retry in one line; `on_call` (optional) hears every
@@ -432,10 +443,13 @@ class Client(Transport):
         what = "GET /v2/catalog/gpus"
         return _items(self.call("GET", "/v2/catalog/gpus"), "gpus", what, ("id", "name"))
 
-    def data_centers(self, global_network: bool | None = None) -> list[dict[str, Any]]:
-        params = None if global_network is None else {
+    def data_centers(self, global_network: bool | None = None,
+                     gpu_availability: bool = False) -> list[dict[str, Any]]:
+        params: dict[str, str] = {} if global_network is None else {
             "globalNetwork": "true" if global_network else "false"}
-        answer = self.call("GET", "/v2/catalog/datacenters", params=params)
+        if gpu_availability:
+            params["include"] = "GPU_AVAILABILITY"
+        answer = self.call("GET", "/v2/catalog/datacenters", params=params or None)
         return _items(answer, "dataCenters", "GET /v2/catalog/datacenters")
 
     def registries(self) -> list[dict[str, Any]]:
@@ -537,6 +551,30 @@ class Client(Transport):
         """POST /v2/pods/{id}/action (start, stop, restart, terminate); 409: RunPodConflict."""
         return self.call("POST", f"/v2/pods/{quote(pod_id, safe='')}/action",
                          body={"action": action})
+
+    # --- network volumes (they outlive the pods: a run's checkpoints and model) -------------
+
+    def create_network_volume(self, body: Mapping[str, Any],
+                              resending: Callable[[], None] | None = None) -> dict[str, Any]:
+        """POST /v2/network-volumes (CreateNetworkVolumeRequest: name, size, dataCenter). Not
+        idempotent either: after a failure that may have created it, looked up by name."""
+        return check_volume(self._create(
+            "/v2/network-volumes", body, lambda: self.find_network_volume(body["name"]),
+            resending), "POST /v2/network-volumes")
+
+    def network_volumes(self) -> list[dict[str, Any]]:
+        what = "GET /v2/network-volumes"
+        return [check_volume(v, what) for v in _items(
+            self.call("GET", "/v2/network-volumes"), "networkVolumes", what, ("id", "name"))]
+
+    def find_network_volume(self, name: str) -> dict[str, Any] | None:
+        return next((v for v in self.network_volumes() if v["name"] == name), None)
+
+    def delete_network_volume(self, volume_id: str) -> bool:
+        """DELETE /v2/network-volumes/{id}: True when it was there, False when already gone."""
+        answer = self.call("DELETE", f"/v2/network-volumes/{quote(volume_id, safe='')}",
+                           missing_ok=True)
+        return answer.status != 404
 
     def list_clusters(self) -> list[dict[str, Any]]:
         return _items(self.call("GET", "/v2/clusters"), "clusters", "GET /v2/clusters",

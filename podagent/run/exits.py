@@ -55,8 +55,8 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.PodsNotReady, 21, "`podagent up`: a pod did not start (RUNNING) in time or failed; "
                               "what was created has been terminated"),
     (errors.PodGone, 24, "`podagent up`: a pod of the run was stopped, failed or was "
-                         "terminated at RunPod while the run went on (the line names it); every "
-                         "pod has been terminated"),
+                         "terminated at RunPod while the run went on, past `--replacements` "
+                         "(the line names it); every pod has been terminated"),
     (errors.PeerLost, 22, "`podagent torchrun/accelerate`: another pod of the run was lost, "
                           "cut off or stopped (the line names it); this pod's training was "
                           "stopped"),

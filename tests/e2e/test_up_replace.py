@@ -36,7 +36,7 @@ VOLUME = "vol-shared"  # one network volume on every pod: the checkpoints outliv
 
 @pytest.fixture
 def cloud(runpod_cloud: Any) -> Any:
-    return runpod_cloud(pod_key="own")
+    return runpod_cloud(pod_key="own", network_volumes={VOLUME: "US-KS-2"})
 
 
 def _terminate_from_outside(cloud: Any, name: str) -> str:

@@ -14,9 +14,10 @@ https://api.runpod.io: the client appends /v2/....
 
 Faithful to RunPod's published v2 document (runpod_v2_schema.json holds its schemas):
 - the endpoints for the GPU and data center catalogs, registry credentials (list, get), pods
-  (create, list, get, terminate, actions, the SSE log stream) and clusters (create, list, get,
-  their pods, delete), with Bearer auth, the status codes the document gives (201, 204, 400, 401,
-  403, 404, 409, 422, 429 with Retry-After) and application/problem+json ErrorResponse bodies;
+  (create, list, get, terminate, actions, the SSE log stream), clusters (create, list, get,
+  their pods, delete) and network volumes (create, list, get, delete), with Bearer auth, the
+  status codes the document gives (201, 204, 400, 401, 403, 404, 409, 422, 429 with
+  Retry-After) and application/problem+json ErrorResponse bodies;
 - every request body and query parameter is checked against the schemas (unknown fields are
   refused with 422, each violation listed in `errors` as RunPod words it:
   "$: additional properties 'bogus' not allowed"), and so is every answer of the fake's own; a
@@ -48,6 +49,15 @@ Rules the document states beyond its schema (paths in RunPod's docs repository):
   include=GPU_AVAILABILITY; a dataCenterIds entry that is not in it is 400 ("unknown data
   center"); a pod or cluster goes to the first listed (the default `data_center` when none is),
   which its dataCenterId and RUNPOD_DC_ID (pods/templates/environment-variables.mdx) show.
+- Network volumes (openapi.json, /v2/network-volumes, CreateNetworkVolumeRequest,
+  DataCenter.networkVolumeTypes: "Empty = none", NetworkMount.volumeId: "ID of an existing
+  NetworkVolume in the same data center as the pod"): a volume's dataCenter must be in the
+  catalog with networkVolumeTypes not empty, and its type one of them (omitted: the first,
+  "the requested data center's default (primary) storage tier"), else 400; a pod or cluster
+  whose mounts.network names a volume that does not exist is 400 ("network volume ... not
+  found"), else it goes to the volume's data center, which its dataCenterIds (if any) must
+  include (400 otherwise; with Global Networking it must support that too). The account's
+  volumes at the start are `network_volumes`; `volumes` lists them.
 - GPU type ids (openapi.json, GpuType.id: "use for pod creation"; ClusterCompute.gpuTypeId: "as
   returned by GET /v2/catalog/gpus"): gpu.id and compute.gpuTypeId must be a catalog `id` (a
   display name such as "H100 SXM" is 400, naming the valid ids).
@@ -93,14 +103,15 @@ Fault injection and measurement (the fake's own, no rule of the document):
   it) and answers it with a 2xx and a body of nonsense, unchecked and without RateLimit
   headers; `drop_log_streams` closes every open log stream (as a proxy does) and
   `log_connections` counts a pod's streams;
-- `create_delay`: creates wait this long before they are carried out (in parallel, not in turn);
+- `create_delay`: creates of pods and clusters wait this long before they are carried out (in
+  parallel, not in turn);
 - each pod's time in a billing status and its price (`PodView.billed_seconds`, `.price`: pods
   are billed by the second, pods/pricing.mdx).
 
 Simplified (the fake's own choices):
 - capacity is unlimited unless `no_capacity()` says otherwise, in every data center; no templates
-  (templateId is 400), no PATCH, no registry changes, no CPU catalog (501 for what the fake does
-  not serve); RAY and SLURM clusters are 400;
+  (templateId is 400), no PATCH (of pods, clusters or network volumes), no registry changes,
+  no CPU catalog (501 for what the fake does not serve); RAY and SLURM clusters are 400;
 - a terminated pod leaves the API at once: it is no longer listed and GET answers 404, while its
   processes are stopped and its namespace deleted in the background (`pods[id].torn_down` says
   when that is over, `wait_torn_down()` waits for it); log streams already open end only then,
@@ -108,10 +119,11 @@ Simplified (the fake's own choices):
 - ERROR costs 0.0 and does not bill; after `max_restarts` automatic restarts in a row the pod is
   ERROR; an image missing from `images` fails to pull (ERROR);
 - volumes: a persistent mount is a directory of its own per pod under `root`, a network volume
-  one per volumeId shared by the pods that mount it; there is no mount namespace, so request env
-  values under the mount path are rewritten to that directory, and with the volume at /workspace
-  (where podagent looks) PODAGENT_LOG_DIR and PODAGENT_CHECKPOINT_DIR point into it unless the
-  request sets them;
+  one per volumeId shared by the pods that mount it (deleting the volume, allowed while pods
+  mount it, leaves it to them; its size is not enforced, nor is it billed); there is no mount
+  namespace, so request env values under the mount path are rewritten to that directory, and
+  with the volume at /workspace (where podagent looks) PODAGENT_LOG_DIR and
+  PODAGENT_CHECKPOINT_DIR point into it unless the request sets them;
 - what a test pod needs on this machine is added to the environment: PODAGENT_DNS_SERVER, a short
   PODAGENT_RAY_TEMP_DIR, PYTHONUNBUFFERED, PYTHONPATH (this repository); the process starts in a
   directory of its own under `root`; no GPUs exist (RUNPOD_GPU_COUNT is what was asked for).
@@ -801,6 +813,13 @@ _ROUTES: list[tuple[re.Pattern[str], dict[str, tuple[str | None, str | None, set
                                                   "DELETE": ("_delete_cluster", None, set()),
                                                   "PATCH": (None, None, set())}),
     (re.compile(r"/v2/clusters/(?P<id>[^/]+)/pods"), {"GET": ("_cluster_pods", None, set())}),
+    (re.compile(r"/v2/network-volumes"),
+     {"GET": ("_list_network_volumes", None, set()),
+      "POST": ("_create_network_volume", "CreateNetworkVolumeRequest", set())}),
+    (re.compile(r"/v2/network-volumes/(?P<id>[^/]+)"),
+     {"GET": ("_get_network_volume", None, set()),
+      "PATCH": (None, "UpdateNetworkVolumeRequest", set()),
+      "DELETE": ("_delete_network_volume", None, set())}),
 ]
 _SCHEMA_OF_ANSWER = {"_list_gpus": "ListGpuTypesResponse", "_get_gpu": "GpuType",
                      "_list_pods": "ListPodsResponse", "_create_pod": "Pod", "_get_pod": "Pod",
@@ -809,7 +828,10 @@ _SCHEMA_OF_ANSWER = {"_list_gpus": "ListGpuTypesResponse", "_get_gpu": "GpuType"
                      "_cluster_pods": "ListPodsResponse",
                      "_list_data_centers": "ListDataCentersResponse",
                      "_get_data_center": "DataCenter", "_list_registries": "ListRegistriesResponse",
-                     "_get_registry": "Registry"}
+                     "_get_registry": "Registry",
+                     "_list_network_volumes": "ListNetworkVolumesResponse",
+                     "_create_network_volume": "NetworkVolume",
+                     "_get_network_volume": "NetworkVolume"}
 _CREATES = ("_create_pod", "_create_cluster")
 
 
@@ -853,17 +875,22 @@ class FakeRunPodCloud(ServedFake):
                  rate_limits: Mapping[str, int] | None = None,
                  rate_windows: Mapping[str, float] | None = None,
                  pod_key: str = "refuse", secrets: Mapping[str, str] | None = None,
+                 network_volumes: Mapping[str, str] | None = None,
                  host: str = "127.0.0.1", port: int = 0) -> None:
         """`gpus`, `data_centers` (None: DEFAULT_GPUS, DEFAULT_DATA_CENTERS) and `registries`
         are the catalogs, each entry checked against the document's GpuType, DataCenter and
         Registry; `data_center` is the default placement (None: the catalog's first);
         `private_images` maps an image of `images` to the registry credential id that pulls
-        it. `create_delay`: seconds a create waits before it is carried out.
+        it. `create_delay`: seconds a create of a pod or cluster waits before it is carried
+        out.
         `log_resolution`: seconds to which log timestamps (and so event ids) are rounded down;
         `log_resume`: "after" or "again" (see the module's docstring). `rate_limits`: quota
         per window name (None: DEFAULT_RATE_LIMITS; {}: exempt, no limits and no headers),
         `rate_windows`: their lengths in seconds (those not given: DEFAULT_RATE_WINDOWS).
-        `pod_key`: what a pod-scoped key may do, "refuse", "own" or "account"."""
+        `pod_key`: what a pod-scoped key may do, "refuse", "own" or "account".
+        `network_volumes`: the account's network volumes at the start, id -> data center id
+        (each of size 50, named after its id, of its data center's first networkVolumeTypes
+        entry)."""
         super().__init__(host, port)
         self.net, self.dns, self.root = net, dns, Path(root)
         self.api_key = api_key
@@ -904,6 +931,18 @@ class FakeRunPodCloud(ServedFake):
         self._net_lock = threading.Lock()  # PodNetwork is not thread-safe
         self._pods: dict[str, _PodState] = {}
         self._clusters: dict[str, _ClusterState] = {}
+        self._volumes: dict[str, dict[str, Any]] = {}  # NetworkVolume objects by id
+        for volume_id, dc_id in (network_volumes or {}).items():
+            try:
+                kind = self._volume_type(dc_id, None)
+            except _Refused as refused:
+                raise ValueError(f"network volume {volume_id!r}: {refused}") from None
+            volume = {"id": volume_id, "name": volume_id, "size": 50, "dataCenter": dc_id,
+                      "type": kind}
+            errors = SCHEMAS.errors("NetworkVolume", volume)
+            if errors:
+                raise ValueError(f"{volume_id!r} is no NetworkVolume: {errors}")
+            self._volumes[volume_id] = volume
         self._records: list[RequestRecord] = []
         self._answering = 0  # requests carried out whose record is not appended yet
         self._errors: list[str] = []
@@ -943,6 +982,13 @@ class FakeRunPodCloud(ServedFake):
         """Every pod ever created, terminated ones included (status TERMINATED)."""
         with self._cond:
             return {p.id: p.view() for p in self._pods.values()}
+
+    @property
+    def volumes(self) -> list[dict[str, Any]]:
+        """The network volumes there are now (deleted ones not), as GET /v2/network-volumes
+        gives them."""
+        with self._cond:
+            return [dict(v) for v in self._volumes.values()]
 
     def billing(self) -> list[PodView]:
         """Pods that still cost money (PROVISIONING, STARTING, RUNNING)."""
@@ -1491,6 +1537,7 @@ class FakeRunPodCloud(ServedFake):
         if ("gpu" in b) == ("cpu" in b):
             raise _Refused(400, "supply exactly one of gpu or cpu")
         mounts = self._check_mounts(b.get("mounts") or {})
+        volume = self._network_volume(mounts)
         self._check_registry(b.get("registry"))
         cloud = b.get("cloud", "SECURE")
         networked = bool(b.get("globalNetworking"))
@@ -1504,7 +1551,7 @@ class FakeRunPodCloud(ServedFake):
                 raise _Refused(400, "persistent mounts are not allowed on CPU pods")
             if networked:
                 raise _Refused(400, "global networking requires an NVIDIA GPU")
-        dc = self._place(b.get("dataCenterIds"), networked)
+        dc = self._place(b.get("dataCenterIds"), networked, volume)
         if gpu is not None:
             price = self._gpu_price(gpu["id"], gpu["count"], cloud,
                                     self._where(b.get("dataCenterIds")))
@@ -1540,11 +1587,23 @@ class FakeRunPodCloud(ServedFake):
                                 f"one of {valid}")
         return [self._dcs[i] for i in ids]
 
-    def _place(self, ids: list[str] | None, networked: bool = False) -> str:
+    def _place(self, ids: list[str] | None, networked: bool = False,
+               volume: dict[str, Any] | None = None) -> str:
         """Where a pod or cluster goes: the first of its dataCenterIds, or the default; with
         Global Networking the first of those (or of the catalog, the default first) whose
-        globalNetwork is true."""
+        globalNetwork is true; with a network volume the volume's (NetworkMount.volumeId: "in
+        the same data center as the pod"), which dataCenterIds must then include."""
         listed = self._known_data_centers(ids or [])
+        if volume is not None:
+            where = volume["dataCenter"]
+            if listed and where not in [dc["id"] for dc in listed]:
+                raise _Refused(400, f"network volume {volume['id']!r} is in data center "
+                                    f"{where}, which dataCenterIds ({', '.join(ids or [])}) "
+                                    "does not include")
+            if networked and not self._dcs[where]["globalNetwork"]:
+                raise _Refused(400, f"network volume {volume['id']!r} is in data center "
+                                    f"{where}, which does not support global networking")
+            return where
         if not networked:
             return listed[0]["id"] if listed else self.data_center
         candidates = listed or [self._dcs[self.data_center], *self.data_centers]
@@ -1562,6 +1621,19 @@ class FakeRunPodCloud(ServedFake):
         if mounts.get("persistent") and mounts.get("network"):
             raise _Refused(400, "mounts: at most one of persistent or network may be set")
         return mounts
+
+    def _network_volume(self, mounts: dict[str, Any]) -> dict[str, Any] | None:
+        """The network volume the mounts name (None: none), which must exist."""
+        network = mounts.get("network") or []
+        if not network:
+            return None
+        volume_id = network[0]["volumeId"]  # the document allows one (maxItems 1)
+        with self._cond:
+            volume = self._volumes.get(volume_id)
+        if volume is None:
+            raise _Refused(400, f"network volume {volume_id!r} not found (see GET "
+                                "/v2/network-volumes)")
+        return dict(volume)
 
     def _where(self, dcs: list[str] | None) -> str:
         return f"data center {', '.join(dcs)}" if dcs else "any data center"
@@ -1703,10 +1775,11 @@ class FakeRunPodCloud(ServedFake):
             raise _Refused(400, f"cluster type {b['type']} is not supported by the fake")
         if "image" not in b:
             raise _Refused(400, "image is required (the fake has no templates)")
-        self._check_mounts(b.get("mounts") or {})
+        volume = self._network_volume(self._check_mounts(b.get("mounts") or {}))
         compute = b["compute"]
         count, pods = compute["gpuCountPerPod"], compute["podCount"]
-        dc = self._place(b.get("dataCenterIds"))  # "always placed within a single data center"
+        # "always placed within a single data center"
+        dc = self._place(b.get("dataCenterIds"), volume=volume)
         price = self._gpu_price(compute["gpuTypeId"], count, "SECURE",
                                 self._where(b.get("dataCenterIds")), pods=pods,
                                 field="compute.gpuTypeId")
@@ -1731,6 +1804,54 @@ class FakeRunPodCloud(ServedFake):
             cluster.gone = True
             for pod in cluster.members:
                 self._terminate_locked(pod)
+        return _Reply(204)
+
+    def _volume_type(self, dc_id: str, kind: str | None) -> str:
+        """The storage tier of a new volume in data center `dc_id`: `kind`, or without it the
+        data center's first (CreateNetworkVolumeRequest.type: "the requested data center's
+        default (primary) storage tier"); 400 where the data center offers no such volumes."""
+        dc = self._dcs.get(dc_id)
+        if dc is None:
+            valid = ", ".join(repr(d["id"]) for d in self.data_centers)
+            raise _Refused(400, f"unknown data center {dc_id!r}: dataCenter must be an id from "
+                                f"GET /v2/catalog/datacenters, one of {valid}")
+        kinds = dc["networkVolumeTypes"]
+        if not kinds:  # DataCenter.networkVolumeTypes: "Empty = none"
+            raise _Refused(400, f"data center {dc_id} offers no network volumes (its "
+                                "networkVolumeTypes is empty)")
+        if kind is not None and kind not in kinds:
+            raise _Refused(400, f"data center {dc_id} offers no {kind} network volumes (its "
+                                f"networkVolumeTypes: {', '.join(kinds)})")
+        return kind or kinds[0]
+
+    def _list_network_volumes(self, call: _Call) -> _Reply:
+        return _Reply(200, {"networkVolumes": self.volumes})
+
+    def _volume(self, volume_id: str) -> dict[str, Any]:
+        volume = self._volumes.get(volume_id)
+        if volume is None:
+            raise _Refused(404, "network volume not found")
+        return volume
+
+    def _get_network_volume(self, call: _Call) -> _Reply:
+        with self._cond:
+            return _Reply(200, dict(self._volume(call.params["id"])))
+
+    def _create_network_volume(self, call: _Call) -> _Reply:
+        b = call.body
+        kind = self._volume_type(b["dataCenter"], b.get("type"))
+        with self._cond:
+            volume_id = random_pod_id()
+            while volume_id in self._volumes:
+                volume_id = random_pod_id()
+            volume = {"id": volume_id, "name": b["name"], "size": b["size"],
+                      "dataCenter": b["dataCenter"], "type": kind}
+            self._volumes[volume_id] = volume
+            return _Reply(201, dict(volume))
+
+    def _delete_network_volume(self, call: _Call) -> _Reply:
+        with self._cond:
+            del self._volumes[self._volume(call.params["id"])["id"]]
         return _Reply(204)
 
     # -- pods ------------------------------------------------------------------------------------

@@ -53,9 +53,13 @@ def stacks_of(proc: subprocess.Popen) -> str:
 
 
 def up_argv(name: str, pods: int = 3, *extra: str, job: tuple[str, ...] = (),
-            image: str = IMAGE, gpu: str = H100) -> list[str]:
+            image: str = IMAGE, gpu: str = H100, shared: bool = False) -> list[str]:
+    """`up`'s command line; without a network volume of its own unless `shared` (the tests
+    of the volume ask for it; the others test what is not about it)."""
     argv = [sys.executable, "-m", "podagent", "up", "--name", name, "--image", image,
             "--gpu", gpu, "--gpus", "1", "--pods", str(pods), "--timeout", "120"]
+    if not shared and not {"--network-volume", "--shared-volume", "--volume"} & set(extra):
+        argv.append("--no-shared-volume")
     for pair in POD_ENV:
         argv += ["-e", pair]
     return [*argv, *extra, *(["--", *job] if job else [])]

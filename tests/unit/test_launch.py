@@ -76,6 +76,10 @@ def build(**over):
     ({"env": ("PODAGENT_DEADLINE=1796040000",)}, "is set by `podagent up` itself"),
     ({"max_duration": "30s"}, "--max-duration='30s' must be at least 60 s"),
     ({"replacements": -1}, "--replacements=-1 must be between 0 and"),
+    ({"shared_volume_gb": 5}, "--shared-volume=5 must be between 10 and 4096"),
+    ({"shared_volume_gb": 50, "volume_gb": 20}, "give at most one of --shared-volume GB"),
+    ({"shared_volume_gb": 50, "no_shared_volume": True}, "give at most one of --shared-vol"),
+    ({"shared_volume_gb": 50, "network_volume": "v"}, "give at most one of --shared-volume"),
     ({"replacements": 2, "detach": True}, "--replacements cannot be used with --detach"),
     ({"replacements": 2, "cluster": True}, "--replacements cannot be used with --cluster"),
 ])
@@ -701,3 +705,18 @@ def test_a_head_that_starts_again_after_a_lost_pod_is_not_closing_the_run():
                              ("success", True), ("__class__", True), (7, True)):
         progress.take(parse(json.dumps({"event": "teardown_started", "outcome": outcome})))
         assert progress.closing is closing, outcome
+
+
+def test_a_run_of_several_pods_gets_a_network_volume_sized_from_its_model():
+    assert build().shared_volume_gb == specs.SHARED_DEFAULT  # no model size in the job
+    job = ("python", "-m", "openrlhf.cli.train_ppo_ray", "--pretrain", "Qwen/Qwen2.5-7B-Instruct",
+           "--lr", "1e-6", "--micro_train_batch_size", "8")
+    # 7 billion parameters: two checkpoints of 14 bytes each and the 2-byte model, a fifth more.
+    assert build(job=job).shared_volume_gb == 260
+    assert build(job=("meta-llama/Llama-3.1-405B",)).shared_volume_gb == specs.SHARED_MAX
+    assert build(shared_volume_gb=500).shared_volume_gb == 500
+    for none in ({"pods": 1}, {"no_shared_volume": True}, {"volume_gb": 50},
+                 {"network_volume": "vol_1"}):
+        assert build(**none).shared_volume_gb is None, none
+    assert specs.volume_price(100) == pytest.approx(7.0)  # $0.07/GB/month
+    assert specs.volume_price(2000) == pytest.approx(70.0 + 50.0)  # $0.05 beyond 1 TB
