@@ -115,30 +115,41 @@ def down(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], Non
     """Terminate the run's pods; how many there were. `volume`: the run's network volume is
     deleted too, once the pods are gone, if it answers yes to the question it is asked."""
     count = _down_pods(run, key, url, state_dir, say, timeout)
-    if volume is not None:
-        _delete_volume(run, key, url, state_dir, say, timeout, volume)
+    _settle_volume(run, key, url, state_dir, say, timeout, volume)
     return count
 
 
-def _delete_volume(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
-                   timeout: float, confirm: Callable[[str], bool]) -> None:
+def _settle_volume(run: str, key: str, url: str, state_dir: Path, say: Callable[[str], None],
+                   timeout: float, confirm: Callable[[str], bool] | None) -> None:
+    """The run's network volume, once its pods are gone: deleted if `confirm` says so, else
+    said to be kept (what it costs a month, how to delete it)."""
     api = client(key, url, say, min(API_TIMEOUT, timeout))
     try:
         record = state.load_hint(state_dir, run, lambda line: None)
         known = set(record.ids("volume")) if record else set()
-        found = [v for v in api.network_volumes()
-                 if v["id"] in known or v["name"] == specs.volume_name(run)]
-        if not found:
-            say(f"run {run} has no network volume at RunPod")
+        try:
+            found = [v for v in api.network_volumes()
+                     if v["id"] in known or v["name"] == specs.volume_name(run)]
+        except RunPodApiError as exc:
+            if confirm is not None:
+                raise
+            say(f"could not list the network volumes ({exc}): `podagent ls` shows whether "
+                f"run {run} has one kept")
             return
+        if not found and confirm is not None:
+            say(f"run {run} has no network volume at RunPod")
         for volume in found:
-            what = (f"network volume {volume['name']} ({volume['id']}, {volume['size']} GB in "
+            size = int(volume["size"])
+            what = (f"network volume {volume['name']} ({volume['id']}, {size} GB in "
                     f"{volume['dataCenter']})")
-            if not confirm(f"Delete {what}, and the checkpoints and model on it, for good?"):
+            if confirm is None:
+                say(f"kept: {what}, about ${specs.volume_price(size):.2f}/month, with the run's "
+                    f"checkpoints and model; `podagent down {run} --volume` deletes it")
+            elif confirm(f"Delete {what}, and the checkpoints and model on it, for good?"):
+                api.delete_network_volume(str(volume["id"]))
+                say(f"deleted {what}")
+            else:
                 say(f"kept {what}")
-                continue
-            api.delete_network_volume(str(volume["id"]))
-            say(f"deleted {what}")
     finally:
         api.close()
 

@@ -56,6 +56,10 @@ def test_a_run_keeps_its_results_on_a_network_volume_of_its_own(cloud, tmp_path)
     assert [r["id"] for r in record["resources"] if r["kind"] == "volume"] == [volume["id"]]
     listing = run_cli(cloud, tmp_path, "ls")
     assert "podagent-kept" in listing.stdout and "$7.00" in listing.stdout, listing.stdout
+    # `down` without --volume leaves it, and says so.
+    plain = run_cli(cloud, tmp_path, "down", "kept")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert f"kept: network volume podagent-kept ({volume['id']}" in plain.stdout, plain.stdout
     # No terminal and no --yes: refused in one line, nothing deleted.
     asked_only = run_cli(cloud, tmp_path, "down", "kept", "--volume")
     assert asked_only.returncode == 2, asked_only.stdout + asked_only.stderr
