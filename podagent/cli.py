@@ -636,14 +636,17 @@ def down(run: str, timeout: float, volume: bool, yes: bool, key_file: str | None
         run_name(run)
     except ValueError as exc:
         raise errors.InputError(f"RUN={run!r}: {exc}") from None
-    if volume and not yes and not sys.stdin.isatty():
-        raise errors.InputError("--volume deletes the run's checkpoints and model for good: "
-                                "add --yes to confirm it where nobody can be asked (no "
-                                "terminal)")
     key = _launch_key(key_file)
 
     def confirm(question: str) -> bool:
-        return yes or click.confirm(question, default=False)
+        """Asked once the pods are gone: a script without --yes still ends their billing."""
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            raise errors.InputError("--volume deletes the run's checkpoints and model for "
+                                    "good: add --yes to confirm it where nobody can be asked "
+                                    "(no terminal); the volume is kept")
+        return click.confirm(question, default=False)
 
     _launched(lambda _interrupts: commands.down(
         run, key, commands.api_url(os.environ), specs.default_state_dir(os.environ),

@@ -143,8 +143,8 @@ def _settle_volume(run: str, key: str, url: str, state_dir: Path, say: Callable[
             what = (f"network volume {volume['name']} ({volume['id']}, {size} GB in "
                     f"{volume['dataCenter']})")
             if confirm is None:
-                say(f"kept: {what}, about ${specs.volume_price(size):.2f}/month, with the run's "
-                    f"checkpoints and model; `podagent down {run} --volume` deletes it")
+                say(f"kept: {what}, about ${specs.volume_price(size):.2f}/month, with what the "
+                    f"run's pods wrote, if any ran; `podagent down {run} --volume` deletes it")
             elif confirm(f"Delete {what}, and the checkpoints and model on it, for good?"):
                 api.delete_network_volume(str(volume["id"]))
                 say(f"deleted {what}")

@@ -100,7 +100,8 @@ def check(spec: UpSpec, client: Client, follow_only: bool,
         if follow_only and record.status == state.CREATING:  # the new record above
             record.try_mark(state.RUNNING)
     priced = f" at about ${price:.2f}/h (RunPod's list price)" if price is not None else ""
-    where = f" in {', '.join(data_centers)}" if data_centers else ""
+    placed = checked.placement.data_centers  # (the volume's, when the run has one)
+    where = f" in {', '.join(placed)}" if placed else ""
     say(f"run {spec.run}: {spec.shape()}{priced}{where}; state in "
         f"{state.path_of(spec.state_dir, spec.run)}")
     if cap_line:
@@ -112,7 +113,8 @@ def _place_volume(checked: Checked, client: Client, catalog: list[Mapping[str, A
                   say: Callable[[str], None]) -> None:
     """The run's network volume: the one it has at RunPod (by the record's id or its name;
     a run created again uses its results), else where a new one goes: a data center the
-    pods may go to that offers network volumes, the GPU type's availability first (RunPod
+    pods may go to (any, for a cluster given none) that offers network volumes, those where
+    the catalog says the GPU type is available first, the most available first (RunPod
     places a pod in its volume's data center)."""
     spec, record = checked.spec, checked.record
     name = specs.volume_name(spec.run)
@@ -121,17 +123,22 @@ def _place_volume(checked: Checked, client: Client, catalog: list[Mapping[str, A
                            if v["id"] in known or v["name"] == name), None)
     allowed = set(checked.placement.data_centers)
     if checked.volume is not None:
-        where = checked.volume["dataCenter"]
+        where, size = checked.volume["dataCenter"], int(checked.volume["size"])
         if allowed and where not in allowed:
             raise InputError(f"run {spec.run}'s network volume {checked.volume['id']} is in "
                              f"{where}, where its pods may not go (--data-center; or "
                              f"`podagent down {spec.run} --volume` deletes it)")
         checked.placement = dataclasses.replace(checked.placement, data_centers=(where,))
         say(f"run {spec.run} has its network volume at RunPod ({checked.volume['id']}, "
-            f"{checked.volume['size']} GB in {where}): every pod mounts it at /workspace")
+            f"{size} GB in {where}): every pod mounts it at /workspace")
+        if spec.shared_volume_gb is not None and size < spec.shared_volume_gb:
+            say(f"WARNING: run {spec.run}'s network volume is {size} GB, less than the "
+                f"{spec.shared_volume_gb} GB this run asks for (--shared-volume, or worked out "
+                f"from its model): it is used as it is; grow it at RunPod, or `podagent down "
+                f"{spec.run} --volume` first for a new one")
         return
     gpu = checked.placement.gpu_id
-    offered = [dc for dc in catalog if str(dc.get("id")) in allowed
+    offered = [dc for dc in catalog if (not allowed or str(dc.get("id")) in allowed)
                and dc.get("networkVolumeTypes")]
 
     def availability(dc: Mapping[str, Any]) -> int:
@@ -141,10 +148,11 @@ def _place_volume(checked: Checked, client: Client, catalog: list[Mapping[str, A
 
     offered.sort(key=availability)  # stable: the catalog's order among equals
     if not offered:
-        raise InputError(f"none of the data centers the run's pods may go to "
-                         f"({', '.join(sorted(allowed))}) offers network volumes: give "
-                         f"--data-center one that does, or --no-shared-volume (the "
-                         f"checkpoints and the model then die with the pods)")
+        among = f" ({', '.join(sorted(allowed))})" if allowed else ""
+        raise InputError(f"no data center the run's pods may go to{among} offers network "
+                         f"volumes in RunPod's catalog: give --data-center one that does, or "
+                         f"--no-shared-volume (the checkpoints and the model then die with "
+                         f"the pods)")
     checked.volume_data_center = str(offered[0]["id"])
     checked.placement = dataclasses.replace(checked.placement,
                                             data_centers=(checked.volume_data_center,))

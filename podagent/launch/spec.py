@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -86,7 +87,7 @@ REPLACEMENTS = 3  # lost pods `up` replaces in a run when --replacements is not 
 # size 10 to 4096 GB; storage/network-volumes.mdx: $0.07 per GB and month for the first TB,
 # $0.05 beyond).
 SHARED_MIN, SHARED_MAX, SHARED_DEFAULT = 10, 4096, 100
-CHECKPOINT_BYTES, CHECKPOINTS_KEPT = 14, 2
+CHECKPOINT_BYTES, CHECKPOINTS_KEPT = 14, 3  # OpenRLHF keeps 3 (--max_ckpt_num)
 FIRST_TB_RATE, BEYOND_RATE = 0.07, 0.05  # $ per GB and month
 
 
@@ -321,18 +322,51 @@ def _shared_volume(pods: int, volume_gb: int | None, network_volume: str | None,
 
 
 def shared_volume_size(job: tuple[str, ...]) -> int:
-    """GB for the run's checkpoints and model: from the model size the job's command names
-    (`Qwen2.5-7B-Instruct`: 7 billion parameters), CHECKPOINT_BYTES per parameter (the
-    bf16 weights, fp32 Adam's master weights and two moments: 2 + 12 bytes) for each of
-    CHECKPOINTS_KEPT checkpoints and 2 more for the final model, a fifth more for what else
-    lands there; else SHARED_DEFAULT. Within RunPod's bounds."""
-    found = [float(m.group(1)) for word in job
-             for m in re.finditer(r"(?<![0-9.])([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])", word)]
-    if not found:
+    """GB for the run's checkpoints and model, from the size of the model its policy flag
+    names (MODEL_FLAGS: `--pretrain Qwen/Qwen2.5-7B-Instruct` is 7 billion parameters;
+    `Mixtral-8x7B`, 8 x 7): CHECKPOINT_BYTES per parameter (bf16 weights, fp32 Adam's master
+    weights and two moments: 2 + 12) for each of CHECKPOINTS_KEPT checkpoints and 2 more for
+    the final model, a fifth more for what else lands there; else SHARED_DEFAULT. Within
+    RunPod's bounds. Only the policy's model: a reward model, a critic or a dataset named
+    elsewhere on the line is not counted (--shared-volume sizes those runs)."""
+    words = [w for word in job for w in _split_shell(word)]
+    models = [value for flag, value in itertools.pairwise(words)
+              if flag in MODEL_FLAGS]
+    models += [w.split("=", 1)[1] for w in words
+               if "=" in w and w.split("=", 1)[0].lstrip("-") in MODEL_KEYS]
+    sizes = [size for model in models if (size := _billions(model)) is not None]
+    if not sizes:
         return SHARED_DEFAULT
-    params = max(found)  # billions
-    gb = params * (CHECKPOINT_BYTES * CHECKPOINTS_KEPT + 2) * 1.2
+    gb = max(sizes) * (CHECKPOINT_BYTES * CHECKPOINTS_KEPT + 2) * 1.2
     return int(min(SHARED_MAX, max(SHARED_MIN, math.ceil(gb / 10) * 10)))
+
+
+# The flags that name the policy's model: OpenRLHF's, Hugging Face scripts', verl's keys.
+MODEL_FLAGS = frozenset({"--pretrain", "--model_name_or_path", "--model", "--model_path"})
+MODEL_KEYS = frozenset({"pretrain", "model_name_or_path", "actor_rollout_ref.model.path",
+                        "model.path", "model.partial_pretrain"})
+
+
+def _billions(model: str) -> float | None:
+    """The parameters (billions) a model's name says: `8x7B` is 56, `7B`/`7b` is 7; an MoE's
+    active count (`A2.7B`) is not its size."""
+    experts = re.search(r"(?<![0-9.A-Za-z])([0-9]+)x([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])",
+                        model)
+    if experts:
+        return int(experts.group(1)) * float(experts.group(2))
+    found = [float(m.group(1)) for m in re.finditer(
+        r"(?<![0-9.A-Za-z])([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])", model)]
+    return max(found) if found else None
+
+
+def _split_shell(word: str) -> list[str]:
+    """A job given as one shell string (`bash -c "..."`) read as its words; else the word."""
+    if " " not in word:
+        return [word]
+    try:
+        return shlex.split(word)
+    except ValueError:
+        return word.split()
 
 
 def _environment(pairs: tuple[str, ...], secrets: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

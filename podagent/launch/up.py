@@ -187,6 +187,10 @@ class Up:
         self.records: queue.Queue[HeadRecord] = queue.Queue()
         self.head_log: HeadLog | None = None
         self.ran: set[str] = set()  # pods seen RUNNING at least once
+        # Any pod of the run seen RUNNING, ever (`ran` starts again with a recreated run):
+        # its network volume may hold what they wrote.
+        self.ever_ran = False
+        self.terminated = False  # the clean-up saw every pod of the run gone
         self.exited_since: dict[str, float] = {}
         self.born: dict[str, float] = {}  # when each replacement was created (monotonic)
         # Starts of the head's podagent a lost worker caused (a run without Ray starts again
@@ -285,9 +289,16 @@ class Up:
                 self.say(f"could not look for the network volume of run {run} ({exc}): "
                          f"`podagent down {run} --volume` deletes it if it was made")
         if volume is None:
+            if created_here and self.record is not None and any(
+                    r.kind == "volume" and r.id is None for r in self.record.resources):
+                self.say(f"the create of run {run}'s network volume was never answered: if "
+                         f"RunPod made it, `podagent ls` lists it and `podagent down {run} "
+                         f"--volume` deletes it")
             return
         size = int(volume["size"])
-        if created_here and not self.ran and not self.detached and not self.clean_up_failed:
+        # Deleted only when nothing can be on it: this `up` made it, no pod of the run ever
+        # ran, and every pod is gone (not kept, not left, not possibly billing).
+        if created_here and not self.ever_ran and self.terminated:
             try:
                 self.client.delete_network_volume(str(volume["id"]))
             except PodagentError as exc:
@@ -300,9 +311,9 @@ class Up:
             return
         self.say(f"kept: network volume {specs.volume_name(run)} ({volume['id']}), {size} GB "
                  f"in {volume['dataCenter']}, about ${specs.volume_price(size):.2f}/month at "
-                 f"RunPod's rate, with the run's checkpoints and model"
-                 + ("" if self.detached else " (in /workspace/checkpoints by default)")
-                 + f"; `podagent down {run} --volume` deletes it")
+                 f"RunPod's rate, with what the run's pods wrote (checkpoints in "
+                 f"/workspace/checkpoints by default); `podagent down {run} --volume` deletes "
+                 f"it")
 
     def _leaves_pods(self, failure: BaseException | None) -> bool:
         """Whether this end leaves the pods as they are (and says so)."""
@@ -358,6 +369,7 @@ class Up:
         down.terminate(self.client, self.spec.run, self.record, self.say, sweep=self.sweep,
                        timeout=down.GONE_TIMEOUT + self.spec.api_timeout + landing,
                        landing_time=landing)
+        self.terminated = not self.sweep.cut_short
         if self.watch is not None:  # billing ended when RunPod listed none of the pods
             self.watch.cost.close(self.sweep.gone_at or time.time())
         for row in self.board.pods.values():
@@ -393,6 +405,7 @@ class Up:
                 statuses = watch.look_again(statuses)
                 next_look = now + POLL
                 self.ran |= {name for name, status in statuses.items() if status == "RUNNING"}
+                self.ever_ran = self.ever_ran or bool(self.ran)
                 for name, status in statuses.items():
                     if status == "EXITED":
                         self.exited_since.setdefault(name, now)

@@ -60,10 +60,12 @@ def test_a_run_keeps_its_results_on_a_network_volume_of_its_own(cloud, tmp_path)
     plain = run_cli(cloud, tmp_path, "down", "kept")
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert f"kept: network volume podagent-kept ({volume['id']}" in plain.stdout, plain.stdout
-    # No terminal and no --yes: refused in one line, nothing deleted.
+    # No terminal and no --yes: the pods are seen to (none here), the deletion refused in one
+    # line, nothing deleted.
     asked_only = run_cli(cloud, tmp_path, "down", "kept", "--volume")
     assert asked_only.returncode == 2, asked_only.stdout + asked_only.stderr
     assert "add --yes" in asked_only.stderr and "Traceback" not in asked_only.stderr
+    assert "nothing of it at RunPod" in asked_only.stdout, asked_only.stdout
     assert len(cloud.volumes) == 1
     gone = run_cli(cloud, tmp_path, "down", "kept", "--volume", "--yes")
     assert gone.returncode == 0, gone.stdout + gone.stderr

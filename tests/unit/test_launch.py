@@ -710,10 +710,19 @@ def test_a_head_that_starts_again_after_a_lost_pod_is_not_closing_the_run():
 def test_a_run_of_several_pods_gets_a_network_volume_sized_from_its_model():
     assert build().shared_volume_gb == specs.SHARED_DEFAULT  # no model size in the job
     job = ("python", "-m", "openrlhf.cli.train_ppo_ray", "--pretrain", "Qwen/Qwen2.5-7B-Instruct",
-           "--lr", "1e-6", "--micro_train_batch_size", "8")
-    # 7 billion parameters: two checkpoints of 14 bytes each and the 2-byte model, a fifth more.
-    assert build(job=job).shared_volume_gb == 260
-    assert build(job=("meta-llama/Llama-3.1-405B",)).shared_volume_gb == specs.SHARED_MAX
+           "--reward_pretrain", "google/gemma-2-27b", "--lr", "1e-6", "--wandb_run_name",
+           "exp-5b", "--prompt_data", "cerebras/SlimPajama-627B")
+    # The policy's 7 billion parameters: three checkpoints of 14 bytes each and the 2-byte
+    # model, a fifth more (the reward model, the run's name and the dataset do not count).
+    assert build(job=job).shared_volume_gb == 370
+    size = specs.shared_volume_size
+    assert size(("verl.trainer.main_ppo", "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B",
+                 "data.train_files=gsm8k")) == 160
+    assert size(("bash", "-c", "cd /w && python -m x --pretrain meta-llama/Meta-Llama-3-8B "
+                 "--max_len 2048")) == 430
+    assert size(("--pretrain", "mistralai/Mixtral-8x7B-v0.1")) == 2960  # 8 x 7, a bound
+    assert size(("--pretrain", "Qwen/Qwen1.5-MoE-A2.7B")) == specs.SHARED_DEFAULT
+    assert size(("--pretrain=meta-llama/Llama-3.1-405B",)) == specs.SHARED_MAX
     assert build(shared_volume_gb=500).shared_volume_gb == 500
     for none in ({"pods": 1}, {"no_shared_volume": True}, {"volume_gb": 50},
                  {"network_volume": "vol_1"}):
