@@ -97,7 +97,9 @@ def volume_price(gb: int) -> float:
 
 
 def volume_name(run: str) -> str:
-    return f"{PREFIX}-{run}"
+    """Never a name of the run's pods or cluster (`podagent-RUN`): the record tells them apart
+    by kind and name, RunPod's lists by name."""
+    return f"{PREFIX}-{run}-volume"
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ class RunRecord:
         the longest the call may take, its retries included."""
         now = time.time()
         for resource in self.resources:
-            if resource.name == name:
+            if resource.kind == kind and resource.name == name:
                 # Asked again (refused before, or its pod gone): a new create, which may land
                 # as the first did; an id it had is of a pod that is no longer there. Earlier
                 # creates of it that may still land are still counted, within the new window.

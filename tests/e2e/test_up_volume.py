@@ -38,7 +38,7 @@ def test_a_run_keeps_its_results_on_a_network_volume_of_its_own(cloud, tmp_path)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     [asked] = _volume_creates(cloud)
-    assert asked.body["name"] == "podagent-kept" and asked.body["size"] == 100, asked.body
+    assert asked.body["name"] == "podagent-kept-volume" and asked.body["size"] == 100, asked.body
     [volume] = cloud.volumes
     where = volume["dataCenter"]
     assert asked.body["dataCenter"] == where
@@ -48,18 +48,19 @@ def test_a_run_keeps_its_results_on_a_network_volume_of_its_own(cloud, tmp_path)
         assert made.body["mounts"] == {"network": [{"volumeId": volume["id"],
                                                     "path": "/workspace"}]}
         assert made.body["dataCenterIds"] == [where]
-    assert f"kept: network volume podagent-kept ({volume['id']}), 100 GB in {where}, about " \
-           f"$7.00/month" in result.stdout, result.stdout[-3000:]
+    assert f"kept: network volume podagent-kept-volume ({volume['id']}), 100 GB in {where}, " \
+           f"about $7.00/month" in result.stdout, result.stdout[-3000:]
     assert "`podagent down kept --volume` deletes it" in result.stdout
     assert billing(cloud, "kept") == 0
     record = json.loads((tmp_path / "state" / "podagent" / "runs" / "kept.json").read_text())
     assert [r["id"] for r in record["resources"] if r["kind"] == "volume"] == [volume["id"]]
     listing = run_cli(cloud, tmp_path, "ls")
-    assert "podagent-kept" in listing.stdout and "$7.00" in listing.stdout, listing.stdout
+    assert "podagent-kept-volume" in listing.stdout and "$7.00" in listing.stdout, listing.stdout
     # `down` without --volume leaves it, and says so.
     plain = run_cli(cloud, tmp_path, "down", "kept")
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    assert f"kept: network volume podagent-kept ({volume['id']}" in plain.stdout, plain.stdout
+    kept = f"kept: network volume podagent-kept-volume ({volume['id']}"
+    assert kept in plain.stdout, plain.stdout
     # No terminal and no --yes: the pods are seen to (none here), the deletion refused in one
     # line, nothing deleted.
     asked_only = run_cli(cloud, tmp_path, "down", "kept", "--volume")
@@ -69,7 +70,7 @@ def test_a_run_keeps_its_results_on_a_network_volume_of_its_own(cloud, tmp_path)
     assert len(cloud.volumes) == 1
     gone = run_cli(cloud, tmp_path, "down", "kept", "--volume", "--yes")
     assert gone.returncode == 0, gone.stdout + gone.stderr
-    assert f"deleted network volume podagent-kept ({volume['id']}" in gone.stdout
+    assert f"deleted network volume podagent-kept-volume ({volume['id']}" in gone.stdout
     assert cloud.volumes == []
     assert cloud.invalid_requests() == []
 

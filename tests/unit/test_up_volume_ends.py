@@ -98,7 +98,7 @@ def test_a_run_created_again_after_its_head_was_lost_keeps_the_volume(cloud, tmp
     with pytest.raises(PodsNotReady):
         up.run()
     assert len(up.record.replacements) == 1  # type: ignore[union-attr]
-    assert [v["name"] for v in cloud.volumes] == ["podagent-demo"]
+    assert [v["name"] for v in cloud.volumes] == ["podagent-demo-volume"]
     assert _live(cloud) == 0
 
 
@@ -128,4 +128,19 @@ def test_a_run_none_of_whose_pods_ran_leaves_no_volume(cloud, tmp_path):
     up = Up(_spec(cloud, tmp_path, timeout=3.0), _client(cloud), PlainView(io.StringIO()))
     with pytest.raises(PodsNotReady):
         up.run()
+    assert cloud.volumes == [] and _live(cloud) == 0
+
+
+def test_a_cluster_and_its_volume_are_two_resources_of_the_record(cloud, tmp_path):
+    """An Instant Cluster run makes its volume, then its cluster (never one record entry for
+    both); its pods never start: 21, the cluster deleted, the volume too (nothing ran)."""
+    up = Up(_spec(cloud, tmp_path, cluster=True, timeout=3.0), _client(cloud),
+            PlainView(io.StringIO()))
+    with pytest.raises(PodsNotReady):
+        up.run()
+    kinds = sorted((r.kind, r.name, bool(r.id)) for r in up.record.resources)  # type: ignore
+    assert kinds == [("cluster", "podagent-demo", True),
+                     ("volume", "podagent-demo-volume", True)], kinds
+    [body] = [r.body for r in cloud.requests if r.method == "POST" and r.path == "/v2/clusters"]
+    assert body["mounts"]["network"][0]["volumeId"] == up.record.ids("volume")[0]  # type: ignore
     assert cloud.volumes == [] and _live(cloud) == 0
