@@ -228,6 +228,8 @@ class Creator:
                 # (An answer without an id stays asked: the clean-up looks for it by name;
                 # nothing here may raise, or the clean-up after it would not run.)
                 self._record(asked, name, str(call.result()["id"]))
+                if asked.kind == "volume":  # the run's end keeps it, or deletes it
+                    self.checked.volume = dict(call.result())
 
     def _record(self, asked: state.Resource, name: str, made: str) -> None:
         """What RunPod made for an asked create: in the record and in what the run holds."""

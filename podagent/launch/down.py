@@ -156,9 +156,9 @@ def _terminate_found(client: Client, found: Found, sweep: Sweep) -> int:
 def terminate_one(client: Client, pod_id: str, timeout: float,
                   say: Callable[[str], None]) -> None:
     """One pod terminated (a lost pod before its replacement is created: a stopped pod's
-    disk still bills), and awaited until RunPod lists it live no more, within `timeout`: a
-    create whose answer is lost looks its pod up by name, and must not take this one for
-    it. Still listed then: said, and the run's clean-up terminates it by its label."""
+    disk still bills), and awaited until RunPod lists it live no more, within `timeout`, so
+    that it bills no longer. Still listed then: said, and the run's clean-up terminates it
+    by its label (the replacement's create never takes it for its own: `not_these`)."""
     client.terminate_pod(pod_id)
 
     def gone() -> bool:

@@ -352,13 +352,17 @@ MODEL_KEYS = frozenset({"pretrain", "model_name_or_path", "actor_rollout_ref.mod
 def _billions(model: str) -> float | None:
     """The parameters (billions) a model's name says: `8x7B` is 56, `7B`/`7b` is 7; an MoE's
     active count (`A2.7B`) is not its size."""
-    experts = re.search(r"(?<![0-9.A-Za-z])([0-9]+)x([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])",
-                        model)
+    experts = re.search(rf"{_ALONE}([0-9]+)x{_BILLIONS}", model)
     if experts:
         return int(experts.group(1)) * float(experts.group(2))
-    found = [float(m.group(1)) for m in re.finditer(
-        r"(?<![0-9.A-Za-z])([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])", model)]
+    found = [float(m.group(1)) for m in re.finditer(rf"{_ALONE}{_BILLIONS}", model)]
     return max(found) if found else None
+
+
+# A size in a model's name: a number not inside another word (`A2.7B`, `Qwen2.5` are not),
+# then B, then the word's end.
+_ALONE = r"(?<![0-9.A-Za-z])"
+_BILLIONS = r"([0-9]+(?:\.[0-9]+)?)[bB](?![a-zA-Z0-9])"
 
 
 def _split_shell(word: str) -> list[str]:

@@ -170,7 +170,8 @@ class RunRecord:
         return {r.name for r in self.resources}
 
     def replaced(self, name: str, lost: str, why: str) -> None:
-        """A lost pod replaced: counted, with why (saved before the replacement's create)."""
+        """A lost pod replaced: counted, with why (saved once its replacement's create was
+        answered)."""
         self.replacements.append({"name": name, "lost": lost, "why": why, "at": time.time()})
         self.save()
 

@@ -280,20 +280,20 @@ class Up:
         run = self.spec.run
         created_here = self.creator is not None and checked.volume_data_center is not None
         volume = checked.volume
-        if volume is None and created_here and self.record is not None \
-                and self.record.names() & {specs.volume_name(run)}:
-            # Its create's answer never came (a signal, a timeout): by its name.
+        unanswered = created_here and self.record is not None and any(
+            r.kind == "volume" and r.id is None for r in self.record.resources)
+        if volume is None and unanswered:  # a signal, a timeout: looked for by its name
             try:
                 volume = self.client.find_network_volume(specs.volume_name(run))
             except PodagentError as exc:
                 self.say(f"could not look for the network volume of run {run} ({exc}): "
                          f"`podagent down {run} --volume` deletes it if it was made")
-        if volume is None:
-            if created_here and self.record is not None and any(
-                    r.kind == "volume" and r.id is None for r in self.record.resources):
+                return
+            if volume is None:
                 self.say(f"the create of run {run}'s network volume was never answered: if "
                          f"RunPod made it, `podagent ls` lists it and `podagent down {run} "
                          f"--volume` deletes it")
+        if volume is None:
             return
         size = int(volume["size"])
         # Deleted only when nothing can be on it: this `up` made it, no pod of the run ever
@@ -434,13 +434,13 @@ class Up:
                 return self.head.exit
             if verdict.capped:
                 raise DeadlineReached(f"run {self.spec.run}: {verdict.why}")
-            if verdict.action in ("replace", "recreate"):
-                if verdict.action == "replace":
-                    self._replace(verdict.pod, verdict.why)
-                else:
-                    self._recreate(verdict.pod, verdict.why)
-                statuses = {name: "PROVISIONING" for name in watch.pod_ids} \
-                    if verdict.action == "recreate" else {**statuses, verdict.pod: "PROVISIONING"}
+            if verdict.action == "replace":
+                self._replace(verdict.pod, verdict.why)
+                statuses = {**statuses, verdict.pod: "PROVISIONING"}
+            elif verdict.action == "recreate":
+                self._recreate(verdict.pod, verdict.why)
+                statuses = dict.fromkeys(watch.pod_ids, "PROVISIONING")
+            if verdict.action in ("replace", "recreate"):  # its pods' first look in POLL
                 next_look = time.monotonic() + POLL
                 continue
             if verdict.action == "fail":
@@ -509,7 +509,7 @@ class Up:
         n = self._replaced() + 1
         kept = ("it resumes from its checkpoints on the network volume"
                 if self.spec.network_volume else
-                "WARNING: without --network-volume its checkpoints were on the lost pods, "
+                "WARNING: without a network volume its checkpoints were on the lost pods, "
                 "so the job starts over")
         self.say(f"{why}: the run is created again under its name (replacement {n} of "
                  f"{self.spec.replacements}, --replacements): every pod is terminated and "
