@@ -126,6 +126,13 @@ class DeadlineReached(PodagentError):
     again."""
 
 
+class GpuCheckFailed(PodagentError):
+    """This pod's GPUs failed the check before the job (checks/gpu_health.py: missing, of
+    another type, with memory errors, slow, or not reducing together); the message names
+    each failure. A new start on the same GPUs would fail again: the pod stops, and `podagent
+    up` replaces it."""
+
+
 class LedgerError(PodagentError):
     """The run's ledger on the volume could not be written (full, read-only, gone): the head
     does not submit a job it could not record (a restarted head would not know of it)."""

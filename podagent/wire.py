@@ -15,6 +15,7 @@ class Event(Named):
     # Any podagent, any run
     ROLE = "role"  # this start: its role, why, the run, the versions
     PREPARED = "prepared"  # this pod's NCCL preset, address and GPUs
+    GPU_CHECK = "gpu_check"  # the GPU check's verdict, its failures and figures
     LIMITS = "limits"
     STATE = "state"  # a lifecycle's new state (`state`: a HeadState or WorkerState value)
     EXIT = "exit"  # this start's exit code (and the error that chose it)

@@ -26,7 +26,7 @@ from podagent.platform import pod
 from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access.gcs import GcsClient
 from podagent.report import Progress, Reporter
-from podagent.run import cap, hangs
+from podagent.run import cap, hangs, pod_setup
 from podagent.run import ledger as ledger_mod
 from podagent.run.ledger import SUCCEEDED, Ledger, record_or_warn
 from podagent.run.lifecycle import EndRequested, Lifecycle
@@ -48,6 +48,7 @@ class HeadNode:
                  ledger: Ledger):
         self.settings, self.reporter, self.signals = settings, reporter, signals
         self.setup = node.prepare(settings, Role.HEAD, reporter)
+        pod_setup.check_gpus(settings, reporter, signals, self.setup.nccl)
         node.raise_limits(settings, Role.HEAD, reporter)
         self.ray = HeadRay(settings, self.setup, reporter, signals,
                            ledger.current_submission_id())

@@ -17,7 +17,7 @@ from podagent.platform.roles import Role, RoleDecision
 from podagent.ray_access import ray_compat
 from podagent.ray_access.gcs import GcsAuthRefused, GcsClient, GcsLate, GcsUnavailable, Reach
 from podagent.report import Reporter
-from podagent.run import beacon, cap
+from podagent.run import beacon, cap, pod_setup
 from podagent.run.lifecycle import EndRequested, Lifecycle
 from podagent.waiting import Backoff, Signals, retry
 from podagent.wire import Event, WorkerState
@@ -225,6 +225,7 @@ class Worker(Lifecycle[WorkerState]):
     def _prepare(self) -> WorkerState:
         self.setup = node.prepare(self.settings, Role.WORKER, self.reporter,
                                   head_ip=self.found.where.ip)
+        pod_setup.check_gpus(self.settings, self.reporter, self.signals, self.setup.nccl)
         node.raise_limits(self.settings, Role.WORKER, self.reporter)
         return WorkerState.CLEANING
 

@@ -38,6 +38,7 @@ from podagent.config.parsers import (
     directory,
     dns_suffix,
     existing_file,
+    gpu_name,
     host,
     host_port,
     http_url,
@@ -279,6 +280,20 @@ FIELDS: tuple[Field, ...] = (
               default_doc="detected (NODE_ADDR, the preset's interface, the route to the head)"),
         Field("num_gpus", "PODAGENT_NUM_GPUS", "--num-gpus", whole(0, 1024),
               "GPUs this node offers to Ray.", default_doc="detected"),
+        Field("gpu_check", "PODAGENT_GPU_CHECK", "--gpu-check", choice("full", "smi", "off"),
+              "Before the job, this pod's GPUs are checked (a pod with GPUs only): smi: "
+              "nvidia-smi's facts (as many GPUs as RUNPOD_GPU_COUNT, of PODAGENT_GPU_TYPE, no "
+              "uncorrected ECC error, no page retirement or row remapping pending or failed); "
+              "full: also each GPU's BF16 matmul (PODAGENT_GPU_MIN_SPEED) and an all-reduce "
+              "across the pod's GPUs; off. A pod that fails exits 28 and stops.",
+              default="full"),
+        Field("gpu_type", "PODAGENT_GPU_TYPE", "--gpu-type", gpu_name,
+              "The GPU type this pod must have, as nvidia-smi names it (RunPod's GPU type id); "
+              "`podagent up` sets it.", default="", default_doc="any"),
+        Field("gpu_min_speed", "PODAGENT_GPU_MIN_SPEED", "--gpu-min-speed", number(0.0, 1.0),
+              "PODAGENT_GPU_CHECK=full: the least fraction of its type's rated dense BF16 "
+              "throughput a GPU's matmul must reach (a GPU of a type podagent has no rating "
+              "for is compared with its siblings: 0.75 of their median).", default=0.5),
         Field("nccl_preset", "PODAGENT_NCCL_PRESET", "--nccl-preset", preset_name,
               "NCCL preset from env/ (auto picks by evidence).", default="auto"),
         Field("ray_temp_dir", "PODAGENT_RAY_TEMP_DIR", "--ray-temp-dir", short_path,

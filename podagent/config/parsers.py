@@ -257,6 +257,15 @@ def size(raw: str) -> int:
     return value
 
 
+def gpu_name(raw: str) -> str:
+    """A GPU type's name (nvidia-smi's, RunPod's GPU type id); empty: any."""
+    value = " ".join(raw.split())
+    if len(value) > 100 or not value.isprintable():
+        raise ValueError("must be a GPU type's name such as NVIDIA H100 80GB HBM3 (at most "
+                         "100 printable characters), or empty for any")
+    return value
+
+
 def number(minimum: float, maximum: float) -> Callable[[str], float]:
     rule = f"must be a number >= {minimum:g} and <= {maximum:g}"
 

@@ -132,12 +132,14 @@ def _supervised(settings: Settings, launcher: Launcher, decision: RoleDecision,
     deadline = 0.0
     if role is Role.HEAD:
         setup = pod_setup.prepare(settings, Role.HEAD, reporter)
+        pod_setup.check_gpus(settings, reporter, signals, setup.nccl)
         head_ip = setup.node_ip
     else:
         finder = discovery.HeadFinder(settings, reporter, signals)
         where = finder.locate()
         reporter.say(f"head found at {where.ip} ({where.how})")
         setup = pod_setup.prepare(settings, Role.WORKER, reporter, head_ip=where.ip)
+        pod_setup.check_gpus(settings, reporter, signals, setup.nccl)
         head_ip, deadline = where.ip, finder.deadline
     me = mesh.Peer(setup.node_ip, name)
     rv = mesh.Rendezvous(rendezvous_id(settings, head_ip), head_ip, settings.supervisor_port,

@@ -73,6 +73,9 @@ EXIT_CODES: tuple[tuple[type[errors.PodagentError], int, str], ...] = (
     (errors.DeadlineReached, 27, "PODAGENT_DEADLINE (`up --max-duration/--max-cost`) came: "
                                  "the job had PODAGENT_STOP_TIMEOUT to checkpoint, every pod "
                                  "ended"),
+    (errors.GpuCheckFailed, 28, "this pod's GPUs failed their check before the job "
+                                "(PODAGENT_GPU_CHECK; the line names each fault); `podagent "
+                                "up`: a pod's did, past `--replacements`"),
 )
 EXIT_INTERNAL = 70  # a bug in podagent: the traceback goes to the pod's log
 

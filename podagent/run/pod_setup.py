@@ -1,14 +1,17 @@
 """This pod made ready for any run: its NCCL environment, its cluster address and its GPUs,
-each said once with the rule that chose it. Nothing here knows what runs the job."""
+each said once with the rule that chose it, and (a real start, not a dry run) its GPUs
+checked. Nothing here knows what runs the job."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from podagent.config import Settings
 from podagent.platform import nccl, pod
 from podagent.platform.roles import Role
 from podagent.report import Reporter
+from podagent.waiting import Signals
 from podagent.wire import Event
 
 
@@ -36,3 +39,16 @@ def prepare(settings: Settings, role: Role, reporter: Reporter,
     reporter.event(Event.PREPARED, preset=nccl_env.preset, node_ip=node_ip, gpus=gpus,
                    nccl=dict(nccl_env.variables), warnings=list(nccl_env.warnings))
     return PodSetup(nccl_env, node_ip, gpus)
+
+
+def check_gpus(settings: Settings, reporter: Reporter, signals: Signals,
+               nccl_env: nccl.NcclEnv) -> None:
+    """This pod's GPUs checked before anything uses them (PODAGENT_GPU_CHECK; GpuCheckFailed:
+    exit 28). The probe runs under the pod's NCCL preset, as the job will; it needs no
+    secret: every variable podagent knows to be one is left out."""
+    from podagent.checks import gpu_health  # its probe's torch is needed only here
+    from podagent.config.policy import child_environ, is_secret
+
+    env = child_environ(os.environ, is_secret)
+    env.update(nccl_env.variables)  # the user's own NCCL_* are in os.environ: they won
+    gpu_health.check(settings, reporter, signals, env)

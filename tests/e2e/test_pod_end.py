@@ -215,3 +215,27 @@ def test_a_detached_run_is_terminated_by_its_head_with_an_account_key(make_cloud
     assert all(r.key == "account" for r in deletes) and deletes[-1].path.endswith(pods["head"])
     cloud.wait_torn_down()
     assert cloud.leftover_processes() == []
+
+
+def test_a_hand_made_pod_whose_gpus_fail_their_check_exits_28_and_stops_after_one_start(
+        make_cloud, tmp_path):
+    """Its GPUs would fail again on every start (a failed row remapping needs the GPU
+    serviced): it says which and why, exits 28 and stops itself, never restart-looping."""
+    from tests.fakes import nvidia_smi
+
+    cloud = make_cloud(pod_key="own")
+    bin_dir = tmp_path / "bin"
+    nvidia_smi.install(bin_dir, {"gpus": [{"name": H100, "ecc": 0, "remap_failed": True}]})
+    pod_id = create_pod(cloud, "badgpu", {"PODAGENT_GPU_CHECK": "smi",
+                                          "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin"})
+    view = cloud.wait_status(pod_id, "EXITED", timeout=STOPPED)
+    assert stopped_itself(cloud, pod_id)
+    wait_for(lambda: "exit 28" in output(cloud, pod_id), timeout=30, what="its exit line")
+    said = output(cloud, pod_id)
+    assert "GPU 0 (GPU-00000000-standin): a row remapping failed (the GPU needs servicing)" \
+        in said, said[-3000:]
+    assert "Traceback" not in said
+    time.sleep(3)  # long enough for a restart loop to show, were there one
+    assert cloud.pods[pod_id].status == "EXITED" and view.starts == cloud.pods[pod_id].starts == 1
+    wait_for(lambda: not [x for x in cloud.leftover_processes() if x.pod_id == pod_id],
+             timeout=30, what="the stopped pod's processes gone")

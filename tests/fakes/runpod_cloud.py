@@ -126,7 +126,8 @@ Simplified (the fake's own choices):
   PODAGENT_CHECKPOINT_DIR point into it unless the request sets them;
 - what a test pod needs on this machine is added to the environment: PODAGENT_DNS_SERVER, a short
   PODAGENT_RAY_TEMP_DIR, PYTHONUNBUFFERED, PYTHONPATH (this repository); the process starts in a
-  directory of its own under `root`; no GPUs exist (RUNPOD_GPU_COUNT is what was asked for).
+  directory of its own under `root`; no GPUs exist (RUNPOD_GPU_COUNT is what was asked for;
+  PODAGENT_GPU_CHECK=off unless the pod's env says otherwise).
 
 Not thread-safe towards the PodNetwork it is given: while it provisions, add no pods to that
 network from other threads.
@@ -2066,6 +2067,9 @@ class FakeRunPodCloud(ServedFake):
         env.update({
             "PODAGENT_DNS_SERVER": f"{self.dns.address}:{self.dns.port}",
             "PODAGENT_RAY_TEMP_DIR": pod.ray_tmp,  # short: Ray's unix sockets (108 bytes)
+            # No GPU exists to check (a test asks for a check with its own PODAGENT_GPU_CHECK
+            # and a stand-in nvidia-smi on its PATH).
+            "PODAGENT_GPU_CHECK": "off",
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]),

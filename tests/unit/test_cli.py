@@ -255,6 +255,7 @@ EXIT_CODES = [
     (errors.RunHung("no progress for 600 s"), 25),
     (errors.PodsLeftBilling("its pods may still bill"), 26),
     (errors.DeadlineReached("the run reached its deadline"), 27),
+    (errors.GpuCheckFailed("GPU 0: 3 uncorrected ECC error(s)"), 28),
     (errors.RunPodNonsense("answered 201 with an empty body"), 20),
     (errors.RunPodConflict("409"), 20),
     (errors.Interrupted(signal.SIGTERM), 143),
@@ -286,6 +287,7 @@ def test_what_the_pod_does_after_each_code_is_said_for_every_code():
             for row in exits.table().splitlines()[2:]}
     assert rows["2"].startswith("stops itself") and rows["13"].startswith("stops itself")
     assert rows["16"].startswith("stops itself") and rows["23"].startswith("stops itself")
+    assert rows["28"].startswith("stops itself")  # the same GPUs would fail again
     assert rows["6"].startswith("exits; RunPod starts it again")
     assert rows["19"] == rows["24"] == "—"  # the laptop's codes: no pod exits with them
     assert all(rows.values())
