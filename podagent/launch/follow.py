@@ -11,6 +11,7 @@ keeps judging the pods' statuses meanwhile, so a head that is gone is noticed al
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -115,3 +116,76 @@ class HeadLog:
                 said = True
                 self.records.put(HeadRecord("broken", {"why": why}))
             self._stop.wait(BROKEN_BACKOFF.pause(failures))
+
+
+# --- a stopped pod's last words ----------------------------------------------------------------
+
+LAST_LINES = 300  # of a stopped pod's log: its last start's end is among them
+LAST_IDLE = 3.0  # a stopped pod's stream says nothing new: what it had is read
+LAST_WITHIN = 10.0  # one look at a stopped pod's log, at most
+
+
+@dataclass(frozen=True)
+class Words:
+    """What a stopped pod's podagent said last: its exit code and why, and whether its GPUs
+    failed their check (exit 28, the GPU check's failures)."""
+    code: int | None
+    error: str
+    gpu_failure: str = ""
+
+    def suffix(self) -> str:
+        if self.code is None:
+            return ""
+        why = f": {self.error}" if self.error else ""
+        return f" (its podagent last exited {self.code}{why})"
+
+
+def last_words(records: list[HeadRecord], gpu_code: int) -> Words | None:
+    """From a pod's last lines (each one of podagent's JSON records): its last start's exit."""
+    found: Words | None = None
+    for record in records:
+        data = record.data
+        if record.kind != "event" or data.get("event") != "exit":
+            continue
+        code = data.get("code")
+        code = code if isinstance(code, int) and not isinstance(code, bool) else None
+        error = " ".join(str(data.get("error") or "").split())[:500]
+        found = Words(code, error, error if code == gpu_code else "")
+    return found
+
+
+class LastWords:
+    """Each stopped pod's log read once, in a thread of its own, for its last exit (a worker's
+    GPU check that failed, or why it stopped): `up` judges the pods meanwhile."""
+
+    def __init__(self, client: Client, gpu_code: int):
+        self.client, self.gpu_code = client, gpu_code
+        self._words: dict[str, Words] = {}  # by pod id
+        self._asked: set[str] = set()
+        self._lock = threading.Lock()
+
+    def ask(self, pod_id: str) -> None:
+        with self._lock:
+            if pod_id in self._asked:
+                return
+            self._asked.add(pod_id)
+        threading.Thread(target=self._read, args=(pod_id,), name=f"last-{pod_id}",
+                         daemon=True).start()
+
+    def of(self, pod_id: str) -> Words | None:
+        with self._lock:
+            return self._words.get(pod_id)
+
+    def _read(self, pod_id: str) -> None:
+        """Each exit heard is kept at once (a stream may stay open, kept alive, long after
+        the pod's last line); the last one stands."""
+        until = time.monotonic() + LAST_WITHIN
+        with contextlib.suppress(Exception):  # a pod gone, an API error: nothing more known
+            for payload in self.client.stream_logs(pod_id, LogCursor(), idle=LAST_IDLE,
+                                                   tail=LAST_LINES):
+                words = last_words([parse(str(payload.get("line", "")))], self.gpu_code)
+                if words is not None:
+                    with self._lock:
+                        self._words[pod_id] = words
+                if time.monotonic() > until:
+                    return

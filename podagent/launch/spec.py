@@ -47,6 +47,7 @@ _IMAGE = re.compile(
     r"(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?")
 # What podagent on the pods is told by `up` itself: a user's -e may not set these.
 DEADLINE = FIELD_BY_ATTR["deadline"].env  # --max-duration/--max-cost, as the pods hold them
+GPU_TYPE = FIELD_BY_ATTR["gpu_type"].env
 OWN_VARIABLES = ("PODAGENT_RUN_NAME", "EXPECTED_WORKERS", "PODAGENT_JOB", "HEAD_POD_ID",
                  "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", "PODAGENT_LAUNCHER",
                  DEADLINE, LABEL, RUNPOD_API_URL)
@@ -532,12 +533,12 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
                 # Once the run is over each pod stops itself, which ends its GPU billing
                 # whether or not `up` is still there to terminate it (a closed laptop).
                 # --keep: they stay up, idle (RunPod would start an exited container again).
-                "PODAGENT_AFTER_RUN": (AfterRun.STAY if spec.keep else AfterRun.STOP_POD).value})
+                "PODAGENT_AFTER_RUN": (AfterRun.STAY if spec.keep else AfterRun.STOP_POD).value,
+                # One JSON record per line: `up` reads the head's events and the job's output
+                # from RunPod's log stream, and a stopped worker's last exit from its own.
+                "PODAGENT_LOG_FORMAT": "json"})
     if rank in (0, None):
-        env.update({"EXPECTED_WORKERS": str(spec.workers),
-                    # One JSON record per line: `up` reads the head's events and the job's
-                    # output from RunPod's log stream.
-                    "PODAGENT_LOG_FORMAT": "json"})
+        env["EXPECTED_WORKERS"] = str(spec.workers)
         if spec.job:
             env["PODAGENT_JOB"] = shlex.join(spec.job)
     if spec.deadline is not None:  # every pod holds it: a detached run, a worker whose head
@@ -548,6 +549,13 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
     if rank not in (0, None):
         env.update({"RAY_WORKER": "1", "HEAD_POD_ID": str(head_id)})
         env.pop(ACCOUNT_KEY, None)  # the head alone terminates the run's pods
+    return env
+
+
+def _gpu_type(env: dict[str, str], placement: Placement) -> dict[str, str]:
+    """Each pod checks its GPUs are of the type asked for (nvidia-smi names them as RunPod's
+    catalog ids do), unless the user's own PODAGENT_GPU_TYPE says otherwise."""
+    env.setdefault(GPU_TYPE, placement.gpu_id)
     return env
 
 
@@ -574,7 +582,7 @@ def pod_body(spec: UpSpec, rank: int, head_id: str | None = None,
     placement = placement or Placement(spec.gpu_type, spec.data_centers)
     body = {"name": pod_name(spec.run, rank), **_container(spec, placement),
             "gpu": {"id": placement.gpu_id, "count": spec.gpus_per_pod}, "cloud": spec.cloud,
-            "globalNetworking": True, "env": pod_env(spec, rank, head_id)}
+            "globalNetworking": True, "env": _gpu_type(pod_env(spec, rank, head_id), placement)}
     if placement.registry:
         body["registry"] = placement.registry
     if spec.template:
@@ -590,4 +598,4 @@ def cluster_body(spec: UpSpec, placement: Placement | None = None) -> dict[str, 
     return {"name": cluster_name(spec.run), "type": "TRAINING",
             "compute": {"gpuTypeId": placement.gpu_id, "gpuCountPerPod": spec.gpus_per_pod,
                         "podCount": spec.pods},
-            **_container(spec, placement), "env": pod_env(spec, None)}
+            **_container(spec, placement), "env": _gpu_type(pod_env(spec, None), placement)}

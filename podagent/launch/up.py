@@ -22,6 +22,7 @@ with the same --name re-attaches to the run's pods instead of creating more.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import queue
 import time
@@ -35,6 +36,7 @@ from podagent.choices import RAY_LAUNCHER
 from podagent.config.fields import FIELD_BY_ATTR
 from podagent.errors import (
     DeadlineReached,
+    GpuCheckFailed,
     Interrupted,
     PodagentError,
     PodGone,
@@ -44,7 +46,7 @@ from podagent.errors import (
 from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.create import Checked, Creator, check
-from podagent.launch.follow import HeadLog, HeadRecord
+from podagent.launch.follow import HeadLog, HeadRecord, LastWords
 from podagent.launch.interrupts import Interrupts, Leave, next_item, signum_of
 from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, View
@@ -103,7 +105,8 @@ class Verdict:
     why: str = ""
     gone: bool = False  # a pod that ran was stopped, failed or terminated at RunPod
     capped: bool = False  # the run is past its deadline and the head did not end it
-    pod: str = ""  # the lost pod to replace
+    pod: str = ""  # the lost pod (to replace)
+    gpu: bool = False  # its GPUs failed their check before the job
 
 
 def judge(statuses: Mapping[str, str | None], started: float, now: float, timeout: float,
@@ -111,7 +114,8 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
           ran: Collection[str] = (), exited_since: Mapping[str, float] | None = None,
           grace: float = GONE_GRACE, cluster: bool = False,
           past_deadline: float | None = None, head: str = "", spare: int = 0,
-          head_spare: int = 0, born: Mapping[str, float] | None = None) -> Verdict:
+          head_spare: int = 0, born: Mapping[str, float] | None = None,
+          failed: Mapping[str, str] | None = None) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
     code once its run is over for good, how often the head's podagent has started, which pods
     have been RUNNING (one restarting later is not one that never started), since when each
@@ -120,13 +124,14 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
     `head_spare` for the `head`, whose loss has the whole run created again; never a pod of
     an Instant Cluster: RunPod makes those as one). The head is judged first: a worker lost
     with it needs no replacement of its own. `born`: when a replacement was created (its
-    --timeout to run counts from then)."""
-    def lost(name: str, why: str) -> Verdict:
+    --timeout to run counts from then). `failed`: the pods whose GPUs failed their check,
+    with why (their own word): replaced at once, whether or not `up` saw them RUNNING."""
+    def lost(name: str, why: str, gpu: bool = False) -> Verdict:
         if name == head and head_spare > 0 and not cluster:
-            return Verdict("recreate", why, gone=True, pod=name)
+            return Verdict("recreate", why, gone=True, pod=name, gpu=gpu)
         if name != head and spare > 0 and not cluster:
-            return Verdict("replace", why, gone=True, pod=name)
-        return Verdict("fail", why, gone=True)
+            return Verdict("replace", why, gone=True, pod=name, gpu=gpu)
+        return Verdict("fail", why, gone=True, pod=name, gpu=gpu)
 
     if head_exit is not None:
         return Verdict("done")
@@ -138,8 +143,11 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
         return Verdict("fail", f"the head's podagent has started {head_starts} times without "
                                f"finishing the run (its container keeps exiting: a crash "
                                f"loop); its log above says why")
-    exited_since = exited_since or {}
+    exited_since, failed = exited_since or {}, failed or {}
     for name, status in sorted(statuses.items(), key=lambda item: item[0] != head):
+        if name in failed:
+            return lost(name, f"pod {name}'s GPUs failed their check before the job: "
+                              f"{failed[name]}", gpu=True)
         if status == "ERROR" and name in ran:
             return lost(name, f"pod {name} failed at RunPod (ERROR) while the run went on "
                               f"(its system log at RunPod says why)")
@@ -196,6 +204,9 @@ class Up:
         # Starts of the head's podagent a lost worker caused (a run without Ray starts again
         # on every pod): not a crash loop.
         self.lost_restarts = 0
+        # A stopped worker's own log, read for its last exit: a GPU check that failed, or why
+        # it stopped.
+        self.last_words = LastWords(client, exits.code_of(GpuCheckFailed))
         self.detached = False
         self.left = False  # a second interrupt: the pods were left as they are
         self.clean_up_failed: Exception | None = None  # the pods may still bill
@@ -409,6 +420,7 @@ class Up:
                 for name, status in statuses.items():
                     if status == "EXITED":
                         self.exited_since.setdefault(name, now)
+                        self._ask_why(name)
                     else:
                         self.exited_since.pop(name, None)
                 self._keep_following(statuses)
@@ -429,13 +441,16 @@ class Up:
                             # A head ending the run stops its workers itself; a head that
                             # is gone was lost, whatever it was doing.
                             spare=0 if self.head.closing else self._spare(),
-                            head_spare=self._spare(), born=self.born)
+                            head_spare=self._spare(), born=self.born,
+                            failed=self._failed_checks())
+            if verdict.pod and not verdict.gpu:  # a pod lost: what it said last, if known
+                verdict = dataclasses.replace(verdict, why=verdict.why + self._words(verdict.pod))
             if verdict.action == "done":
                 return self.head.exit
             if verdict.capped:
                 raise DeadlineReached(f"run {self.spec.run}: {verdict.why}")
             if verdict.action == "replace":
-                self._replace(verdict.pod, verdict.why)
+                self._replace(verdict.pod, verdict.why, restarts=not verdict.gpu)
                 statuses = {**statuses, verdict.pod: "PROVISIONING"}
             elif verdict.action == "recreate":
                 self._recreate(verdict.pod, verdict.why)
@@ -444,12 +459,37 @@ class Up:
                 next_look = time.monotonic() + POLL
                 continue
             if verdict.action == "fail":
-                raise (PodGone if verdict.gone else PodsNotReady)(
-                    f"run {self.spec.run}: {verdict.why}")
+                raise (GpuCheckFailed if verdict.gpu else PodGone if verdict.gone else
+                       PodsNotReady)(f"run {self.spec.run}: {verdict.why}")
             with contextlib.suppress(queue.Empty):
                 self.head.take(next_item(self.records, RECORD_WAIT))
                 while True:  # what else has come meanwhile
                     self.head.take(self.records.get_nowait())
+
+    def _ask_why(self, name: str) -> None:
+        """A worker stopped while the run goes on: its log is read for its last exit."""
+        assert self.watch is not None
+        pod_id = self.watch.pod_ids.get(name)
+        if pod_id and name != self._head_name() and self.head.exit is None \
+                and not self.head.closing:
+            self.last_words.ask(pod_id)
+
+    def _words(self, name: str) -> str:
+        assert self.watch is not None
+        words = self.last_words.of(self.watch.pod_ids.get(name, ""))
+        return words.suffix() if words is not None else ""
+
+    def _failed_checks(self) -> dict[str, str]:
+        """The pods whose GPUs failed their check, by their own word (the head's in its log)."""
+        assert self.watch is not None
+        failed = {}
+        if self.head.gpu_failure:
+            failed[self._head_name()] = self.head.gpu_failure
+        for name, pod_id in self.watch.pod_ids.items():
+            words = self.last_words.of(pod_id)
+            if words is not None and words.gpu_failure:
+                failed[name] = words.gpu_failure
+        return failed
 
     def _replaced(self) -> int:
         return len(self.record.replacements) if self.record is not None else 0
@@ -462,11 +502,13 @@ class Up:
             return 0
         return max(0, self.spec.replacements - self._replaced())
 
-    def _replace(self, name: str, why: str) -> None:
+    def _replace(self, name: str, why: str, restarts: bool = True) -> None:
         """The lost pod terminated (a stopped pod's disk still bills) and gone from RunPod's
         list, then one of the same spec created under its name: the head counts it in when
         it joins and resumes the job from its checkpoint (a run without Ray forms again at
-        the same world size). Counted in the record once its create was answered."""
+        the same world size). Counted in the record once its create was answered.
+        `restarts`: the head's podagent starts again for it (a run without Ray whose pod was
+        lost mid-run; not one whose GPUs failed before it joined)."""
         assert self.creator is not None and self.record is not None and self.watch is not None
         run = self.spec.run
         if name not in self.spec.names():  # re-attached with fewer --pods than it has
@@ -491,7 +533,7 @@ class Up:
             self.say(f"the replacement of {name} could not be created: the run ends")
             raise
         self.record.replaced(name, lost, why)
-        if self.spec.launcher != RAY_LAUNCHER:
+        if self.spec.launcher != RAY_LAUNCHER and restarts:
             self.lost_restarts += 1
         self.ran.discard(name)
         self.exited_since.pop(name, None)
@@ -668,6 +710,7 @@ class HeadProgress:
         # grace its job has.
         self.capping: tuple[float, float] | None = None
         self.first_job_line: float | None = None
+        self.gpu_failure = ""  # the head's GPUs failed their check (its exit's error)
 
     @property
     def starts(self) -> int:
@@ -727,7 +770,7 @@ class HeadProgress:
         elif event == Event.ROLE:  # the head's podagent started (again): its workers join anew
             # Counted by the start's own time: the same record read twice is one start.
             self._starts.add((data.get("ts"), data.get("pod")))
-            self.closing = False
+            self.closing, self.gpu_failure = False, ""
             self.board.joined = 0
             self.board.mark_joined(None, False)
             self.view.update(self.board)
@@ -742,6 +785,8 @@ class HeadProgress:
             self.last_exit = _code(data.get("code"))
             if self.last_exit == exits.code_of(DeadlineReached):
                 self.exit = self.last_exit
+            if self.last_exit == exits.code_of(GpuCheckFailed):
+                self.gpu_failure = " ".join(str(data.get("error") or "its GPU check").split())
         elif event == Event.RUN_OVER and _code(data.get("code")) is not None:
             self.exit = _code(data.get("code"))
         elif event == Event.STAYING and self.last_exit is not None:  # before run_over

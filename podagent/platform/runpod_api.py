@@ -599,11 +599,13 @@ class Client(Transport):
     # --- logs ---------------------------------------------------------------------------------
 
     def stream_logs(self, pod_id: str, cursor: LogCursor, idle: float = 60.0,
-                    opened: Callable[[], None] = lambda: None) -> Iterator[dict[str, Any]]:
+                    opened: Callable[[], None] = lambda: None,
+                    tail: int = 5000) -> Iterator[dict[str, Any]]:
         """GET /v2/pods/{id}/logs, Server-Sent Events: each new container line's payload
         ({ts, source, line}) as it comes, resumed where `cursor` says and never one twice;
-        `opened()` once RunPod answered 200. Ends when the server closes the stream or is
-        silent for `idle` seconds; the caller calls again with the same cursor."""
+        `opened()` once RunPod answered 200; a first call gets the last `tail` lines before
+        the new ones. Ends when the server closes the stream or is silent for `idle` seconds;
+        the caller calls again with the same cursor."""
         url = f"{self.base_url}/v2/pods/{quote(pod_id, safe='')}/logs"
         headers = {"Accept": "text/event-stream"}
         params: dict[str, Any] = {"source": "container"}
@@ -611,7 +613,7 @@ class Client(Transport):
         if resume:
             headers["Last-Event-ID"] = resume
         else:
-            params["tail"] = 5000  # the document's maximum: the run's start, when we are late
+            params["tail"] = tail  # 5000, the document's maximum: the run's start, when late
         response, failure = self._send(
             "GET", f"/v2/pods/{pod_id}/logs",
             lambda: self._session.get(url, params=params, headers=headers, stream=True,

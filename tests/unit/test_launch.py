@@ -729,3 +729,67 @@ def test_a_run_of_several_pods_gets_a_network_volume_sized_from_its_model():
         assert build(**none).shared_volume_gb is None, none
     assert specs.volume_price(100) == pytest.approx(7.0)  # $0.07/GB/month
     assert specs.volume_price(2000) == pytest.approx(70.0 + 50.0)  # $0.05 beyond 1 TB
+
+
+def test_a_pod_whose_gpus_failed_their_check_is_replaced_at_once():
+    """Its own word (a worker's last exit in its log, the head's in the head's): replaced
+    without the EXITED grace and whether or not `up` saw it RUNNING; the head's has the run
+    created again; past the budget the run ends as a GPU check failure (28), never as a
+    lost pod."""
+    t0, shape = 100.0, "2 x H100"
+    failed = {"w1": "GPU 0 (GPU-1): 2 uncorrected ECC error(s) since the driver loaded"}
+    for status in ("RUNNING", "EXITED", "STARTING"):
+        verdict = judge({"head": "RUNNING", "w1": status}, t0, t0 + 1, 900, None, shape,
+                        ran={"head"}, exited_since={"w1": t0}, head="head", spare=1,
+                        failed=failed)
+        assert (verdict.action, verdict.pod, verdict.gpu) == ("replace", "w1", True), status
+        assert verdict.why == ("pod w1's GPUs failed their check before the job: GPU 0 "
+                               "(GPU-1): 2 uncorrected ECC error(s) since the driver loaded")
+    head = judge({"head": "EXITED", "w1": "RUNNING"}, t0, t0 + 1, 900, None, shape,
+                 ran={"head", "w1"}, head="head", spare=1, head_spare=1,
+                 failed={"head": "GPU 0: slow"})
+    assert (head.action, head.pod, head.gpu) == ("recreate", "head", True)
+    spent = judge({"head": "RUNNING", "w1": "EXITED"}, t0, t0 + 1, 900, None, shape,
+                  ran={"head", "w1"}, head="head", spare=0, failed=failed)
+    assert (spent.action, spent.gpu) == ("fail", True)
+
+
+def test_a_stopped_pods_last_words_are_its_last_exit():
+    from podagent.launch.follow import last_words
+
+    lines = ['{"ts": 1, "event": "role"}', "a traceback line",
+             '{"ts": 2, "event": "exit", "code": 7, "error": "the head went away"}',
+             '{"ts": 3, "event": "exit", "code": 28, "error": "GPU 0: 3 uncorrected  ECC"}']
+    words = last_words([parse(x) for x in lines], 28)
+    assert words is not None and words.gpu_failure == "GPU 0: 3 uncorrected ECC"
+    assert words.suffix() == " (its podagent last exited 28: GPU 0: 3 uncorrected ECC)"
+    earlier = last_words([parse(x) for x in lines[:3]], 28)
+    assert earlier is not None and earlier.gpu_failure == "" and earlier.code == 7
+    # A stranger's bytes: no code is not a code, and nothing is no words.
+    odd = last_words([parse('{"event": "exit", "code": true, "error": ["x"]}')], 28)
+    assert odd is not None and odd.code is None and odd.suffix() == ""
+    assert last_words([parse("plain text")], 28) is None
+
+
+def test_the_heads_failed_gpu_check_reaches_up_and_a_new_start_clears_it():
+    from podagent.launch.up import HeadProgress
+
+    progress = HeadProgress("demo", Board("demo", "2 x H100", expected=1),
+                            PlainView(io.StringIO()), lambda text: None, lambda phase: None,
+                            lambda: "head", 0.0)
+    progress.take(parse('{"ts": 1, "event": "exit", "code": 28, "error": "GPU 1: slow"}'))
+    assert progress.gpu_failure == "GPU 1: slow" and progress.exit is None
+    progress.take(parse('{"ts": 2, "pod": "p", "event": "role"}'))
+    assert progress.gpu_failure == ""
+
+
+def test_every_pod_of_an_up_run_logs_json_and_checks_its_gpu_type():
+    """`up` reads a stopped worker's last exit from its log (JSON records), and every pod
+    checks that its GPUs are of the catalog's type asked for; the user's own value wins."""
+    spec = build(pods=2, job=("python", "x.py"))
+    for rank in (0, 1):
+        env = specs.pod_body(spec, rank, head_id="h1")["env"]
+        assert env["PODAGENT_LOG_FORMAT"] == "json" and env["PODAGENT_GPU_TYPE"] == H100
+    assert specs.cluster_body(build(pods=2, cluster=True))["env"]["PODAGENT_GPU_TYPE"] == H100
+    own = build(pods=2, env=("PODAGENT_GPU_TYPE=",))
+    assert specs.pod_body(own, 1, head_id="h1")["env"]["PODAGENT_GPU_TYPE"] == ""
