@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from tests.harness.laptop import (
 
 LOOP = Path(__file__).resolve().parents[1] / "jobs" / "hang_loop.py"
 VOLUME = "vol-shared"
+NODES = ("import ray; ray.init(); "
+         "print('ALIVE NODES', sum(n['Alive'] for n in ray.nodes()))")
 ECC = "3 uncorrected ECC error(s) since the driver loaded"
 
 
@@ -109,3 +112,23 @@ def test_past_the_budget_a_failed_gpu_check_ends_the_run_with_28(cloud, tmp_path
             f"NVIDIA A100-SXM4-80GB where {H100} was asked for (PODAGENT_GPU_TYPE)") in up.text
     nothing_left(cloud)
     assert KEY not in up.text
+
+
+def test_on_ray_the_head_waits_for_the_replacement_of_a_worker_whose_gpu_failed(cloud, tmp_path):
+    """The Ray worker checks its GPUs before it joins: the head's census waits for the
+    replacement, and only then submits the job (a Ray job counting the nodes it runs on)."""
+    run, worker = "gpuray", "podagent-gpuray-w1"
+    bin_dir = tmp_path / "bin"
+    nvidia_smi.install(bin_dir, {"gpus": [{"name": H100, "ecc": 0}],
+                                 "bad_once": {"remap_pending": True}})
+    up = Output(start_up(cloud, tmp_path, up_argv(
+        run, 2, "--replacements", "1", "-e", "PODAGENT_GPU_CHECK=smi",
+        "-e", f"PATH={bin_dir}{os.pathsep}{os.environ['PATH']}",
+        job=(sys.executable, "-c", NODES))))
+    assert _end(up, 400, cloud) == 0, up.text[-5000:]
+    assert "ALIVE NODES 2" in up.text
+    assert (f"pod {worker}'s GPUs failed their check before the job: GPU 0 "
+            f"(GPU-00000000-standin): a row remapping is pending (it needs a GPU reset): "
+            f"replacing it (replacement 1 of 1, --replacements)") in up.text, up.text[-5000:]
+    assert len([r for r in creates(cloud) if r.body["name"] == worker]) == 2
+    nothing_left(cloud)
