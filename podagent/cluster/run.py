@@ -15,6 +15,7 @@ from podagent.platform.head_location import head_location
 from podagent.platform.roles import Role, RoleDecision, detect_role
 from podagent.ray_access import ray_compat
 from podagent.report import Reporter
+from podagent.run import pod_setup
 from podagent.run import start as run_start
 from podagent.run.shell import reporter_for
 
@@ -103,6 +104,7 @@ def _dry_run(settings: config.Settings, decision: RoleDecision,
                      f"{settings.head_grace:g} s once joined, "
                      f"{max(settings.head_grace, worker.BUSY_HEAD_GRACE):g} s for a busy head)")
     setup = node.prepare(settings, decision.role, reporter)  # e.g. a head with only a public IP
+    pod_setup.say_gpu_check(settings, reporter)
     # A worker learns the head's address only by looking it up, which a dry run does not do.
     plan = ray_node.plan(settings, decision.role, setup.node_ip, setup.gpus,
                          setup.nccl.variables, head_ip="HEAD")

@@ -167,6 +167,7 @@ def _dry_run(settings: Settings, launcher: Launcher, role: Role, reason: str,
                  f"{settings.run_name} without Ray ({launcher.name}), logs in "
                  f"{settings.run_dir}")
     setup = pod_setup.prepare(settings, role, reporter)
+    pod_setup.say_gpu_check(settings, reporter)
     head = setup.node_ip if role is Role.HEAD else "HEAD"
     nodes = settings.expected_workers + 1
     rank = 0 if role is Role.HEAD else (launcher.requested_rank(settings, role) or 1)

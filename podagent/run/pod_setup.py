@@ -52,3 +52,12 @@ def check_gpus(settings: Settings, reporter: Reporter, signals: Signals,
     env = child_environ(os.environ, is_secret)
     env.update(nccl_env.variables)  # the user's own NCCL_* are in os.environ: they won
     gpu_health.check(settings, reporter, signals, env)
+
+
+def say_gpu_check(settings: Settings, reporter: Reporter) -> None:
+    """A dry run's line for the check a real start runs (check_gpus)."""
+    gpus, _ = pod.detect_gpus(settings)
+    if settings.gpu_check != "off" and gpus:
+        kind = settings.gpu_type or "any type"
+        reporter.say(f"would check this pod's {gpus} GPU(s) before anything uses them "
+                     f"(PODAGENT_GPU_CHECK={settings.gpu_check}, {kind}; a failure exits 28)")
