@@ -25,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ ERROR_FIELDS = ("ecc.errors.uncorrected.volatile.total", "retired_pages.pending"
 # A GPU using this much memory already runs something (a job re-attached to): measuring its
 # speed would measure the job, and an all-reduce beside it could run it out of memory.
 BUSY_MIB = 2048
+MAX_ROWS = 64  # more GPUs than any machine has: nvidia-smi's answer is nonsense
 # Among a pod's GPUs, one this far below their median is slow whatever its type.
 SIBLING_FRACTION = 0.75
 
@@ -78,11 +80,19 @@ PEAK_TFLOPS: Mapping[str, float] = {
 }
 
 
+_MIG = re.compile(r"\s+MIG\s+\S+\s*$", re.IGNORECASE)  # "... MIG 1g.24gb": a slice of the GPU
+
+
+def is_mig(name: str) -> bool:
+    return bool(_MIG.search(name))
+
+
 def same_gpu(a: str, b: str) -> bool:
     """Whether two names are one GPU type: RunPod's catalog ids are nvidia-smi's names, but
-    spacing, case and the vendor's name are not worth failing a pod over."""
+    spacing, case and the vendor's name are not worth failing a pod over; a MIG slice's type
+    (RunPod's "<GPU> MIG 1g.24gb") is its GPU's, which is what nvidia-smi names."""
     def norm(name: str) -> str:
-        return re.sub(r"[^a-z0-9]", "", name.lower()).removeprefix("nvidia")
+        return re.sub(r"[^a-z0-9]", "", _MIG.sub("", name).lower()).removeprefix("nvidia")
     return norm(a) == norm(b)
 
 
@@ -122,14 +132,13 @@ def parse_smi(text: str, with_errors: bool) -> tuple[SmiGpu, ...]:
             continue
         cells = [c.strip() for c in line.split(",")]
         want = len(BASIC_FIELDS) + (len(ERROR_FIELDS) if with_errors else 0)
-        if len(cells) < want:
+        if len(cells) != want:
             raise ValueError(f"nvidia-smi gave {len(cells)} field(s) where {want} were asked "
-                             f"for: {line.strip()!r}")
-        # A name may hold a comma: the index first, the fixed fields last, the name between.
-        tail = len(cells) - (want - 2)
-        index, name, rest = cells[0], ", ".join(cells[1:tail]), cells[tail:]
-        uuid, used = rest[0], rest[1]
-        errors = rest[2:] if with_errors else ["", "", "", ""]
+                             f"for: {line.strip()[:200]!r}")
+        if len(gpus) == MAX_ROWS:
+            raise ValueError(f"nvidia-smi listed more than {MAX_ROWS} GPUs")
+        index, name, uuid, used = cells[:4]
+        errors = cells[4:] if with_errors else ["", "", "", ""]
         gpus.append(SmiGpu(_number(index) if _number(index) is not None else len(gpus), name,
                            uuid, _number(used), _number(errors[0]), _yes(errors[1]),
                            _yes(errors[2]), _yes(errors[3])))
@@ -153,8 +162,9 @@ def look(timeout: float = SMI_TIMEOUT) -> Sighting:
     for fields in (BASIC_FIELDS + ERROR_FIELDS, BASIC_FIELDS):
         argv = [smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL, check=False)
+            # A stranger's bytes may not be UTF-8: a name replaced, never a crash.
+            done = subprocess.run(argv, capture_output=True, text=True, errors="replace",
+                                  timeout=timeout, stdin=subprocess.DEVNULL, check=False)
         except subprocess.TimeoutExpired:
             return Sighting(failure=f"nvidia-smi did not answer within {timeout:g} s (a GPU "
                                     f"or its driver is stuck)")
@@ -178,7 +188,8 @@ class Probe:
     """What checks/gpu_probe.py measured: per rank (GPU) its TFLOPS and the all-reduce."""
     ranks: tuple[Mapping[str, Any], ...] = ()
     seconds: float = 0.0
-    failure: str = ""  # the probe could not run or answer
+    failure: str = ""  # the probe could not run or answer, or the GPUs could not be used
+    skipped: str = ""  # nothing measured for a cause that is not the GPUs' (no torch)
 
 
 def run_probe(env: Mapping[str, str], log: Path, signals: Signals,
@@ -186,11 +197,15 @@ def run_probe(env: Mapping[str, str], log: Path, signals: Signals,
     """The probe in a session of its own, its output in `log`; stopped (TERM, then KILL)
     at the deadline or on a signal (which then ends the check)."""
     began = time.monotonic()
+    work = tempfile.mkdtemp(prefix="podagent-gpu-probe-")  # removed however the probe ends
     probe = ManagedProcess("gpu-probe", [sys.executable, "-m", "podagent.checks.gpu_probe",
-                                         *argv_tail], env, log)
+                                         "--work", work, *argv_tail], env, log)
     offset = log.stat().st_size if log.exists() else 0  # an earlier start's lines stay
-    probe.start()
     try:
+        try:
+            probe.start()
+        except OSError as exc:  # its log cannot be opened (a full or read-only volume)
+            return Probe(skipped=f"the GPU probe could not start ({exc})")
         while (code := probe.wait(WAIT_TICK)) is None:
             signals.check()
             if time.monotonic() - began > timeout:
@@ -199,6 +214,7 @@ def run_probe(env: Mapping[str, str], log: Path, signals: Signals,
                                      f"GPU or the all-reduce hung); it was stopped")
     finally:
         probe.stop(STOP_GRACE)
+        shutil.rmtree(work, ignore_errors=True)
     with open(log, "rb") as f:
         f.seek(offset)
         lines = f.read().decode("utf-8", "replace").splitlines()
@@ -209,6 +225,8 @@ def run_probe(env: Mapping[str, str], log: Path, signals: Signals,
         tail = lines[-1].strip() if lines else "no output"
         return Probe(failure=f"the GPU probe exited {code} without its result: {tail} "
                              f"(its log: {log})")
+    if said.get("error") and said.get("kind") == "no-torch":
+        return Probe(skipped=str(said["error"]))
     if said.get("error"):
         return Probe(failure=f"the GPU probe failed: {said['error']}")
     ranks = said.get("ranks")
@@ -239,8 +257,9 @@ def judge_smi(seen: Sighting, expected: int, expected_how: str, gpu_type: str,
         return
     gpus = seen.gpus
     verdict.figures["gpus"] = [g.name for g in gpus]
-    if len(gpus) < expected:
-        verdict.failures.append(f"{len(gpus)} GPU(s) visible to nvidia-smi, {expected} "
+    distinct = len({g.uuid or f"#{g.index}" for g in gpus})  # a GPU listed twice is one
+    if distinct < expected:
+        verdict.failures.append(f"{distinct} GPU(s) visible to nvidia-smi, {expected} "
                                 f"expected ({expected_how})")
     if gpu_type:
         wrong = sorted({g.name for g in gpus if not same_gpu(g.name, gpu_type)})
@@ -272,9 +291,14 @@ def busy(seen: Sighting) -> list[int]:
 
 
 def judge_probe(probe: Probe, names: Sequence[str], min_fraction: float,
-                verdict: Verdict) -> None:
+                verdict: Verdict, rated: bool = True) -> None:
+    """`rated`: each GPU is held to its type's rating too (not a MIG slice: a share of it)."""
     if probe.failure:
         verdict.failures.append(probe.failure)
+        return
+    if probe.skipped:
+        verdict.notes.append(f"{probe.skipped}: speed and all-reduce not measured (the "
+                             f"image's torch, not the GPUs; the job will meet it too)")
         return
     verdict.figures["probe_s"] = round(probe.seconds, 1)
     speeds: dict[int, float] = {}
@@ -300,7 +324,7 @@ def judge_probe(probe: Probe, names: Sequence[str], min_fraction: float,
     for index, tflops in sorted(speeds.items()):
         name = names[index] if index < len(names) else (
             str(probe.ranks[index].get("name", "")) if index < len(probe.ranks) else "")
-        peak = peak_of(name) if name else None
+        peak = peak_of(name) if name and rated else None
         if peak is not None and tflops < min_fraction * peak:
             verdict.failures.append(
                 f"GPU {index} ({name}): {tflops:.0f} TFLOPS in a BF16 matmul, below "
@@ -309,9 +333,11 @@ def judge_probe(probe: Probe, names: Sequence[str], min_fraction: float,
             verdict.failures.append(
                 f"GPU {index}: {tflops:.0f} TFLOPS in a BF16 matmul, below {SIBLING_FRACTION:g}"
                 f" of its siblings' median {middle:.0f}")
-        elif peak is None and name:
+        elif peak is None and name and rated:
             verdict.notes.append(f"no rated throughput known for {name}: its speed is "
                                  f"compared with its siblings only")
+        elif not rated:
+            verdict.notes.append("a MIG slice: its speed is compared with its siblings only")
     verdict.notes[:] = list(dict.fromkeys(verdict.notes))
 
 
@@ -347,7 +373,8 @@ def check(settings: Settings, reporter: Reporter, signals: Signals,
                                  f"not measured")
         else:
             probe = run_probe(env, settings.run_dir / PROBE_LOG, signals)
-            judge_probe(probe, [g.name for g in seen.gpus], settings.gpu_min_speed, verdict)
+            judge_probe(probe, [g.name for g in seen.gpus], settings.gpu_min_speed, verdict,
+                        rated=not is_mig(settings.gpu_type))
     seconds = time.monotonic() - began
     reporter.event(Event.GPU_CHECK, ok=verdict.ok, mode=mode, seconds=round(seconds, 1),
                    failures=verdict.failures, notes=verdict.notes, **verdict.figures)

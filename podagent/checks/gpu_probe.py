@@ -106,30 +106,33 @@ def rank_main(rank: int, world: int, kind: str, store: str, out_dir: str) -> Non
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def probe(kind: str, count: int | None) -> dict[str, Any]:
+def probe(kind: str, count: int | None, work: str) -> dict[str, Any]:
+    """The measurements, using `work` (an empty directory) for the ranks' results."""
     began = time.monotonic()
-    import torch
-
+    try:
+        import torch
+    except Exception as exc:  # the image's torch, not the GPU: nothing measured, said so
+        return {"error": f"torch could not be imported ({type(exc).__name__}: {exc})".strip(),
+                "kind": "no-torch"}
     if kind == "cuda":
         if not torch.cuda.is_available():
             return {"error": f"torch {torch.__version__} sees no CUDA device "
-                             f"(CUDA runtime {torch.version.cuda})"}
+                             f"(CUDA runtime {torch.version.cuda})", "kind": "no-cuda"}
         world = torch.cuda.device_count()
     else:
         world = count or 1
-    with tempfile.TemporaryDirectory(prefix="podagent-gpu-probe-") as tmp:
-        store = os.path.join(tmp, "store")
-        if world == 1:
-            rank_main(0, 1, kind, store, tmp)
-        else:
-            import torch.multiprocessing as mp
+    store = os.path.join(work, "store")
+    if world == 1:
+        rank_main(0, 1, kind, store, work)
+    else:
+        import torch.multiprocessing as mp
 
-            mp.spawn(rank_main, args=(world, kind, store, tmp), nprocs=world, join=True)
-        ranks = []
-        for rank in range(world):
-            file = Path(tmp, f"rank{rank}.json")
-            ranks.append(json.loads(file.read_text()) if file.exists() else
-                         {"rank": rank, "error": "the rank's process left no result"})
+        mp.spawn(rank_main, args=(world, kind, store, work), nprocs=world, join=True)
+    ranks = []
+    for rank in range(world):
+        file = Path(work, f"rank{rank}.json")
+        ranks.append(json.loads(file.read_text()) if file.exists() else
+                     {"rank": rank, "error": "the rank's process left no result"})
     return {"torch": torch.__version__, "device": kind, "world": world, "ranks": ranks,
             "seconds": time.monotonic() - began}
 
@@ -139,10 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--count", type=int, default=None,
                         help="--device cpu: how many ranks stand for GPUs")
+    parser.add_argument("--work", default=None,
+                        help="an empty directory for the ranks' results (its caller removes "
+                             "it; default: one of its own, removed at the end)")
     args = parser.parse_args(argv)
     try:
-        result = probe(args.device, args.count)
-    except Exception as exc:  # torch missing or broken: one answer the check can read
+        if args.work:
+            result = probe(args.device, args.count, args.work)
+        else:
+            with tempfile.TemporaryDirectory(prefix="podagent-gpu-probe-") as work:
+                result = probe(args.device, args.count, work)
+    except Exception as exc:  # a rank's process lost, say: one answer the check can read
         result = {"error": f"{type(exc).__name__}: {exc}".strip()}
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

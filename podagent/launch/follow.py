@@ -11,7 +11,6 @@ keeps judging the pods' statuses meanwhile, so a head that is gone is noticed al
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import threading
@@ -140,6 +139,17 @@ class Words:
         return f" (its podagent last exited {self.code}{why})"
 
 
+WORDS_LIMIT = 500  # characters of a pod's own words `up` repeats
+
+
+def plain(text: Any, limit: int = WORDS_LIMIT) -> str:
+    """A pod's words as one line fit for a terminal and a record: no control characters
+    (escape sequences, bells), whitespace collapsed, at most `limit` characters."""
+    text = "".join(c if c.isprintable() else " " for c in str(text))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def last_words(records: list[HeadRecord], gpu_code: int) -> Words | None:
     """From a pod's last lines (each one of podagent's JSON records): its last start's exit."""
     found: Words | None = None
@@ -149,7 +159,7 @@ def last_words(records: list[HeadRecord], gpu_code: int) -> Words | None:
             continue
         code = data.get("code")
         code = code if isinstance(code, int) and not isinstance(code, bool) else None
-        error = " ".join(str(data.get("error") or "").split())[:500]
+        error = plain(data.get("error") or "")
         found = Words(code, error, error if code == gpu_code else "")
     return found
 
@@ -161,14 +171,15 @@ class LastWords:
     def __init__(self, client: Client, gpu_code: int):
         self.client, self.gpu_code = client, gpu_code
         self._words: dict[str, Words] = {}  # by pod id
-        self._asked: set[str] = set()
+        self._asked_at: dict[str, float] = {}
+        self._done: set[str] = set()
         self._lock = threading.Lock()
 
     def ask(self, pod_id: str) -> None:
         with self._lock:
-            if pod_id in self._asked:
+            if pod_id in self._asked_at:
                 return
-            self._asked.add(pod_id)
+            self._asked_at[pod_id] = time.monotonic()
         threading.Thread(target=self._read, args=(pod_id,), name=f"last-{pod_id}",
                          daemon=True).start()
 
@@ -176,11 +187,19 @@ class LastWords:
         with self._lock:
             return self._words.get(pod_id)
 
+    def pending(self, pod_id: str) -> bool:
+        """Whether its log is still being read, within LAST_WITHIN: its loss waits for it."""
+        with self._lock:
+            asked = self._asked_at.get(pod_id)
+            done = pod_id in self._done
+        return asked is not None and not done and time.monotonic() - asked < LAST_WITHIN
+
     def _read(self, pod_id: str) -> None:
-        """Each exit heard is kept at once (a stream may stay open, kept alive, long after
-        the pod's last line); the last one stands."""
+        """Each exit heard is kept at once; the last one stands. A stream kept alive long
+        after the pod's last line ends by its idle timeout, or when the pod is terminated;
+        `pending` stops waiting for it after LAST_WITHIN whatever it does."""
         until = time.monotonic() + LAST_WITHIN
-        with contextlib.suppress(Exception):  # a pod gone, an API error: nothing more known
+        try:
             for payload in self.client.stream_logs(pod_id, LogCursor(), idle=LAST_IDLE,
                                                    tail=LAST_LINES):
                 words = last_words([parse(str(payload.get("line", "")))], self.gpu_code)
@@ -189,3 +208,8 @@ class LastWords:
                         self._words[pod_id] = words
                 if time.monotonic() > until:
                     return
+        except Exception:  # a pod gone, an API error: nothing more is known
+            return
+        finally:
+            with self._lock:
+                self._done.add(pod_id)

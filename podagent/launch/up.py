@@ -46,7 +46,7 @@ from podagent.errors import (
 from podagent.launch import down, state
 from podagent.launch import spec as specs
 from podagent.launch.create import Checked, Creator, check
-from podagent.launch.follow import HeadLog, HeadRecord, LastWords
+from podagent.launch.follow import HeadLog, HeadRecord, LastWords, plain
 from podagent.launch.interrupts import Interrupts, Leave, next_item, signum_of
 from podagent.launch.spec import UpSpec
 from podagent.launch.view import Board, View
@@ -73,6 +73,7 @@ CLOSING_GRACE = 90.0
 # grace; `up` ends it itself this much later still (a head gone silent, say).
 DEADLINE_GRACE = 120.0
 UNKNOWN_GRACE = 300.0  # the job's stop grace when `up` was not told it (and the head is silent)
+GPU_EXIT = exits.code_of(GpuCheckFailed)
 
 
 class Phase(str, enum.Enum):
@@ -115,7 +116,8 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
           grace: float = GONE_GRACE, cluster: bool = False,
           past_deadline: float | None = None, head: str = "", spare: int = 0,
           head_spare: int = 0, born: Mapping[str, float] | None = None,
-          failed: Mapping[str, str] | None = None) -> Verdict:
+          failed: Mapping[str, str] | None = None,
+          pending: Collection[str] = ()) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
     code once its run is over for good, how often the head's podagent has started, which pods
     have been RUNNING (one restarting later is not one that never started), since when each
@@ -125,7 +127,9 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
     an Instant Cluster: RunPod makes those as one). The head is judged first: a worker lost
     with it needs no replacement of its own. `born`: when a replacement was created (its
     --timeout to run counts from then). `failed`: the pods whose GPUs failed their check,
-    with why (their own word): replaced at once, whether or not `up` saw them RUNNING."""
+    with why (their own word): replaced at once, whether or not `up` saw them RUNNING, the
+    head's before its exit is taken for the run's. `pending`: stopped pods whose own log is
+    still being read for why (their loss waits for it)."""
     def lost(name: str, why: str, gpu: bool = False) -> Verdict:
         if name == head and head_spare > 0 and not cluster:
             return Verdict("recreate", why, gone=True, pod=name, gpu=gpu)
@@ -133,6 +137,10 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
             return Verdict("replace", why, gone=True, pod=name, gpu=gpu)
         return Verdict("fail", why, gone=True, pod=name, gpu=gpu)
 
+    failed = failed or {}
+    if head in failed and head_exit in (None, GPU_EXIT):
+        return lost(head, f"pod {head}'s GPUs failed their check before the job: "
+                          f"{failed[head]}", gpu=True)
     if head_exit is not None:
         return Verdict("done")
     if past_deadline is not None and past_deadline >= 0:
@@ -143,7 +151,7 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
         return Verdict("fail", f"the head's podagent has started {head_starts} times without "
                                f"finishing the run (its container keeps exiting: a crash "
                                f"loop); its log above says why")
-    exited_since, failed = exited_since or {}, failed or {}
+    exited_since = exited_since or {}
     for name, status in sorted(statuses.items(), key=lambda item: item[0] != head):
         if name in failed:
             return lost(name, f"pod {name}'s GPUs failed their check before the job: "
@@ -162,6 +170,8 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
         if status in (None, "TERMINATED"):
             why = f"pod {name} was terminated outside this run"
             return lost(name, why) if name in ran else Verdict("fail", why)
+        if status == "EXITED" and name in pending:
+            continue  # what it said last decides how it is lost
         if status == "EXITED" and now - exited_since.get(name, now) >= grace:
             why = (f"pod {name} was stopped at RunPod (EXITED) while the run went on, "
                    f"{now - exited_since[name]:.0f} s without the head saying the run was over")
@@ -206,7 +216,7 @@ class Up:
         self.lost_restarts = 0
         # A stopped worker's own log, read for its last exit: a GPU check that failed, or why
         # it stopped.
-        self.last_words = LastWords(client, exits.code_of(GpuCheckFailed))
+        self.last_words = LastWords(client, GPU_EXIT)
         self.detached = False
         self.left = False  # a second interrupt: the pods were left as they are
         self.clean_up_failed: Exception | None = None  # the pods may still bill
@@ -442,7 +452,7 @@ class Up:
                             # is gone was lost, whatever it was doing.
                             spare=0 if self.head.closing else self._spare(),
                             head_spare=self._spare(), born=self.born,
-                            failed=self._failed_checks())
+                            failed=self._failed_checks(), pending=self._reading())
             if verdict.pod and not verdict.gpu:  # a pod lost: what it said last, if known
                 verdict = dataclasses.replace(verdict, why=verdict.why + self._words(verdict.pod))
             if verdict.action == "done":
@@ -473,6 +483,11 @@ class Up:
         if pod_id and name != self._head_name() and self.head.exit is None \
                 and not self.head.closing:
             self.last_words.ask(pod_id)
+
+    def _reading(self) -> set[str]:
+        assert self.watch is not None
+        return {name for name, pod_id in self.watch.pod_ids.items()
+                if self.last_words.pending(pod_id)}
 
     def _words(self, name: str) -> str:
         assert self.watch is not None
@@ -785,12 +800,13 @@ class HeadProgress:
             self.last_exit = _code(data.get("code"))
             if self.last_exit == exits.code_of(DeadlineReached):
                 self.exit = self.last_exit
-            if self.last_exit == exits.code_of(GpuCheckFailed):
-                self.gpu_failure = " ".join(str(data.get("error") or "its GPU check").split())
+            if self.last_exit == GPU_EXIT:
+                self.gpu_failure = plain(data.get("error") or "its GPU check")
         elif event == Event.RUN_OVER and _code(data.get("code")) is not None:
             self.exit = _code(data.get("code"))
-        elif event == Event.STAYING and self.last_exit is not None:  # before run_over
-            self.exit = self.last_exit
+        elif event == Event.STAYING and self.last_exit is not None \
+                and not self.gpu_failure:  # before run_over; a head whose GPUs failed is
+            self.exit = self.last_exit  # replaced, not the run's end
 
 
 def _resumed_after(outcome: Any) -> bool:

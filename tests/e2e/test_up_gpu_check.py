@@ -132,3 +132,24 @@ def test_on_ray_the_head_waits_for_the_replacement_of_a_worker_whose_gpu_failed(
             f"replacing it (replacement 1 of 1, --replacements)") in up.text, up.text[-5000:]
     assert len([r for r in creates(cloud) if r.body["name"] == worker]) == 2
     nothing_left(cloud)
+
+
+def test_a_head_whose_gpu_fails_its_check_has_the_run_created_again(cloud, tmp_path):
+    """The head's own exit 28 (in the log `up` follows) is not the run's end: every pod is
+    terminated and the run created again under its name, whose new head passes."""
+    run, head = "gpuhead", "podagent-gpuhead-head"
+    bin_dir = tmp_path / "bin"
+    nvidia_smi.install(bin_dir, {"gpus": [{"name": H100, "ecc": 0}], "bad_role": "head",
+                                 "bad_once": {"ecc": 3}})
+    (tmp_path / "o").mkdir()
+    up = Output(start_up(cloud, tmp_path, up_argv(
+        run, 2, "--replacements", "1", "--launcher", "torchrun", "-e", "PODAGENT_GPU_CHECK=smi",
+        "-e", f"PATH={bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "-e", "RES_OPTIONS=timeout:1 attempts:1",
+        job=("--", str(LOOP), str(tmp_path / "o"), str(tmp_path / "c"), "--steps", "5"))))
+    assert _end(up, 400, cloud) == 0, up.text[-5000:]
+    assert (f"pod {head}'s GPUs failed their check before the job: GPU 0 "
+            f"(GPU-00000000-standin): {ECC}: the run is created again under its name "
+            f"(replacement 1 of 1, --replacements)") in up.text, up.text[-5000:]
+    assert [r.body["name"] for r in creates(cloud)].count(head) == 2
+    nothing_left(cloud)

@@ -5,11 +5,13 @@ meets a GPU with errors, a missing one, another type, an old driver or a stuck o
     install(bin_dir, spec)   writes bin_dir/nvidia-smi, which runs this file with `spec`
 
 The spec (JSON): {"gpus": [{"name", "uuid", "memory_used", "ecc", "retire_pending",
-"remap_pending", "remap_failed"}, ...], "mode": "ok" | "nvml-error" | "old-driver" | "hang",
-"bad_once": {GPU fields}}: with bad_once, the first pod that runs it as a worker (RAY_WORKER=1)
-claims it, and every later call on that pod (by RUNPOD_POD_ID) sees its first GPU so; every
-other pod sees the GPUs as they are. Answers as nvidia-smi words its own: unknown fields exit 2
-with "is not a valid field to query"; an error field a GPU does not report is [N/A].
+"remap_pending", "remap_failed"}, ...], "mode": "ok" | "nvml-error" | "old-driver" | "hang" |
+"raw" (prints the bytes of "raw_hex" whatever was asked),
+"bad_once": {GPU fields}, "bad_role": "worker" | "head"}: with bad_once, the first pod of that
+role (a worker: RAY_WORKER=1, the default) that runs it claims it, and every later call on that
+pod (by RUNPOD_POD_ID) sees its first GPU so; every other pod sees the GPUs as they are.
+Answers as nvidia-smi words its own: unknown fields exit 2 with "is not a valid field to
+query"; an error field a GPU does not report is [N/A].
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _bad_here(spec_file: Path, spec: dict) -> dict | None:
         return None
     except FileNotFoundError:
         pass
-    if os.environ.get("RAY_WORKER") != "1" or not pod:
+    worker = os.environ.get("RAY_WORKER") == "1"
+    if worker != (spec.get("bad_role", "worker") == "worker") or not pod:
         return None
     try:  # the first worker to get here has it: creating the file claims it, once
         with open(claimed, "x") as f:
@@ -93,6 +96,9 @@ def main(argv: list[str]) -> int:
         if field not in known:
             print(f'Field "{field}" is not a valid field to query.')
             return 2
+    if mode == "raw":  # a stranger's bytes, as they are
+        sys.stdout.buffer.write(bytes.fromhex(spec["raw_hex"]))
+        return 0
     gpus = [dict(g) for g in spec.get("gpus", [{}])]
     bad = _bad_here(spec_file, spec)
     if bad and gpus:

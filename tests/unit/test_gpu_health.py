@@ -289,3 +289,58 @@ def test_the_probe_prints_one_json_object_even_without_torch_working(tmp_path):
         assert gpu_probe.main(["--device", "cpu", "--count", "1"]) == 0
     said = json.loads(out.getvalue())
     assert said["world"] == 1 and said["ranks"][0]["tflops"] > 0
+
+
+# --- a stranger's bytes, and causes that are not the GPUs' -------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (b"0, NVIDIA H\xff100, GPU-a, 0, 0, No, No, No\n", "GPU type NVIDIA H\ufffd100"),
+    (b"0, NVIDIA H100 80GB HBM3, extra, GPU-a, 0, 0, No, No, No\n", "gave 9 field(s) where 8"),
+    (b"", "0 GPU(s) visible to nvidia-smi, 1 expected"),
+    (b"0, NVIDIA H100 80GB HBM3, GPU-a, 0, 0, No, No, No\n" * 2,
+     "1 GPU(s) visible to nvidia-smi, 2 expected"),  # one GPU listed twice is one
+    (b"0, x, GPU-a, 0, 0, No, No, No\n" * 65, "more than 64 GPUs"),
+])
+def test_odd_nvidia_smi_answers_are_one_clear_failure_never_a_crash(smi, raw, says):
+    smi(mode="raw", raw_hex=raw.hex())
+    verdict = gh.Verdict()
+    expected = 2 if raw.count(b"\n") == 2 else 1
+    gh.judge_smi(gh.look(), expected, "RUNPOD_GPU_COUNT", H100, verdict)
+    assert not verdict.ok and any(says in f for f in verdict.failures), verdict.failures
+
+
+def test_a_mig_slice_is_its_gpus_type_and_held_to_its_siblings_only():
+    assert gh.same_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition MIG 1g.24gb",
+                       "NVIDIA RTX PRO 6000 Blackwell Server Edition")
+    assert gh.is_mig("NVIDIA A100-SXM4-80GB MIG 3g.40gb") and not gh.is_mig(H100)
+    verdict = gh.Verdict()
+    gh.judge_probe(_probe(90.0), ["NVIDIA A100-SXM4-80GB"], 0.5, verdict, rated=False)
+    assert verdict.ok and verdict.notes == ["a MIG slice: its speed is compared with its "
+                                            "siblings only"]
+
+
+def test_without_torch_the_speed_is_not_measured_and_the_pod_passes(smi, tmp_path):
+    """No torch in podagent's Python is the image's, not the GPUs': replacing the pod would
+    meet the same image. Said, not a GPU fault."""
+    broken = tmp_path / "no_torch"
+    (broken / "torch").mkdir(parents=True)
+    (broken / "torch" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    env = {**os.environ, "PYTHONPATH": f"{broken}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    probe = gh.run_probe(env, tmp_path / "probe.log", Signals())
+    assert probe.failure == "" and "torch could not be imported" in probe.skipped
+    verdict = gh.Verdict()
+    gh.judge_probe(probe, [H100], 0.5, verdict)
+    assert verdict.ok and "speed and all-reduce not measured" in verdict.notes[0]
+
+
+def test_the_probes_work_directory_goes_however_it_ends(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    for timeout in (0.5, gh.PROBE_TIMEOUT):
+        gh.run_probe(dict(os.environ), tmp_path / "probe.log", Signals(), timeout=timeout,
+                     argv_tail=("--device", "cpu", "--count", "2"))
+        assert list((tmp_path / "tmp").iterdir()) == []
+    assert _no_probe_left()

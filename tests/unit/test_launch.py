@@ -752,6 +752,21 @@ def test_a_pod_whose_gpus_failed_their_check_is_replaced_at_once():
     spent = judge({"head": "RUNNING", "w1": "EXITED"}, t0, t0 + 1, 900, None, shape,
                   ran={"head", "w1"}, head="head", spare=0, failed=failed)
     assert (spent.action, spent.gpu) == ("fail", True)
+    # The head's exit 28 is not the run's end while a replacement is left (its pod stays or
+    # stops after saying it); past the budget it ends the run as a GPU failure.
+    for head_exit in (None, 28):
+        again = judge({"head": "EXITED", "w1": "RUNNING"}, t0, t0 + 1, 900, head_exit, shape,
+                      ran={"head", "w1"}, head="head", head_spare=1,
+                      failed={"head": "GPU 0: slow"})
+        assert (again.action, again.gpu) == ("recreate", True), head_exit
+    assert judge({"head": "EXITED"}, t0, t0 + 1, 900, 28, shape, ran={"head"}, head="head",
+                 failed={"head": "GPU 0: slow"}).action == "fail"
+    # A stopped worker whose log is still being read is not judged lost before it is read,
+    # however long its grace: a GPU failure read late must not end the run as a loss.
+    reading = judge({"head": "RUNNING", "w1": "EXITED"}, t0, t0 + 60, 900, None, shape,
+                    ran={"head"}, exited_since={"w1": t0}, head="head", spare=1,
+                    pending={"w1"})
+    assert reading.action == "wait"
 
 
 def test_a_stopped_pods_last_words_are_its_last_exit():
@@ -779,8 +794,14 @@ def test_the_heads_failed_gpu_check_reaches_up_and_a_new_start_clears_it():
                             lambda: "head", 0.0)
     progress.take(parse('{"ts": 1, "event": "exit", "code": 28, "error": "GPU 1: slow"}'))
     assert progress.gpu_failure == "GPU 1: slow" and progress.exit is None
+    progress.take(parse('{"ts": 1.1, "event": "staying", "policy": "stop-pod"}'))
+    assert progress.exit is None  # its pod stopping itself: replaced, not the run's end
     progress.take(parse('{"ts": 2, "pod": "p", "event": "role"}'))
     assert progress.gpu_failure == ""
+    hostile = '{"event": "exit", "code": 28, "error": "\\u001b]0;owned\\u0007' + "x" * 9000 + '"}'
+    progress.take(parse(hostile))
+    assert "\x1b" not in progress.gpu_failure and "\x07" not in progress.gpu_failure
+    assert len(progress.gpu_failure) == 500 and progress.gpu_failure.startswith("]0;owned x")
 
 
 def test_every_pod_of_an_up_run_logs_json_and_checks_its_gpu_type():
