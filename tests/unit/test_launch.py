@@ -814,3 +814,40 @@ def test_every_pod_of_an_up_run_logs_json_and_checks_its_gpu_type():
     assert specs.cluster_body(build(pods=2, cluster=True))["env"]["PODAGENT_GPU_TYPE"] == H100
     own = build(pods=2, env=("PODAGENT_GPU_TYPE=",))
     assert specs.pod_body(own, 1, head_id="h1")["env"]["PODAGENT_GPU_TYPE"] == ""
+
+
+def test_a_stopped_pods_log_is_read_once_in_its_own_thread_and_never_waited_for_long(
+        monkeypatch):
+    """Its exit is known as soon as its line comes; a stream kept alive after it (heartbeats,
+    no lines) neither holds `up` (pending ends after LAST_WITHIN) nor is read twice; an API
+    error means no words."""
+    import threading
+
+    from podagent.launch import follow
+
+    monkeypatch.setattr(follow, "LAST_WITHIN", 1.0)
+    release = threading.Event()
+    opened: list[str] = []
+
+    class Api:  # RunPod's log stream as the reading sees it (a stand-in: no HTTP here)
+        def stream_logs(self, pod_id, cursor, idle, tail):
+            opened.append(pod_id)
+            if pod_id == "gone":
+                raise RuntimeError("404")
+            yield {"line": '{"event": "exit", "code": 28, "error": "GPU 0: 3 ECC"}'}
+            release.wait(30)  # a stream that stays open with nothing more to say
+
+    words = follow.LastWords(Api(), 28)
+    words.ask("p1")
+    words.ask("p1")  # once
+    words.ask("gone")
+    deadline = time.monotonic() + 10
+    while words.of("p1") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert words.of("p1") is not None and words.of("p1").gpu_failure == "GPU 0: 3 ECC"
+    assert words.pending("p1")  # still reading, within LAST_WITHIN
+    time.sleep(1.1)
+    assert not words.pending("p1") and not words.pending("gone")
+    assert words.of("gone") is None and not words.pending("never-asked")
+    assert sorted(opened) == ["gone", "p1"]
+    release.set()
