@@ -74,6 +74,8 @@ CLOSING_GRACE = 90.0
 DEADLINE_GRACE = 120.0
 UNKNOWN_GRACE = 300.0  # the job's stop grace when `up` was not told it (and the head is silent)
 GPU_EXIT = exits.code_of(GpuCheckFailed)
+# A worker's exits that a pod of the same spec meets again: bad input, a refused cluster token.
+SAME_AGAIN = frozenset({exits.code_of(errors.ConfigError), exits.code_of(errors.AuthRefused)})
 
 
 class Phase(str, enum.Enum):
@@ -117,7 +119,7 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
           past_deadline: float | None = None, head: str = "", spare: int = 0,
           head_spare: int = 0, born: Mapping[str, float] | None = None,
           failed: Mapping[str, str] | None = None,
-          pending: Collection[str] = ()) -> Verdict:
+          pending: Collection[str] = (), doomed: Mapping[str, str] | None = None) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
     code once its run is over for good, how often the head's podagent has started, which pods
     have been RUNNING (one restarting later is not one that never started), since when each
@@ -129,7 +131,9 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
     --timeout to run counts from then). `failed`: the pods whose GPUs failed their check,
     with why (their own word): replaced at once, whether or not `up` saw them RUNNING, the
     head's before its exit is taken for the run's. `pending`: stopped pods whose own log is
-    still being read for why (their loss waits for it)."""
+    still being read for why (their loss waits for it). `doomed`: pods that stopped
+    themselves for a cause a pod of the same spec would meet again (bad input, a refused
+    token), with their words: the run ends, nothing is replaced."""
     def lost(name: str, why: str, gpu: bool = False) -> Verdict:
         if name == head and head_spare > 0 and not cluster:
             return Verdict("recreate", why, gone=True, pod=name, gpu=gpu)
@@ -156,6 +160,10 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
         if name in failed:
             return lost(name, f"pod {name}'s GPUs failed their check before the job: "
                               f"{failed[name]}", gpu=True)
+        if doomed and name in doomed and status != "RUNNING":
+            return Verdict("fail", f"pod {name} stopped itself: {doomed[name]}; a replacement "
+                                   f"of the same spec would meet the same, so none is made",
+                           gone=True, pod=name)
         if status == "ERROR" and name in ran:
             return lost(name, f"pod {name} failed at RunPod (ERROR) while the run went on "
                               f"(its system log at RunPod says why)")
@@ -452,8 +460,10 @@ class Up:
                             # is gone was lost, whatever it was doing.
                             spare=0 if self.head.closing else self._spare(),
                             head_spare=self._spare(), born=self.born,
-                            failed=self._failed_checks(), pending=self._reading())
-            if verdict.pod and not verdict.gpu:  # a pod lost: what it said last, if known
+                            failed=self._failed_checks(), pending=self._reading(),
+                            doomed=(doomed := self._doomed()))
+            if verdict.pod and not verdict.gpu and verdict.pod not in doomed:
+                # a pod lost: what it said last, if known
                 verdict = dataclasses.replace(verdict, why=verdict.why + self._words(verdict.pod))
             if verdict.action == "done":
                 return self.head.exit
@@ -483,6 +493,16 @@ class Up:
         if pod_id and name != self._head_name() and self.head.exit is None \
                 and not self.head.closing:
             self.last_words.ask(pod_id)
+
+    def _doomed(self) -> dict[str, str]:
+        """Stopped workers whose last exit a new pod of the same spec would repeat."""
+        assert self.watch is not None
+        doomed = {}
+        for name, pod_id in self.watch.pod_ids.items():
+            words = self.last_words.of(pod_id)
+            if words is not None and words.code in SAME_AGAIN:
+                doomed[name] = f"exit {words.code}: {words.error}"
+        return doomed
 
     def _reading(self) -> set[str]:
         assert self.watch is not None

@@ -767,6 +767,15 @@ def test_a_pod_whose_gpus_failed_their_check_is_replaced_at_once():
                     ran={"head"}, exited_since={"w1": t0}, head="head", spare=1,
                     pending={"w1"})
     assert reading.action == "wait"
+    # A worker that stopped itself for a cause its replacement would meet (bad input, a
+    # refused token) ends the run at once: replacing it would only spend pods.
+    doomed = judge({"head": "RUNNING", "w1": "EXITED"}, t0, t0 + 1, 900, None, shape,
+                   ran={"head", "w1"}, exited_since={"w1": t0}, head="head", spare=3,
+                   doomed={"w1": "exit 13: the head refused this pod's cluster token"})
+    assert (doomed.action, doomed.gone, doomed.pod) == ("fail", True, "w1")
+    assert doomed.why == ("pod w1 stopped itself: exit 13: the head refused this pod's cluster "
+                          "token; a replacement of the same spec would meet the same, so none "
+                          "is made")
 
 
 def test_a_stopped_pods_last_words_are_its_last_exit():
