@@ -2,9 +2,9 @@
 
 Every check is a small function returning one CheckResult; run_checks runs each behind a guard,
 so a check that crashes becomes a FAIL row naming the exception and the others still run.
-Checks: the image's Ray and torch, GPUs, the NCCL interface, /dev/shm, open-file limit, free disk
-for logs and checkpoints, and on a worker: the head's DNS name and its Ray, dashboard and reward
-ports.
+Checks: the image's Ray and torch, GPUs and their health (nvidia-smi's memory errors), the NCCL
+interface, /dev/shm, open-file limit, free disk for logs and checkpoints, and on a worker: the
+head's DNS name and its Ray, dashboard and reward ports.
 """
 
 from __future__ import annotations
@@ -167,6 +167,29 @@ def check_gpus(settings: config.Settings) -> CheckResult:
     if settings.num_gpus is not None:
         how = f"{how}={offered}"
     return judge_gpus(look_for_gpus(offered), offered, how)
+
+
+def check_gpu_health(settings: config.Settings) -> CheckResult:
+    """nvidia-smi's facts as a start's GPU check judges them (PODAGENT_GPU_CHECK=smi): the
+    count, the type, memory errors. The speed is the start's to measure (seconds of GPU)."""
+    from podagent.checks import gpu_health
+
+    name = "gpu health"
+    offered, how = detect_gpus(settings)
+    if offered == 0:
+        return CheckResult(name, Status.SKIP, "no GPUs")
+    expected, expected_how = gpu_health.expected_gpus(settings, offered, how)
+    verdict = gpu_health.Verdict()
+    gpu_health.judge_smi(gpu_health.look(), expected, expected_how, settings.gpu_type, verdict)
+    if not verdict.ok:
+        return CheckResult(name, Status.FAIL, "; ".join(verdict.failures),
+                           "replace the pod (`podagent up` does, within --replacements): a "
+                           "start on these GPUs exits 28")
+    said = f"{expected} GPU(s) as expected ({expected_how}), no memory errors"
+    if verdict.notes:
+        return CheckResult(name, Status.WARN, f"{said}; {'; '.join(verdict.notes)}",
+                           "a newer NVIDIA driver reports ECC and remapped rows")
+    return CheckResult(name, Status.OK, said)
 
 
 # --- NCCL interface ------------------------------------------------------------------------------
@@ -447,6 +470,7 @@ def run_checks(settings: config.Settings, role: roles.Role,
         guarded("ray", lambda: check_ray(settings)),
         guarded("torch", check_torch),
         guarded("gpus", lambda: check_gpus(settings)),
+        guarded("gpu health", lambda: check_gpu_health(settings)),
         guarded("interface", lambda: check_interface(settings, head_ip)),
         guarded("shm", check_shm),
         guarded("nofile", check_nofile),

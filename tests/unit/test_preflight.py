@@ -4,6 +4,7 @@ child process, a real DNS server, real sockets, real file systems), plus the res
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import socket
@@ -254,8 +255,8 @@ def test_a_head_ip_from_the_caller_needs_no_lookup(dns, tmp_path, listening):
 def test_the_head_runs_no_head_checks(dns, tmp_path):
     s = worker_env(dns, tmp_path, HEAD_POD_ID="h1")
     names = [r.name for r in preflight.run_checks(s, Role.HEAD)]
-    assert names == ["ray", "torch", "gpus", "interface", "shm", "nofile", "disk:logs",
-                     "disk:checkpoints"]
+    assert names == ["ray", "torch", "gpus", "gpu health", "interface", "shm", "nofile",
+                     "disk:logs", "disk:checkpoints"]
     assert dns.queries == []
 
 
@@ -443,3 +444,23 @@ def test_a_full_run_on_this_pod_gives_one_row_per_check(tmp_path):
     assert all("the check itself failed" not in r.detail for r in results)
     table = preflight.render_table(results)
     assert len([line for line in table.splitlines() if line[:1] in "✓!✗-"]) == len(results)
+
+
+def test_gpu_health_is_nvidia_smis_facts_as_a_start_judges_them(tmp_path, monkeypatch):
+    """`podagent check` says before a start would: a GPU with memory errors fails the row."""
+    from tests.fakes import nvidia_smi
+
+    bin_dir = tmp_path / "bin"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env = {"RUNPOD_GPU_COUNT": "1", "PODAGENT_LOG_DIR": str(tmp_path)}
+    nvidia_smi.install(bin_dir, {"gpus": [{"name": "NVIDIA H200", "ecc": 0,
+                                           "remap_pending": True}]})
+    row = preflight.check_gpu_health(config.build({}, env))
+    assert row.status is Status.FAIL and "a row remapping is pending" in row.detail
+    assert "exits 28" in row.fix
+    nvidia_smi.install(bin_dir, {"gpus": [{"name": "NVIDIA H200", "ecc": 0}]})
+    assert preflight.check_gpu_health(config.build({}, env)).status is Status.OK
+    nvidia_smi.install(bin_dir, {"mode": "old-driver", "gpus": [{"name": "NVIDIA H200"}]})
+    assert preflight.check_gpu_health(config.build({}, env)).status is Status.WARN
+    assert preflight.check_gpu_health(
+        config.build({}, {**env, "PODAGENT_NUM_GPUS": "0"})).status is Status.SKIP
