@@ -57,6 +57,7 @@ class Event(Named):
     JOB_SUBMITTED = "job_submitted"  # a timed step
     JOB_FINISHED = "job_finished"  # a timed step
     JOB_STOPPED = "job_stopped"
+    POD_REPLACED = "pod_replaced"  # a detached run's head replaced a worker RunPod lost
     RESUME = "resume"
     CHECK = "check"  # the cluster check's result
     # The Ray engine's worker

@@ -18,6 +18,7 @@ from podagent.cluster.census import NODE_POLL, WorkerCensus
 from podagent.cluster.head_ray import WATCH_INTERVAL, HeadRay
 from podagent.cluster.jobs import SUBMIT_TIMEOUT
 from podagent.cluster.recovery import JobAttempt, NodeLost, Recovery
+from podagent.cluster.replacer import PodReplacer
 from podagent.cluster.reward_server import RewardServer
 from podagent.cluster.stop_watch import StopWatch, WatchedSignals
 from podagent.config import Settings
@@ -54,6 +55,7 @@ class HeadNode:
                            ledger.current_submission_id())
         self.census = WorkerCensus(self.ray.nodes, reporter, self.ray.registered)
         self.recovery = Recovery(settings, ledger, self.census, reporter, signals)
+        self.replacer = PodReplacer.of(settings, ledger, reporter)
 
     @property
     def gpus(self) -> int:
@@ -233,6 +235,8 @@ class Head(Lifecycle[HeadState]):
             self.reporter.say(f"waiting for {expected} worker(s) "
                               f"(timeout {self.settings.worker_timeout:g} s)")
             self.node.gather(Event.WORKERS_JOINED, self._check_reward_alive)
+        if self.node.replacer:  # what each worker was created with, while RunPod lists it
+            self.node.replacer.remember()
         return HeadState.WAITING_REWARD
 
     def _check_reward_alive(self) -> None:
@@ -326,7 +330,16 @@ class Head(Lifecycle[HeadState]):
     def _recover(self) -> HeadState:
         """Wait until the cluster is whole again (a replacement pod counts), then back off."""
         head = self.node
-        head.gather(Event.CLUSTER_WHOLE, self._check_reward_alive,
+        replacer = head.replacer
+        if replacer and not replacer.bodies:  # a head started again since they joined
+            replacer.remember()
+
+        def still_fine() -> None:
+            self._check_reward_alive()
+            if replacer:  # a detached run's: the lost pod replaced at RunPod
+                replacer.tick()
+
+        head.gather(Event.CLUSTER_WHOLE, still_fine,
                     lambda: {"replaced": [list(pair) for pair in head.census.replaced]})
         head.recovery.before_resubmitting()
         return HeadState.SUBMITTING

@@ -382,6 +382,11 @@ FIELDS: tuple[Field, ...] = (
               "(else exit 25); 0: no watch. The default is above a healthy trainer's longest "
               "silence (a large checkpoint save, a long rollout) and far below NCCL's timeout.",
               default=1800.0),
+        Field("replacements", "PODAGENT_REPLACEMENTS", "--replacements", whole(0, 100),
+              "The head of a detached `podagent up` run (which sets it): how many worker pods "
+              "RunPod loses it replaces itself (terminated, and one of the same spec created "
+              "under the name), with the account key PODAGENT_RUNPOD_API_KEY; 0: none.",
+              default=0),
         Field("deadline", "PODAGENT_DEADLINE", "--deadline", moment,
               "When the run must be over (Unix seconds, or ISO 8601 with its zone: "
               "2026-11-30T12:00:00Z): then the head stops the job (SIGTERM, "

@@ -86,7 +86,8 @@ UP_OPTIONS: tuple[UpOption, ...] = (
              help="Pods RunPod stops, fails or terminates mid-run that `up` replaces (default "
                   "3): a worker by a new pod of the same spec, the head by the whole run "
                   "created again; the job resumes from its checkpoint. Then a lost pod ends "
-                  "the run (exit 24); 0: the first does. Not with --cluster or --detach."),
+                  "the run (exit 24); 0: the first does. Not with --cluster; with --detach "
+                  "(on Ray) the head replaces lost workers, given the account key."),
     UpOption("timeout", ("--timeout",), float, 900.0, metavar="SECONDS",
              help="Every pod must be RUNNING within this."),
     UpOption("api_timeout", ("--api-timeout",), float, 60.0, metavar="SECONDS",

@@ -48,9 +48,10 @@ _IMAGE = re.compile(
 # What podagent on the pods is told by `up` itself: a user's -e may not set these.
 DEADLINE = FIELD_BY_ATTR["deadline"].env  # --max-duration/--max-cost, as the pods hold them
 GPU_TYPE = FIELD_BY_ATTR["gpu_type"].env
+REPLACEMENTS_VARIABLE = FIELD_BY_ATTR["replacements"].env
 OWN_VARIABLES = ("PODAGENT_RUN_NAME", "EXPECTED_WORKERS", "PODAGENT_JOB", "HEAD_POD_ID",
                  "RAY_WORKER", "PODAGENT_LOG_FORMAT", "PODAGENT_AFTER_RUN", "PODAGENT_LAUNCHER",
-                 DEADLINE, LABEL, RUNPOD_API_URL)
+                 DEADLINE, LABEL, RUNPOD_API_URL, REPLACEMENTS_VARIABLE)
 # The one variable a run's pods may be given an account key in (--secret NAME=SECRET only):
 # the head then terminates every pod of the run at its end.
 ACCOUNT_KEY = RUNPOD_ACCOUNT_KEY
@@ -278,11 +279,13 @@ def build(*, run: str | None, gpu_type: str, gpus_per_pod: int, pods: int, image
     if replacements is not None and not 0 <= replacements <= MAX_PODS:
         raise _fail(flag("replacements"), replacements,
                     f"must be between 0 and {MAX_PODS} (lost pods replaced)")
-    if replacements is not None and (cluster or detach):
-        raise InputError(f"--replacements cannot be used with "
-                         f"{'--cluster' if cluster else '--detach'}: "
-                         + ("RunPod creates an Instant Cluster's pods as one" if cluster else
-                            "a detached run has no `up` to replace its pods"))
+    if replacements is not None and cluster:
+        raise InputError("--replacements cannot be used with --cluster: RunPod creates an "
+                         "Instant Cluster's pods as one")
+    if replacements and detach and launcher != RAY_LAUNCHER:
+        raise InputError(f"--replacements cannot be used with --detach and --launcher "
+                         f"{launcher}: a detached run's head replaces lost workers on Ray only "
+                         f"(give --replacements 0, or follow the run)")
     if timeout <= 0:
         raise _fail(flag("timeout"), timeout, "must be a positive number of seconds")
     if api_timeout <= 0:
@@ -539,6 +542,10 @@ def pod_env(spec: UpSpec, rank: int | None, head_id: str | None = None) -> dict[
                 "PODAGENT_LOG_FORMAT": "json"})
     if rank in (0, None):
         env["EXPECTED_WORKERS"] = str(spec.workers)
+        if spec.detach and spec.launcher == RAY_LAUNCHER and not spec.cluster:
+            # No `up` follows a detached run: its head replaces a lost worker itself (with
+            # the account key, which `up` says when it is not given).
+            env[REPLACEMENTS_VARIABLE] = str(spec.replacements)
         if spec.job:
             env["PODAGENT_JOB"] = shlex.join(spec.job)
     if spec.deadline is not None:  # every pod holds it: a detached run, a worker whose head

@@ -74,6 +74,10 @@ CLOSING_GRACE = 90.0
 DEADLINE_GRACE = 120.0
 UNKNOWN_GRACE = 300.0  # the job's stop grace when `up` was not told it (and the head is silent)
 GPU_EXIT = exits.code_of(GpuCheckFailed)
+# How long `up --name RUN` waits for the head of a detached run to replace a lost worker (its
+# look at RunPod every 10 s, the create, the new pod listed).
+HEAD_REPLACE_GRACE = 120.0
+ADOPT_EVERY = 10.0
 # A worker's exits that a pod of the same spec meets again: bad input, a refused cluster token.
 SAME_AGAIN = frozenset({exits.code_of(errors.ConfigError), exits.code_of(errors.AuthRefused)})
 
@@ -119,7 +123,8 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
           past_deadline: float | None = None, head: str = "", spare: int = 0,
           head_spare: int = 0, born: Mapping[str, float] | None = None,
           failed: Mapping[str, str] | None = None,
-          pending: Collection[str] = (), doomed: Mapping[str, str] | None = None) -> Verdict:
+          pending: Collection[str] = (), doomed: Mapping[str, str] | None = None,
+          awaited: Collection[str] = ()) -> Verdict:
     """What to do next, from each pod's status (None: RunPod no longer lists it), the head's
     code once its run is over for good, how often the head's podagent has started, which pods
     have been RUNNING (one restarting later is not one that never started), since when each
@@ -133,7 +138,8 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
     head's before its exit is taken for the run's. `pending`: stopped pods whose own log is
     still being read for why (their loss waits for it). `doomed`: pods that stopped
     themselves for a cause a pod of the same spec would meet again (bad input, a refused
-    token), with their words: the run ends, nothing is replaced."""
+    token), with their words: the run ends, nothing is replaced. `awaited`: lost workers whose
+    replacement the run's head makes (a detached run followed again): waited for."""
     def lost(name: str, why: str, gpu: bool = False) -> Verdict:
         if name == head and head_spare > 0 and not cluster:
             return Verdict("recreate", why, gone=True, pod=name, gpu=gpu)
@@ -164,6 +170,8 @@ def judge(statuses: Mapping[str, str | None], started: float, now: float, timeou
             return Verdict("fail", f"pod {name} stopped itself: {doomed[name]}; a replacement "
                                    f"of the same spec would meet the same, so none is made",
                            gone=True, pod=name)
+        if name in awaited and status in (None, "TERMINATED", "EXITED", "ERROR"):
+            continue
         if status == "ERROR" and name in ran:
             return lost(name, f"pod {name} failed at RunPod (ERROR) while the run went on "
                               f"(its system log at RunPod says why)")
@@ -219,6 +227,11 @@ class Up:
         self.terminated = False  # the clean-up saw every pod of the run gone
         self.exited_since: dict[str, float] = {}
         self.born: dict[str, float] = {}  # when each replacement was created (monotonic)
+        # A detached run followed again: its head replaces lost workers (since when each
+        # has been lost, waiting for that).
+        self.head_replaces = False
+        self.lost_since: dict[str, float] = {}
+        self.adopt_next: dict[str, float] = {}
         # Starts of the head's podagent a lost worker caused (a run without Ray starts again
         # on every pod): not a crash loop.
         self.lost_restarts = 0
@@ -279,6 +292,8 @@ class Up:
         self._phase(Phase.CHECKING)
         self.checked = check(spec, self.client, self.follow_only, self.say)
         spec = self.spec = self.checked.spec  # its deadline worked out
+        self.head_replaces = self.follow_only and not spec.cluster and \
+            self.checked.record.status == state.DETACHED
         head = specs.pod_name(spec.run, 0)
         if self.follow_only and not spec.cluster and self.checked.pod_ids \
                 and head not in self.checked.pod_ids:
@@ -461,7 +476,8 @@ class Up:
                             spare=0 if self.head.closing else self._spare(),
                             head_spare=self._spare(), born=self.born,
                             failed=self._failed_checks(), pending=self._reading(),
-                            doomed=(doomed := self._doomed()))
+                            doomed=(doomed := self._doomed()),
+                            awaited=self._awaited(statuses))
             if verdict.pod and not verdict.gpu and verdict.pod not in doomed:
                 # a pod lost: what it said last, if known
                 verdict = dataclasses.replace(verdict, why=verdict.why + self._words(verdict.pod))
@@ -493,6 +509,51 @@ class Up:
         if pod_id and name != self._head_name() and self.head.exit is None \
                 and not self.head.closing:
             self.last_words.ask(pod_id)
+
+    def _awaited(self, statuses: Mapping[str, str | None]) -> set[str]:
+        """A detached run followed again (`up --name RUN`): its head replaces a worker RunPod
+        lost. Such a worker is waited for (HEAD_REPLACE_GRACE) and its replacement, once
+        RunPod lists it under the name, followed in its place."""
+        if not self.head_replaces:
+            return set()
+        assert self.watch is not None
+        now = time.monotonic()
+        awaited = set()
+        for name, status in statuses.items():
+            if name == self._head_name() or status not in (None, "TERMINATED", "EXITED",
+                                                             "ERROR"):
+                self.lost_since.pop(name, None)
+                continue
+            since = self.lost_since.setdefault(name, now)
+            # One look for it in ADOPT_EVERY: RunPod's list is rate-limited.
+            if now >= self.adopt_next.get(name, 0.0):
+                self.adopt_next[name] = now + ADOPT_EVERY
+                if self._adopt(name):  # its status is the next look's
+                    awaited.add(name)
+                    continue
+            if now - since < HEAD_REPLACE_GRACE:
+                awaited.add(name)
+        return awaited
+
+    def _adopt(self, name: str) -> bool:
+        """The head's replacement of worker `name`, if RunPod lists one: followed instead."""
+        assert self.watch is not None
+        old = self.watch.pod_ids.get(name, "")
+        try:
+            found = self.client.find_pod(name, not_these=(old,))
+        except PodagentError:
+            return False
+        if not found or str(found.get("id", "")) in ("", old):
+            return False
+        self.watch.pod_ids[name] = str(found["id"])
+        self.ran.discard(name)
+        self.exited_since.pop(name, None)
+        self.lost_since.pop(name, None)
+        self.born[name] = time.monotonic()
+        self.board.row(name).joined = False
+        self.say(f"pod {name} ({old}) was replaced by the run's head: following {found['id']} "
+                 f"in its place")
+        return True
 
     def _doomed(self) -> dict[str, str]:
         """Stopped workers whose last exit a new pod of the same spec would repeat."""
@@ -668,6 +729,13 @@ class Up:
                  f"{specs.ACCOUNT_KEY}=..., the head terminates them all). `podagent up --name "
                  f"{run}` follows it again, `podagent ls` shows it, `podagent down {run}` "
                  f"terminates it")
+        if specs.REPLACEMENTS_VARIABLE in specs.pod_env(self.spec, 0):
+            keyed = any(name == specs.ACCOUNT_KEY for name, _ in self.spec.env)
+            self.say(f"a worker RunPod loses is replaced by the run's head (up to "
+                     f"{self.spec.replacements}, --replacements)" if keyed else
+                     f"WARNING: a worker RunPod loses is not replaced: the head needs --secret "
+                     f"{specs.ACCOUNT_KEY}=... for it (without, a lost worker ends the run "
+                     f"after PODAGENT_WORKER_TIMEOUT)")
 
     def _left_billing(self, failure: BaseException | None, code: int | None) -> NoReturn:
         """The pods could not all be terminated: whatever ended the run, `up` ends with

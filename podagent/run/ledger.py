@@ -172,6 +172,11 @@ class Ledger:
             self.finished["exit_code"] = code
             self._write()
 
+    def save(self) -> None:
+        """Written as it is now (a part of the run that keeps its own entry: the head's
+        replacements)."""
+        self._write()
+
     def _write(self) -> None:
         """Whole or not at all; a volume that refuses (full, read-only) is a LedgerError, and
         what was asked stays in memory for the next write."""

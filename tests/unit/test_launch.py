@@ -80,7 +80,8 @@ def build(**over):
     ({"shared_volume_gb": 50, "volume_gb": 20}, "give at most one of --shared-volume GB"),
     ({"shared_volume_gb": 50, "no_shared_volume": True}, "give at most one of --shared-vol"),
     ({"shared_volume_gb": 50, "network_volume": "v"}, "give at most one of --shared-volume"),
-    ({"replacements": 2, "detach": True}, "--replacements cannot be used with --detach"),
+    ({"replacements": 2, "detach": True, "launcher": "torchrun", "job": ("t.py",)},
+     "--replacements cannot be used with --detach and --launcher torchrun"),
     ({"replacements": 2, "cluster": True}, "--replacements cannot be used with --cluster"),
 ])
 def test_bad_input_is_one_line_naming_it(over, says):
@@ -767,6 +768,12 @@ def test_a_pod_whose_gpus_failed_their_check_is_replaced_at_once():
                     ran={"head"}, exited_since={"w1": t0}, head="head", spare=1,
                     pending={"w1"})
     assert reading.action == "wait"
+    # A detached run followed again: a lost worker is its head's to replace, waited for.
+    for status in (None, "EXITED"):
+        awaited = judge({"head": "RUNNING", "w1": status}, t0, t0 + 60, 900, None, shape,
+                        ran={"head", "w1"}, exited_since={"w1": t0}, head="head",
+                        awaited={"w1"})
+        assert awaited.action == "wait", status
     # A worker that stopped itself for a cause its replacement would meet (bad input, a
     # refused token) ends the run at once: replacing it would only spend pods.
     doomed = judge({"head": "RUNNING", "w1": "EXITED"}, t0, t0 + 1, 900, None, shape,
