@@ -331,7 +331,7 @@ class Head(Lifecycle[HeadState]):
         """Wait until the cluster is whole again (a replacement pod counts), then back off."""
         head = self.node
         replacer = head.replacer
-        if replacer and not replacer.bodies:  # a head started again since they joined
+        if replacer and not replacer.workers:  # a head started again since they joined
             replacer.remember()
 
         def still_fine() -> None:

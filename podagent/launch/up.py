@@ -76,7 +76,7 @@ UNKNOWN_GRACE = 300.0  # the job's stop grace when `up` was not told it (and the
 GPU_EXIT = exits.code_of(GpuCheckFailed)
 # How long `up --name RUN` waits for the head of a detached run to replace a lost worker (its
 # look at RunPod every 10 s, the create, the new pod listed).
-HEAD_REPLACE_GRACE = 120.0
+HEAD_REPLACE_GRACE = 900.0
 ADOPT_EVERY = 10.0
 # A worker's exits that a pod of the same spec meets again: bad input, a refused cluster token.
 SAME_AGAIN = frozenset({exits.code_of(errors.ConfigError), exits.code_of(errors.AuthRefused)})
@@ -292,9 +292,8 @@ class Up:
         self._phase(Phase.CHECKING)
         self.checked = check(spec, self.client, self.follow_only, self.say)
         spec = self.spec = self.checked.spec  # its deadline worked out
-        self.head_replaces = self.follow_only and not spec.cluster and \
-            self.checked.record.status == state.DETACHED
         head = specs.pod_name(spec.run, 0)
+        self.head_replaces = self._head_replaces(head)
         if self.follow_only and not spec.cluster and self.checked.pod_ids \
                 and head not in self.checked.pod_ids:
             # Nothing would ever end this run: its workers wait for a head that is gone.
@@ -473,7 +472,9 @@ class Up:
                             past_deadline=self._past_deadline(), head=self._head_name(),
                             # A head ending the run stops its workers itself; a head that
                             # is gone was lost, whatever it was doing.
-                            spare=0 if self.head.closing else self._spare(),
+                            # A head that replaces its workers itself: none replaced here.
+                            spare=0 if self.head.closing or self.head_replaces
+                            else self._spare(),
                             head_spare=self._spare(), born=self.born,
                             failed=self._failed_checks(), pending=self._reading(),
                             doomed=(doomed := self._doomed()),
@@ -510,10 +511,29 @@ class Up:
                 and not self.head.closing:
             self.last_words.ask(pod_id)
 
+    def _head_replaces(self, head: str) -> bool:
+        """Whether the run's head (already at RunPod: a run re-attached to) replaces lost
+        workers itself: a detached run's, by what it was created with (its env at RunPod,
+        whoever's machine follows it). `up` then replaces none of them: never two of one."""
+        assert self.checked is not None
+        head_id = self.checked.pod_ids.get(head)
+        if self.spec.cluster or not head_id:
+            return False
+        try:
+            pod = self.client.get_pod(head_id)
+        except PodagentError:
+            return False
+        env = (pod or {}).get("env")
+        if not isinstance(env, Mapping):
+            return False
+        budget = str(env.get(specs.REPLACEMENTS_VARIABLE, "0"))
+        return budget.isdigit() and int(budget) > 0 and specs.ACCOUNT_KEY in env
+
     def _awaited(self, statuses: Mapping[str, str | None]) -> set[str]:
         """A detached run followed again (`up --name RUN`): its head replaces a worker RunPod
-        lost. Such a worker is waited for (HEAD_REPLACE_GRACE) and its replacement, once
-        RunPod lists it under the name, followed in its place."""
+        lost. Such a worker is waited for (HEAD_REPLACE_GRACE: past the head's own wait for
+        it, PODAGENT_WORKER_TIMEOUT, after which the head ends the run itself) and its
+        replacement, once RunPod lists it under the name, followed in its place."""
         if not self.head_replaces:
             return set()
         assert self.watch is not None
