@@ -867,3 +867,26 @@ def test_a_stopped_pods_log_is_read_once_in_its_own_thread_and_never_waited_for_
     assert words.of("gone") is None and not words.pending("never-asked")
     assert sorted(opened) == ["gone", "p1"]
     release.set()
+
+
+def test_up_reattached_to_a_run_whose_head_replaces_replaces_no_worker_itself():
+    """The head's own env at RunPod says whether it replaces (a detached run's, with the
+    account key), whoever's machine follows it: never two replacements of one worker."""
+    from types import SimpleNamespace
+
+    from podagent.launch.up import Up
+
+    def head_replaces(env: dict[str, str] | None) -> bool:
+        up = Up.__new__(Up)
+        up.spec = build(pods=2)
+        up.checked = SimpleNamespace(pod_ids={"podagent-demo-head": "h1"})
+        up.client = SimpleNamespace(get_pod=lambda pod_id: None if env is None else
+                                    {"id": pod_id, "env": env})
+        return up._head_replaces("podagent-demo-head")
+
+    key = {"PODAGENT_RUNPOD_API_KEY": "{{ RUNPOD_SECRET_acct }}"}
+    assert head_replaces({"PODAGENT_REPLACEMENTS": "3", **key})
+    assert not head_replaces({"PODAGENT_REPLACEMENTS": "3"})  # no key: it cannot
+    assert not head_replaces({"PODAGENT_REPLACEMENTS": "0", **key})
+    assert not head_replaces({"PODAGENT_REPLACEMENTS": "many", **key})
+    assert not head_replaces(None)  # the head is gone
