@@ -1,4 +1,4 @@
-"""The GPU check before the job (podagent/checks/gpu_health.py), on this host's GPUs: its
+"""The GPU check before the job (podagent/run/gpu_check.py), on this host's GPUs: its
 seconds per pod, and whether what it measures is what the GPU does.
 
     python bench/gpu_check.py --runs 3            # a host with NVIDIA GPUs, torch with CUDA
@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from podagent import config  # noqa: E402
-from podagent.checks import gpu_health, gpu_probe  # noqa: E402
 from podagent.report import Reporter  # noqa: E402
+from podagent.run import gpu_check, gpu_probe  # noqa: E402
 from podagent.waiting import Signals  # noqa: E402
 from tests.harness.benchkit import fmt, median, table  # noqa: E402
 
@@ -51,7 +51,7 @@ def one_check(mode: str, visible: str | None, count: int, log_dir: Path) -> tupl
     probe_env = {k: v for k, v in env.items()}
     reporter = Reporter("worker", "bench", None, stream=io.StringIO())
     began = time.monotonic()
-    verdict = gpu_health.check(settings, reporter, Signals(), probe_env)
+    verdict = gpu_check.check(settings, reporter, Signals(), probe_env)
     seconds = time.monotonic() - began
     assert verdict is not None
     return seconds, verdict.figures
@@ -69,7 +69,7 @@ def main() -> int:
         print("no CUDA device: this bench needs NVIDIA GPUs")
         return 2
     name = torch.cuda.get_device_name(0)
-    peak = gpu_health.peak_of(name)
+    peak = gpu_check.peak_of(name)
     rows = []
     failed = 0
     for label, visible, count in (("1 GPU", "0", 1), (f"{gpus} GPUs", None, gpus)):

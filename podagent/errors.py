@@ -127,7 +127,7 @@ class DeadlineReached(PodagentError):
 
 
 class GpuCheckFailed(PodagentError):
-    """This pod's GPUs failed the check before the job (checks/gpu_health.py: missing, of
+    """This pod's GPUs failed the check before the job (run/gpu_check.py: missing, of
     another type, with memory errors, slow, or not reducing together); the message names
     each failure. A new start on the same GPUs would fail again: the pod stops, and `podagent
     up` replaces it."""

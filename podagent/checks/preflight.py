@@ -172,15 +172,15 @@ def check_gpus(settings: config.Settings) -> CheckResult:
 def check_gpu_health(settings: config.Settings) -> CheckResult:
     """nvidia-smi's facts as a start's GPU check judges them (PODAGENT_GPU_CHECK=smi): the
     count, the type, memory errors. The speed is the start's to measure (seconds of GPU)."""
-    from podagent.checks import gpu_health
+    from podagent.run import gpu_check
 
     name = "gpu health"
     offered, how = detect_gpus(settings)
     if offered == 0:
         return CheckResult(name, Status.SKIP, "no GPUs")
-    expected, expected_how = gpu_health.expected_gpus(settings, offered, how)
-    verdict = gpu_health.Verdict()
-    gpu_health.judge_smi(gpu_health.look(), expected, expected_how, settings.gpu_type, verdict)
+    expected, expected_how = gpu_check.expected_gpus(settings, offered, how)
+    verdict = gpu_check.Verdict()
+    gpu_check.judge_smi(gpu_check.look(), expected, expected_how, settings.gpu_type, verdict)
     if not verdict.ok:
         return CheckResult(name, Status.FAIL, "; ".join(verdict.failures),
                            "replace the pod (`podagent up` does, within --replacements): a "

@@ -46,12 +46,12 @@ def check_gpus(settings: Settings, reporter: Reporter, signals: Signals,
     """This pod's GPUs checked before anything uses them (PODAGENT_GPU_CHECK; GpuCheckFailed:
     exit 28). The probe runs under the pod's NCCL preset, as the job will; it needs no
     secret: every variable podagent knows to be one is left out."""
-    from podagent.checks import gpu_health  # its probe's torch is needed only here
     from podagent.config.policy import child_environ, is_secret
+    from podagent.run import gpu_check  # its probe, and torch, only where a pod checks
 
     env = child_environ(os.environ, is_secret)
     env.update(nccl_env.variables)  # the user's own NCCL_* are in os.environ: they won
-    gpu_health.check(settings, reporter, signals, env)
+    gpu_check.check(settings, reporter, signals, env)
 
 
 def say_gpu_check(settings: Settings, reporter: Reporter) -> None:

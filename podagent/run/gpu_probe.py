@@ -1,7 +1,7 @@
 """The GPU check's measurements, in a process of their own (`python -m
-podagent.checks.gpu_probe`): each GPU's BF16 matmul throughput, one process per GPU at once,
+podagent.run.gpu_probe`): each GPU's BF16 matmul throughput, one process per GPU at once,
 and with two GPUs or more an all-reduce across all of them whose sum is checked. One JSON
-object on stdout; podagent's GPU check (checks/gpu_health.py) judges it.
+object on stdout; podagent's GPU check (run/gpu_check.py) judges it.
 
 A child process because CUDA, once started in a process, stays there: podagent itself never
 holds a GPU that Ray or the job will need, and a GPU that hangs is ended with its process
@@ -138,7 +138,7 @@ def probe(kind: str, count: int | None, work: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m podagent.checks.gpu_probe")
+    parser = argparse.ArgumentParser(prog="python -m podagent.run.gpu_probe")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--count", type=int, default=None,
                         help="--device cpu: how many ranks stand for GPUs")

@@ -1,4 +1,4 @@
-"""The GPU check before the job (checks/gpu_health.py): nvidia-smi's facts read and judged
+"""The GPU check before the job (run/gpu_check.py): nvidia-smi's facts read and judged
 (a stand-in nvidia-smi answers as the driver words it: tests/fakes/nvidia_smi.py), the probe
 run for real as a child process (on the CPU with gloo: its ranks, its all-reduce, its deadline,
 a signal), and the verdict's outcome: GpuCheckFailed (exit 28) naming each failure, or a pass."""
@@ -17,10 +17,10 @@ import psutil
 import pytest
 
 from podagent import config
-from podagent.checks import gpu_health as gh
 from podagent.errors import ConfigError, GpuCheckFailed, Interrupted
 from podagent.report import Reporter
 from podagent.run import exits
+from podagent.run import gpu_check as gh
 from podagent.waiting import Signals
 from tests.fakes import nvidia_smi
 
@@ -181,7 +181,7 @@ def test_a_wrong_all_reduce_or_a_rank_error_or_a_failed_probe_fails():
 
 def _no_probe_left() -> bool:
     return not [p for p in psutil.process_iter(["cmdline"])
-                if "podagent.checks.gpu_probe" in " ".join(p.info["cmdline"] or [])]
+                if "podagent.run.gpu_probe" in " ".join(p.info["cmdline"] or [])]
 
 
 def test_the_probe_measures_every_rank_and_reduces_across_them(tmp_path):
@@ -282,7 +282,7 @@ def test_the_settings_refuse_nonsense_with_one_line(tmp_path):
 
 def test_the_probe_prints_one_json_object_even_without_torch_working(tmp_path):
     """Its answer is always a line the check can read."""
-    from podagent.checks import gpu_probe
+    from podagent.run import gpu_probe
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

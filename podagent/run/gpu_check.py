@@ -6,7 +6,7 @@ the trainer hours in.
           the type asked for (PODAGENT_GPU_TYPE, which `podagent up` sets), no uncorrected ECC
           error since the driver loaded, no page waiting to be retired, no row remapping
           pending or failed.
-    full: those, then a child process (checks/gpu_probe.py) measures each GPU's BF16 matmul
+    full: those, then a child process (run/gpu_probe.py) measures each GPU's BF16 matmul
           against its type's rated dense BF16 throughput (PEAK_TFLOPS) and its siblings, and
           reduces across the pod's GPUs with the sums checked.
 
@@ -185,7 +185,7 @@ def look(timeout: float = SMI_TIMEOUT) -> Sighting:
 
 @dataclass(frozen=True)
 class Probe:
-    """What checks/gpu_probe.py measured: per rank (GPU) its TFLOPS and the all-reduce."""
+    """What run/gpu_probe.py measured: per rank (GPU) its TFLOPS and the all-reduce."""
     ranks: tuple[Mapping[str, Any], ...] = ()
     seconds: float = 0.0
     failure: str = ""  # the probe could not run or answer, or the GPUs could not be used
@@ -198,7 +198,7 @@ def run_probe(env: Mapping[str, str], log: Path, signals: Signals,
     at the deadline or on a signal (which then ends the check)."""
     began = time.monotonic()
     work = tempfile.mkdtemp(prefix="podagent-gpu-probe-")  # removed however the probe ends
-    probe = ManagedProcess("gpu-probe", [sys.executable, "-m", "podagent.checks.gpu_probe",
+    probe = ManagedProcess("gpu-probe", [sys.executable, "-m", "podagent.run.gpu_probe",
                                          "--work", work, *argv_tail], env, log)
     offset = log.stat().st_size if log.exists() else 0  # an earlier start's lines stay
     try:
