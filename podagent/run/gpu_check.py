@@ -12,8 +12,8 @@ the trainer hours in.
 
 A GPU that fails raises GpuCheckFailed (exit 28): the pod stops itself rather than being
 started again on the same GPUs, and `podagent up` replaces it (--replacements). The policy
-(`judge`) is a pure function of what nvidia-smi and the probe said; the mechanism (running
-them, within deadlines) is apart.
+(`judge_smi`, `judge_probe`) is pure functions of what nvidia-smi and the probe said; the
+mechanism (running them, within deadlines: `look`, `run_probe`) is apart.
 """
 
 from __future__ import annotations
