@@ -53,6 +53,9 @@ def report() -> Iterator[list[tuple[str, str, int, float]]]:
             print(f"{case:21} {call:16} {code:4}  {took:.1f} s")
 
 
+OUTCOME_BOUND = 180.0
+
+
 @pytest.fixture
 def cloud(pod_network: PodNetwork, dns_server: DnsServer, tmp_path: Path
           ) -> Iterator[FakeRunPodCloud]:
@@ -74,9 +77,11 @@ def _up(cloud: FakeRunPodCloud, tmp_path: Path, name: str, *extra: str,
 def _outcome(cloud: FakeRunPodCloud, proc: subprocess.Popen, name: str) -> tuple[int, str]:
     """The exit code and output of `up`, once RunPod lists nothing of its run."""
     try:
-        out, _ = proc.communicate(timeout=120)
+        # A create cut off by the fault is waited for until its deadline has passed twice
+        # over (2 x --api-timeout's 60 s): a create that never reached RunPod costs all of it.
+        out, _ = proc.communicate(timeout=OUTCOME_BOUND)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"`up` still running 120 s after the fault:\n"
+        raise AssertionError(f"`up` still running {OUTCOME_BOUND:g} s after the fault:\n"
                              f"{stacks_of(proc)[-8000:]}") from None
     gone_within(cloud, name, 0.0)
     cloud.clear_after_response()
