@@ -94,7 +94,7 @@ def pod_ip(i: int) -> str:
 def make_network(k: int) -> None:
     """K namespaces on one bridge, each with its veth end named podnet1 and its own address.
     pyroute2, not `ip`: GPU hosts may lack iproute2."""
-    from pyroute2 import IPRoute, NetNS, netns
+    from pyroute2 import IPRoute
 
     remove_network()  # what an interrupted run left
     with IPRoute() as ipr:
@@ -102,19 +102,29 @@ def make_network(k: int) -> None:
         ipr.link("add", ifname=BRIDGE, kind="bridge", br_nf_call_iptables=0)
         bridge = ipr.link_lookup(ifname=BRIDGE)[0]
         ipr.link("set", index=bridge, state="up")
-        for i in range(k):
-            name = pod_name(i)
-            netns.create(name)
-            ipr.link("add", ifname=f"{name}h", kind="veth", peer=f"{name}p")
-            ipr.link("set", index=ipr.link_lookup(ifname=f"{name}p")[0], net_ns_fd=name)
-            ipr.link("set", index=ipr.link_lookup(ifname=f"{name}h")[0], master=bridge,
-                     state="up")
-            with NetNS(name) as ns:
-                index = ns.link_lookup(ifname=f"{name}p")[0]
-                ns.link("set", index=index, ifname=IFNAME)
-                ns.addr("add", index=index, address=pod_ip(i), prefixlen=24)
-                ns.link("set", index=index, state="up")
-                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+    for i in range(k):
+        add_pod(i)
+
+
+def add_pod(i: int) -> None:
+    """Pod i on the existing bridge: its namespace, its veth end named podnet1, its address
+    (bench/gpu_replace.py adds a new host this way in place of a lost one)."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    name = pod_name(i)
+    with IPRoute() as ipr:
+        bridge = ipr.link_lookup(ifname=BRIDGE)[0]
+        netns.create(name)
+        ipr.link("add", ifname=f"{name}h", kind="veth", peer=f"{name}p")
+        ipr.link("set", index=ipr.link_lookup(ifname=f"{name}p")[0], net_ns_fd=name)
+        ipr.link("set", index=ipr.link_lookup(ifname=f"{name}h")[0], master=bridge,
+                 state="up")
+    with NetNS(name) as ns:
+        index = ns.link_lookup(ifname=f"{name}p")[0]
+        ns.link("set", index=index, ifname=IFNAME)
+        ns.addr("add", index=index, address=pod_ip(i), prefixlen=24)
+        ns.link("set", index=index, state="up")
+        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
 
 
 def pod_pids(name: str) -> list[int]:

@@ -237,27 +237,7 @@ class FreeWatch:
         return None if self.freed_at is None else round(self.freed_at - self.since, 2)
 
 
-# --- pods one at a time (gpu_pods.py makes and removes them all at once) ------------------------
-
-
-def add_pod(i: int) -> None:
-    """Pod i on the existing bridge, as gpu_pods.make_network makes each: a new host."""
-    from pyroute2 import IPRoute, NetNS, netns
-
-    name = pods.pod_name(i)
-    with IPRoute() as ipr:
-        bridge = ipr.link_lookup(ifname=pods.BRIDGE)[0]
-        netns.create(name)
-        ipr.link("add", ifname=f"{name}h", kind="veth", peer=f"{name}p")
-        ipr.link("set", index=ipr.link_lookup(ifname=f"{name}p")[0], net_ns_fd=name)
-        ipr.link("set", index=ipr.link_lookup(ifname=f"{name}h")[0], master=bridge,
-                 state="up")
-    with NetNS(name) as ns:
-        index = ns.link_lookup(ifname=f"{name}p")[0]
-        ns.link("set", index=index, ifname=pods.IFNAME)
-        ns.addr("add", index=index, address=pods.pod_ip(i), prefixlen=24)
-        ns.link("set", index=index, state="up")
-        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+# --- pods one at a time (gpu_pods.py makes and removes them all at once; its add_pod adds one) ---
 
 
 def remove_pod(name: str) -> None:
@@ -449,7 +429,7 @@ def replace(fleet: Fleet, lost: Pod, watch: FreeWatch, logs: Path) -> None:
     await_free(fleet, watch, lost)
     i = max(p.i for p in fleet.pods + fleet.gone) + 1  # a new pod: its own address
     with calm():
-        add_pod(i)
+        pods.add_pod(i)
     fleet.add(i, lost.gpu, logs / "pods")
 
 

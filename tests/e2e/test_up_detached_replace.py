@@ -49,8 +49,9 @@ def _steps(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"\bstep (\d+) loss", text)]
 
 
-def test_a_detached_runs_head_replaces_a_lost_worker_and_resumes(cloud, tmp_path):
-    run, worker = "detr", "podagent-detr-w1"
+def _detach(cloud: Any, tmp_path: Any, run: str) -> subprocess.CompletedProcess[str]:
+    """`up --detach` of a 2-pod Ray training run on the volume, the head given the account
+    key and one replacement; it leaves once the pods run."""
     job = (sys.executable, str(TRAIN), "--steps", str(STEPS), "--every", str(EVERY),
            "--step-time", "0.2")
     argv = up_argv(run, 2, "--detach", "--network-volume", VOLUME, "--replacements", "1",
@@ -58,15 +59,27 @@ def test_a_detached_runs_head_replaces_a_lost_worker_and_resumes(cloud, tmp_path
     detached = subprocess.run(argv, env=laptop_env(cloud, tmp_path), capture_output=True,
                               text=True, timeout=RUN_BOUND, stdin=subprocess.DEVNULL)
     assert detached.returncode == 0, detached.stdout[-3000:] + detached.stderr
+    return detached
+
+
+def _terminate_from_outside(cloud: Any, run: str, name: str) -> str:
+    """Pod `name` of the run terminated at RunPod, as a host's failure does: its id."""
+    lost = next(p.id for p in of_run(cloud, run) if p.name == name)
+    answer = requests.delete(f"{cloud.url}/v2/pods/{lost}", timeout=30,
+                             headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 204, answer.text
+    return lost
+
+
+def test_a_detached_runs_head_replaces_a_lost_worker_and_resumes(cloud, tmp_path):
+    run, worker = "detr", "podagent-detr-w1"
+    detached = _detach(cloud, tmp_path, run)
     assert ("a worker RunPod loses is replaced by the run's head (up to 1, --replacements)"
             in detached.stdout), detached.stdout[-3000:]
     head = next(p.id for p in of_run(cloud, run) if p.name.endswith("-head"))
     wait_for(lambda: any(s >= 2 * EVERY for s in _steps(_said(cloud, head))), timeout=RUN_BOUND,
              what="the training past its second checkpoint")
-    lost = next(p.id for p in of_run(cloud, run) if p.name == worker)
-    answer = requests.delete(f"{cloud.url}/v2/pods/{lost}", timeout=30,
-                             headers={"Authorization": f"Bearer {KEY}"})
-    assert answer.status_code == 204, answer.text
+    lost = _terminate_from_outside(cloud, run, worker)
     said = (f"pod {worker} ({lost}) is no longer listed at RunPod: replacing it (replacement 1 "
             f"of 1, PODAGENT_REPLACEMENTS)")
     wait_for(lambda: said in _said(cloud, head), timeout=RUN_BOUND,
@@ -93,20 +106,11 @@ def test_following_a_detached_run_again_follows_the_heads_replacement(cloud, tmp
     """`up --name RUN` alone creates nothing: a worker lost meanwhile is the head's to replace,
     and `up` follows the new pod instead of ending the run."""
     run, worker = "detf", "podagent-detf-w1"
-    job = (sys.executable, str(TRAIN), "--steps", str(STEPS), "--every", str(EVERY),
-           "--step-time", "0.2")
-    argv = up_argv(run, 2, "--detach", "--network-volume", VOLUME, "--replacements", "1",
-                   "--secret", "PODAGENT_RUNPOD_API_KEY=acct", job=job)
-    detached = subprocess.run(argv, env=laptop_env(cloud, tmp_path), capture_output=True,
-                              text=True, timeout=RUN_BOUND, stdin=subprocess.DEVNULL)
-    assert detached.returncode == 0, detached.stdout[-3000:] + detached.stderr
+    _detach(cloud, tmp_path, run)
     up = Output(start_up(cloud, tmp_path, [sys.executable, "-m", "podagent", "up", "--name",
                                            run]))
     up.wait("step 10 loss", timeout=RUN_BOUND)
-    lost = next(p.id for p in of_run(cloud, run) if p.name == worker)
-    answer = requests.delete(f"{cloud.url}/v2/pods/{lost}", timeout=30,
-                             headers={"Authorization": f"Bearer {KEY}"})
-    assert answer.status_code == 204, answer.text
+    lost = _terminate_from_outside(cloud, run, worker)
     try:
         code = up.end(timeout=RUN_BOUND * 2)
     except subprocess.TimeoutExpired:
