@@ -8,7 +8,8 @@ with the bench. Two shapes, as the trainers' public clients send:
   `ClientSession` (so a new TCP connection) per request and a 180 s total timeout, up to 5 tries
   1 s apart, `raise_for_status()`; the bench keeps `rewards`, to compare servers by. Here
   `in_flight` requests are outstanding at any moment until every sample is sent (`clients`
-  processes share them).
+  processes share them). With `upstream` (a checkout of OpenRLHF), each sample is posted by
+  upstream's own code instead (`upstream_poster`), which does the same.
 * batched (OpenRLHF-M): each trainer node posts its whole batch with `requests.post(json=...,
   timeout=180)`; `clients` threads each post their share of the batches one after another.
 
@@ -20,12 +21,15 @@ that span (all threads), each request's latency (first try to reply) and rewards
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import resource
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,9 @@ class Job:
     payloads: list[dict[str, list[str]]]
     in_flight: int = 1  # per-sample: in all, shared by the client processes
     clients: int = 1  # batched: threads; per-sample: processes (vLLM engines on many nodes)
+    # per-sample: a checkout of upstream OpenRLHF whose own client code sends each sample
+    # (`upstream_poster`); None: this module's client of the same shape (`_post_one`).
+    upstream: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,8 +80,6 @@ def _rewards(reply: dict[str, Any]) -> list[float]:
 
 
 async def _post_one(url: str, payload: dict[str, list[str]]) -> Sent:
-    import asyncio
-
     import aiohttp
 
     started = time.perf_counter()
@@ -93,15 +98,67 @@ async def _post_one(url: str, payload: dict[str, list[str]]) -> Sent:
     return Sent(time.perf_counter() - started, None, TRIES - 1)
 
 
-async def _per_sample(job: Job) -> list[Sent]:
-    import asyncio
+UPSTREAM_FILES = ("openrlhf/utils/logging_utils.py", "openrlhf/utils/agent.py")
 
+
+def upstream_poster(checkout: str, url: str) -> Callable[[dict[str, list[str]]],
+                                                         Awaitable[Sent]]:
+    """Posts one sample with upstream OpenRLHF's own code, unmodified:
+    `SingleTurnAgentExecutor(remote_rm_url=url)._fetch_rewards_via_http([q], [p], [l])`, what
+    its executor awaits for every sample as vLLM finishes it (a new aiohttp session per request,
+    180 s total timeout, 5 tries 1 s apart). Its two modules are loaded from their files under
+    their own names; the packages' `__init__` (torch, transformers, deepspeed) is not run, as
+    these two modules need none of it."""
+    executor = upstream_executor_class(checkout)(remote_rm_url=url)
+
+    async def post(payload: dict[str, list[str]]) -> Sent:
+        started = time.perf_counter()
+        try:
+            infos = await executor._fetch_rewards_via_http(
+                payload["query"], payload["prompts"], payload["labels"])
+            return Sent(time.perf_counter() - started, _rewards(infos[0]), 0)
+        except RuntimeError:  # its 5 tries failed
+            return Sent(time.perf_counter() - started, None, TRIES - 1)
+
+    return post
+
+
+@functools.cache
+def upstream_executor_class(checkout: str) -> Any:
+    """`SingleTurnAgentExecutor` from a checkout of upstream OpenRLHF (imported once, before
+    the clock starts)."""
+    import importlib.util
+    import types
+
+    root = Path(checkout)
+    missing = [name for name in UPSTREAM_FILES if not (root / name).is_file()]
+    if missing:
+        raise SystemExit(f"{checkout} is not a checkout of OpenRLHF: no {', '.join(missing)}")
+    for package in ("openrlhf", "openrlhf.utils"):
+        module = types.ModuleType(package)
+        module.__path__ = [str(root.joinpath(*package.split(".")))]
+        sys.modules[package] = module
+    modules = []
+    for name in UPSTREAM_FILES:
+        dotted = name.removesuffix(".py").replace("/", ".")
+        spec = importlib.util.spec_from_file_location(dotted, root / name)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[dotted] = module
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return modules[-1].SingleTurnAgentExecutor
+
+
+async def _per_sample(job: Job) -> list[Sent]:
     sent: list[Sent | None] = [None] * len(job.payloads)
     pending = iter(range(len(job.payloads)))
+    post = (upstream_poster(job.upstream, job.url) if job.upstream
+            else lambda payload: _post_one(job.url, payload))
 
     async def lane() -> None:
         for index in pending:  # a shared iterator: each lane takes the next unsent sample
-            sent[index] = await _post_one(job.url, job.payloads[index])
+            sent[index] = await post(job.payloads[index])
 
     await asyncio.gather(*(lane() for _ in range(min(job.in_flight, len(job.payloads)))))
     return [s for s in sent if s is not None]
@@ -109,11 +166,9 @@ async def _per_sample(job: Job) -> list[Sent]:
 
 def _per_sample_share(job: Job, share: int) -> list[tuple[int, Sent]]:
     """In a forked client process: every `job.clients`-th sample from `share` on."""
-    import asyncio
-
     indices = list(range(share, len(job.payloads), job.clients))
     part = Job("per-sample", job.url, [job.payloads[i] for i in indices],
-               in_flight=max(1, job.in_flight // job.clients))
+               in_flight=max(1, job.in_flight // job.clients), upstream=job.upstream)
     return list(zip(indices, asyncio.run(_per_sample(part)), strict=True))
 
 
@@ -154,12 +209,12 @@ def _batched(job: Job) -> list[Sent]:
 
 
 def client_main(job_path: str, result_path: str) -> None:
-    import asyncio
-
     import aiohttp  # noqa: F401 (imported before the clock starts)
     import requests  # noqa: F401
 
     job = Job(**json.loads(Path(job_path).read_text()))
+    if job.upstream:
+        upstream_executor_class(job.upstream)
     print("ready", flush=True)
     sys.stdin.readline()
     cpu, started = _cpu_seconds(), time.perf_counter()
@@ -217,10 +272,12 @@ def run_load(job: Job, server_pid: int, workdir: Path, name: str) -> Load:
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the load client for {name} did not start")
         before = tree_cpu_seconds(server_pid)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        if proc.wait() != 0:
-            raise RuntimeError(f"the load client for {name} exited with {proc.returncode}")
+        # communicate: read whatever the client prints (upstream's client logs its failed
+        # tries to stdout), so that a full pipe never stops it.
+        said, _ = proc.communicate("go\n")
+        if proc.returncode != 0:
+            raise RuntimeError(f"the load client for {name} exited with {proc.returncode}: "
+                               f"{said[-2000:]}")
         after = tree_cpu_seconds(server_pid)
     result = json.loads(result_path.read_text())
     result_path.unlink()

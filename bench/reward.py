@@ -55,6 +55,7 @@ arguments, which gets the same loads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -395,6 +396,8 @@ class Server:
         return reply.json()
 
     def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 30 s; then whatever of its session is left (a server
+        that does not stop its pool on SIGTERM, as the seed's, leaves its workers) is killed."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -402,15 +405,18 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         return self.proc.returncode
 
 
 def start(name: str, argv: list[str], port: int, log: Path,
-          probe: dict[str, list[str]]) -> Server:
-    """The server, once it answers `probe` (one item of the workload) with one reward."""
+          probe: dict[str, list[str]], cwd: Path = REPO) -> Server:
+    """The server, once it answers `probe` (one item of the workload) with one reward. `cwd`:
+    where `python -m podagent...` finds the package (another checkout: another version)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=REPO)
+                                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
     server = Server(name, proc, f"http://127.0.0.1:{port}")
 
     def ready() -> None:
@@ -549,15 +555,20 @@ def run_profile(profile: str, args: argparse.Namespace, counts: dict[int, int],
 
 # --- per-sample load: one sample per request, many in flight -----------------------------------
 
-PER_SAMPLE = 1024  # samples per run (quick: QUICK_PER_SAMPLE)
+PER_SAMPLE = 2048  # samples per run (quick: QUICK_PER_SAMPLE)
 QUICK_PER_SAMPLE = 128
-IN_FLIGHT = 256
+IN_FLIGHT = 512
 BATCH = 256  # the batched rows' request size (quick: QUICK_BATCH)
 QUICK_BATCH = 16
 CLIENTS = 8  # trainer nodes posting batches at once
 ROUNDS = 4  # even: each order of the runs comes up as often
 WARMUP_SAMPLES = 256  # and one batch: the verdict and parse caches warm before round 0
 PER_SAMPLE_MODES = ("per-sample", "batched-1", f"batched-{CLIENTS}")
+# The per-sample goals this bench checks (issue: the server at the client's own ceiling).
+GOAL_OF_CEILING = 0.9  # every round, the first included
+GOAL_P99_MS = 500.0
+GOAL_VS_SEED = 6.0
+CEILING, BASELINE, BEFORE = "ceiling", "baseline", "podagent-before"
 
 
 @dataclass(frozen=True)
@@ -569,10 +580,10 @@ class Step:
     round: int
     payloads: list[dict[str, list[str]]]
 
-    def job(self, url: str, in_flight: int, sample_clients: int = 1) -> Job:
+    def job(self, url: str, args: argparse.Namespace) -> Job:
         if self.mode == "per-sample":
-            return Job("per-sample", url, self.payloads, in_flight=in_flight,
-                       clients=sample_clients)
+            return Job("per-sample", url, self.payloads, in_flight=args.in_flight,
+                       clients=args.sample_clients, upstream=args.openrlhf)
         return Job("batched", url, self.payloads, clients=int(self.mode.split("-")[1]))
 
 
@@ -601,20 +612,22 @@ def _batches(seed: int, batch: int, count: int,
 def per_sample_plan(args: argparse.Namespace, podagents: list[str],
                     records: list[dict[str, str]]) -> list[Step]:
     """Every round's runs, each round's workloads new (no server has seen them); the order is
-    reversed every other round so the machine's noise falls on every row alike."""
+    reversed every other round so the machine's noise falls on every row alike. The ceiling
+    (the client against a server that does no work) runs in every round, on the same samples
+    as the servers."""
     samples, batch = args.samples, args.batch
     batched_8 = max(samples, CLIENTS * batch) // batch  # at least one batch per client
     steps = []
     for number in range(args.rounds):
         seed = args.seed * 100 + 10 * number
         shared = _samples(seed, samples, records)  # the same samples for every server
-        one = _batches(seed + 1, batch, -(-samples // batch), records)
-        eight = _batches(seed + 2, batch, batched_8, records)
-        order = [Step("per-sample", s, number, shared) for s in podagents]
-        order.append(Step("per-sample", "baseline", number, shared))
-        for name in podagents:
-            order += [Step("batched-1", name, number, one),
-                      Step(PER_SAMPLE_MODES[2], name, number, eight)]
+        order = [Step("per-sample", s, number, shared) for s in (CEILING, *podagents, BASELINE)]
+        if not args.no_batched:
+            one = _batches(seed + 1, batch, -(-samples // batch), records)
+            eight = _batches(seed + 2, batch, batched_8, records)
+            for name in podagents:
+                order += [Step("batched-1", name, number, one),
+                          Step(PER_SAMPLE_MODES[2], name, number, eight)]
         steps += order if number % 2 == 0 else order[::-1]
     return steps
 
@@ -623,7 +636,7 @@ def per_sample_plan(args: argparse.Namespace, podagents: list[str],
 class Row:
     mode: str
     server: str
-    loads: list[Load]  # one per round
+    loads: list[Load]  # one per round, in round order
 
     @property
     def best(self) -> Load:
@@ -633,27 +646,52 @@ class Row:
         load = load or self.best
         return load.samples / load.wall_s
 
+    def rates(self) -> list[float]:
+        return [self.rate(load) for load in self.loads]
 
-def load_row(row: Row, label: str, cpus: int) -> dict[str, Any]:
-    best = row.best
-    return {"mode": row.mode, "server": label, "samples": best.samples,
-            "requests": len(best.latencies), "samples_per_s": row.rate(),
-            "rounds_samples_per_s": [row.rate(load) for load in row.loads],
-            "p50_ms": 1000 * statistics.median(best.latencies),
-            "p99_ms": 1000 * percentile(best.latencies, 99),
-            "client_cpu_share": best.client_cpu_s / (best.wall_s * cpus),
-            "server_cpu_share": best.server_cpu_s / (best.wall_s * cpus),
-            "server_cpu_ms_per_sample": 1000 * best.server_cpu_s / best.samples,
-            "retries": best.retries, "failures": best.failures}
+
+def of_ceiling(row: Row, ceiling: Row | None) -> list[float] | None:
+    """Each round's rate as a fraction of the ceiling's in the same round."""
+    if ceiling is None or row.mode != "per-sample":
+        return None
+    return [row.rate(a) / ceiling.rate(b) for a, b in zip(row.loads, ceiling.loads, strict=True)]
+
+
+def load_row(row: Row, label: str, cpus: int, ceiling: Row | None) -> dict[str, Any]:
+    rates, fractions = row.rates(), of_ceiling(row, ceiling)
+    p99s = [1000 * percentile(load.latencies, 99) for load in row.loads]
+    middle = sorted(row.loads, key=lambda load: load.server_cpu_s / load.samples)[
+        len(row.loads) // 2]
+    return {"mode": row.mode, "server": label, "samples": row.loads[0].samples,
+            "requests": len(row.loads[0].latencies), "samples_per_s": row.rate(),
+            "first_samples_per_s": rates[0], "worst_samples_per_s": min(rates),
+            "rounds_samples_per_s": rates,
+            "of_ceiling_first": fractions[0] if fractions else None,
+            "of_ceiling_worst": min(fractions) if fractions else None,
+            "rounds_of_ceiling": fractions,
+            "p50_ms": 1000 * statistics.median(t for load in row.loads for t in load.latencies),
+            "p99_ms_worst": max(p99s), "rounds_p99_ms": p99s,
+            "client_cpu_share": row.best.client_cpu_s / (row.best.wall_s * cpus),
+            "server_cpu_ms_per_sample": 1000 * middle.server_cpu_s / middle.samples,
+            "retries": sum(load.retries for load in row.loads),
+            "failures": sum(load.failures for load in row.loads)}
+
+
+def _fraction(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 def render_load(rows: list[dict[str, Any]], markdown: bool) -> str:
-    head = ("mode", "server", "samples", "requests", "samples/s", "p50 ms", "p99 ms",
-            "client CPU share", "server CPU share", "server CPU ms/sample", "retries")
-    lines = [(r["mode"], r["server"], str(r["samples"]), str(r["requests"]),
-              f"{r['samples_per_s']:.1f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
-              f"{100 * r['client_cpu_share']:.0f} %", f"{100 * r['server_cpu_share']:.0f} %",
-              f"{r['server_cpu_ms_per_sample']:.1f}", str(r["retries"])) for r in rows]
+    head = ("mode", "server", "samples", "samples/s first", "worst", "best",
+            "of ceiling first", "of ceiling worst", "p50 ms", "p99 ms (worst round)",
+            "client CPU share", "server CPU ms/sample", "failures")
+    lines = [(r["mode"], r["server"], f"{r['samples']:,}", f"{r['first_samples_per_s']:,.0f}",
+              f"{r['worst_samples_per_s']:,.0f}", f"{r['samples_per_s']:,.0f}",
+              _fraction(r["of_ceiling_first"]), _fraction(r["of_ceiling_worst"]),
+              f"{r['p50_ms']:,.0f}", f"{r['p99_ms_worst']:,.0f}",
+              f"{100 * r['client_cpu_share']:.0f} %",
+              "" if r["server"].startswith(CEILING) else f"{r['server_cpu_ms_per_sample']:.2f}",
+              str(r["failures"])) for r in rows]
     return _layout(head, lines, markdown)
 
 
@@ -662,44 +700,59 @@ def differences(a: Load, b: Load) -> int:
     return sum(x is None or x != y for x, y in zip(a.rewards, b.rewards, strict=True))
 
 
-def ratio_notes(rows: dict[tuple[str, str], Row], podagents: list[str],
-                labels: dict[str, str], batch: int) -> list[str]:
+def _rounds(values: list[float], unit: str = "x") -> str:
+    return ", ".join(f"{v:.2f}{unit}" for v in values)
+
+
+def goal_notes(rows: dict[tuple[str, str], Row], podagents: list[str],
+               labels: dict[str, str], args: argparse.Namespace) -> list[str]:
+    """Each podagent server against the goals, every round counted."""
     notes = []
-    base = rows["per-sample", "baseline"]
+    ceiling, base = rows.get(("per-sample", CEILING)), rows["per-sample", BASELINE]
     for name in podagents:
-        ours, batched = rows["per-sample", name], rows[PER_SAMPLE_MODES[2], name]
-        per_round = [ours.rate(a) / base.rate(b)
-                     for a, b in zip(ours.loads, base.loads, strict=True)]
+        ours = rows["per-sample", name]
+        fractions = of_ceiling(ours, ceiling) or []
+        p99 = max(percentile(load.latencies, 99) for load in ours.loads) * 1000
+        vs_seed = [ours.rate(a) / base.rate(b) for a, b in zip(ours.loads, base.loads,
+                                                                strict=True)]
         notes.append(
-            f"- {labels[name]} per-sample / {labels['baseline']} per-sample: "
-            f"**{ours.rate() / base.rate():.2f}x** (rounds: "
-            f"{', '.join(f'{r:.2f}x' for r in per_round)}); {labels[name]} per-sample / "
-            f"{labels[name]} batched ({batch} per request) from {CLIENTS} clients: "
-            f"**{ours.rate() / batched.rate():.2f}x**.")
-    if "podagent-variant" in podagents:
+            f"- {labels[name]}: of the ceiling, rounds in order **{_rounds(fractions, '')}** "
+            f"(goal ≥ {GOAL_OF_CEILING} in every round: "
+            f"{'met' if fractions and min(fractions) >= GOAL_OF_CEILING else 'NOT met'}); "
+            f"p99 of the worst round **{p99:,.0f} ms** (goal < {GOAL_P99_MS:.0f} ms: "
+            f"{'met' if p99 < GOAL_P99_MS else 'NOT met'}); per-sample / {labels[BASELINE]} "
+            f"per-sample **{statistics.median(vs_seed):.2f}x** median (rounds: "
+            f"{_rounds(vs_seed)}; goal ≥ {GOAL_VS_SEED:g}x, on 2 cores).")
+        if not args.no_batched:
+            batched = rows[PER_SAMPLE_MODES[2], name]
+            notes.append(f"- {labels[name]} per-sample / its batched ({args.batch} per "
+                         f"request) from {CLIENTS} clients: "
+                         f"**{ours.rate() / batched.rate():.2f}x** (best rounds).")
+    for name in podagents[1:]:
         ratios = []
-        for mode in PER_SAMPLE_MODES:
-            a, b = rows[mode, "podagent-variant"], rows[mode, "podagent"]
+        for mode in PER_SAMPLE_MODES if not args.no_batched else PER_SAMPLE_MODES[:1]:
+            a, b = rows[mode, "podagent"], rows[mode, name]
             ratios.append(f"{mode} **{a.rate() / b.rate():.2f}x** (rounds: " + ", ".join(
                 f"{a.rate(x) / b.rate(y):.2f}x" for x, y in zip(a.loads, b.loads, strict=True))
                 + ")")
-        notes.append(f"- {labels['podagent-variant']} / podagent: {'; '.join(ratios)}.")
+        notes.append(f"- podagent / {labels[name]}: {'; '.join(ratios)}.")
     return notes
 
 
 def reward_checks(rows: dict[tuple[str, str], Row], podagents: list[str],
-                  labels: dict[str, str]) -> list[str]:
+                  labels: dict[str, str], args: argparse.Namespace) -> list[str]:
     """Rewards that differ, sample by sample: each podagent vs the baseline (per-sample), and
     the variant vs podagent (every mode)."""
-    base = rows["per-sample", "baseline"]
+    base = rows["per-sample", BASELINE]
     checks = []
     for name in podagents:
         ours = rows["per-sample", name]
         diff = sum(differences(a, b) for a, b in zip(ours.loads, base.loads, strict=True))
-        checks.append(f"- per-sample rewards that differ between {labels[name]} and the "
-                      f"baseline: **{diff}** of {sum(a.samples for a in ours.loads)} samples.")
+        checks.append(f"- per-sample rewards that differ between {labels[name]} and "
+                      f"{labels[BASELINE]}: **{diff}** of {sum(a.samples for a in ours.loads)} "
+                      f"samples.")
     for name in podagents[1:]:
-        for mode in PER_SAMPLE_MODES:
+        for mode in PER_SAMPLE_MODES if not args.no_batched else PER_SAMPLE_MODES[:1]:
             a, b = rows[mode, "podagent"], rows[mode, name]
             diff = sum(differences(x, y) for x, y in zip(a.loads, b.loads, strict=True))
             checks.append(f"- {mode}: rewards that differ between podagent and "
@@ -710,6 +763,10 @@ def reward_checks(rows: dict[tuple[str, str], Row], podagents: list[str],
 def start_servers(args: argparse.Namespace, podagents: list[str], dataset: Path, out: Path,
                   probe: dict[str, list[str]], servers: dict[str, Server]) -> None:
     """Into `servers`, as each answers (so the caller can stop those that started)."""
+    port = free_port()
+    servers[CEILING] = start(CEILING, [
+        sys.executable, str(REPO / "bench" / "_reward_servers.py"), "zero", "--port",
+        str(port)], port, out / "per-sample-zero.log", probe)
     common = ["--scoring", "openrlhf-m", "--workers", str(args.workers), "--dataset",
               str(dataset)]
     for name in podagents:
@@ -717,11 +774,18 @@ def start_servers(args: argparse.Namespace, podagents: list[str], dataset: Path,
         extra = args.server_arg if name == "podagent-variant" else []
         servers[name] = start(name, [
             sys.executable, "-m", "podagent.rewards", "--port", str(port), *common, *extra],
-            port, out / f"per-sample-{name}.log", probe)
+            port, out / f"per-sample-{name}.log", probe,
+            cwd=Path(args.before) if name == BEFORE else REPO)
     port = free_port()
-    servers["baseline"] = start("baseline", [
-        sys.executable, str(Path(__file__).resolve()), "--serve-baseline", "--port",
-        str(port), *common], port, out / "per-sample-baseline.log", probe)
+    if args.openrlhf_m:
+        # The seed's own server, as written (its pool of 16 processes whatever --workers says).
+        argv = [sys.executable, str(REPO / "bench" / "_reward_servers.py"), "seed", "--port",
+                str(port), "--source", args.openrlhf_m, "--dataset", str(dataset),
+                "--log-file", str(out / "per-sample-seed-loguru.log")]
+    else:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve-baseline", "--port",
+                str(port), *common]
+    servers[BASELINE] = start(BASELINE, argv, port, out / "per-sample-baseline.log", probe)
 
 
 def run_steps(steps: list[Step], servers: dict[str, Server], args: argparse.Namespace,
@@ -729,24 +793,32 @@ def run_steps(steps: list[Step], servers: dict[str, Server], args: argparse.Name
     rows: dict[tuple[str, str], Row] = {}
     for step in steps:
         server = servers[step.server]
-        job = step.job(f"{server.url}/get_reward", args.in_flight, args.sample_clients)
-        load = run_load(job, server.proc.pid, out,
+        load = run_load(step.job(f"{server.url}/get_reward", args), server.proc.pid, out,
                         f"{step.mode}-{step.server}-{step.round}")
-        rows.setdefault((step.mode, step.server), Row(step.mode, step.server, [])
-                        ).loads.append(load)
+        row = rows.setdefault((step.mode, step.server), Row(step.mode, step.server, []))
+        row.loads.append(load)
         print(f"round {step.round}: {step.mode:>10} {labels[step.server]}: "
               f"{load.samples / load.wall_s:.1f} samples/s, {load.wall_s:.1f} s, "
+              f"p99 {1000 * percentile(load.latencies, 99):.0f} ms, "
               f"client CPU {load.client_cpu_s:.1f} s, server CPU {load.server_cpu_s:.1f} s"
               f"{f', {load.failures} FAILED' if load.failures else ''}", flush=True)
     return rows
 
 
 def run_per_sample(args: argparse.Namespace, out: Path) -> None:
-    """openrlhf-m under per-sample load (upstream OpenRLHF's client) and batched load
-    (OpenRLHF-M's), podagent and the seed-shaped baseline, in one run on this machine."""
-    podagents = ["podagent", *(["podagent-variant"] if args.server_arg else [])]
-    labels = {"podagent": "podagent", "baseline": "baseline (seed-shaped)",
+    """openrlhf-m under per-sample load (upstream OpenRLHF's client) against the ceiling (that
+    client against a server that does no work), podagent and the baseline (the seed's own server
+    with --openrlhf-m, else one written its way); batched load (OpenRLHF-M's) on podagent."""
+    podagents = ["podagent", *(["podagent-variant"] if args.server_arg else []),
+                 *([BEFORE] if args.before else [])]
+    labels = {CEILING: "ceiling (a server that answers zeros at once)", "podagent": "podagent",
+              BEFORE: f"podagent before ({args.before_label or args.before})",
+              BASELINE: ("seed (OpenRLHF-M's own server)" if args.openrlhf_m
+                         else "baseline (seed-shaped)"),
               "podagent-variant": "podagent " + " ".join(args.server_arg)}
+    client = ("upstream OpenRLHF's own client code (SingleTurnAgentExecutor."
+              "_fetch_rewards_via_http)" if args.openrlhf
+              else "a client of upstream's shape (no --openrlhf checkout given)")
     records: list[dict[str, str]] = []
     warm = _samples(args.seed * 100 + 99, min(WARMUP_SAMPLES, args.samples), records)
     warm_batch = _batches(args.seed * 100 + 98, args.batch, 1, records)
@@ -757,16 +829,16 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
     cpus = os.cpu_count() or 1
     load_before = os.getloadavg()
     print(f"\nper-sample load (openrlhf-m): {args.samples} samples per run, {args.in_flight} in "
-          f"flight from {args.sample_clients} client process(es); batched: {args.batch} per "
-          f"request from 1 and {CLIENTS} clients; "
-          f"{args.rounds} rounds; {args.workers} workers each", flush=True)
+          f"flight from {args.sample_clients} client process(es) running {client}; batched: "
+          f"{args.batch} per request from 1 and {CLIENTS} clients; {args.rounds} rounds; "
+          f"{args.workers} workers per podagent server", flush=True)
     try:
         start_servers(args, podagents, dataset, out, warm[0], servers)
         for name, server in servers.items():  # warm-up, not timed
             url = f"{server.url}/get_reward"
-            run_load(Job("per-sample", url, warm, in_flight=args.in_flight), server.proc.pid,
-                     out, f"warm-{name}")
-            if name != "baseline":
+            run_load(Job("per-sample", url, warm, in_flight=args.in_flight,
+                         upstream=args.openrlhf), server.proc.pid, out, f"warm-{name}")
+            if name in podagents and not args.no_batched:
                 run_load(Job("batched", url, warm_batch), server.proc.pid, out, f"warm-{name}")
         rows = run_steps(steps, servers, args, out, labels)
         counters = {}
@@ -774,30 +846,33 @@ def run_per_sample(args: argparse.Namespace, out: Path) -> None:
             health = servers[name].session.get(f"{servers[name].url}/health", timeout=10).json()
             counters[name] = {k: health[k] for k in (
                 "items", "fast_path", "cache_hits", "deduped", "verified", "timeouts",
-                "gold_parses", "quirks")}
+                "gold_parses", "quirks", "batches")}
     finally:
         exit_codes = {name: server.stop() for name, server in servers.items()}
     load_after = os.getloadavg()
     ordered = [rows[mode, name] for mode in PER_SAMPLE_MODES for name in servers
                if (mode, name) in rows]
-    table_rows = [load_row(row, labels[row.server], cpus) for row in ordered]
+    ceiling = rows.get(("per-sample", CEILING))
+    table_rows = [load_row(row, labels[row.server], cpus, ceiling) for row in ordered]
     notes = [
-        f"- best of {args.rounds} rounds per row (the round with the most samples/s; its p50, "
-        f"p99 and CPU shown); each round's workload is new, the per-sample one shared by the "
-        f"servers; the order of the runs is reversed every other round.",
-        f"- CPU shares are CPU seconds / (wall seconds x {cpus} CPUs of this machine); the "
-        f"client is one process (per-sample: one asyncio loop, so at most 1/{cpus} = "
-        f"{100 / cpus:.0f} %), on the same machine as the servers.",
-        f"- {args.workers} verifier processes per server; seed {args.seed}; load average "
-        f"(1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
-        *ratio_notes(rows, podagents, labels, args.batch),
-        *reward_checks(rows, podagents, labels),
+        f"- client: {client}, one process, {args.in_flight} samples in flight, a new "
+        f"connection per request; {args.rounds} rounds, each with new samples shared by every "
+        f"server, the order of the runs reversed every other round; 'first' is the first "
+        f"{args.samples:,} samples after a warm-up of {len(warm)}, 'worst' and 'best' the "
+        f"slowest and fastest rounds, 'of ceiling' a round's rate over the ceiling's in that "
+        f"round.",
+        f"- CPU: the client's share is CPU s / (wall s x {cpus} CPUs) in its best round; a "
+        f"server's CPU per sample is that of the process and its children (median round).",
+        f"- {args.workers} verifier processes per podagent server; seed {args.seed}; load "
+        f"average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
+        *goal_notes(rows, podagents, labels, args),
+        *reward_checks(rows, podagents, labels, args),
         f"- podagent counters (warm-up included): {json.dumps(counters)}; exit codes after "
         f"SIGTERM: {json.dumps(exit_codes)}.",
     ]
     write_report(out, "per-sample", render_load, table_rows, notes, {
         "rows": table_rows, "args": {k: v for k, v in vars(args).items() if k != "scoring"},
-        "cpus": cpus, "load_before": load_before, "load_after": load_after,
+        "client": client, "cpus": cpus, "load_before": load_before, "load_after": load_after,
         "counters": counters, "exit_codes": exit_codes, "notes": notes,
         "runs": [{"mode": r.mode, "server": labels[r.server], "loads": [
             {"wall_s": x.wall_s, "client_cpu_s": x.client_cpu_s,
@@ -895,6 +970,18 @@ def main() -> int:
     load.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                       help="an argument for a second podagent server that gets the same loads "
                            "(repeat for several: --server-arg=--item-timeout=10)")
+    load.add_argument("--before", metavar="DIR",
+                      help="a checkout of an earlier podagent: its server gets every podagent "
+                           "load too, a row each (before and after in one run)")
+    load.add_argument("--before-label", help="what to call --before in the table")
+    load.add_argument("--no-batched", action="store_true",
+                      help="per-sample rows only (no batched rows)")
+    load.add_argument("--openrlhf", metavar="DIR",
+                      help="a checkout of upstream OpenRLHF: its own client code sends the "
+                           "per-sample load (default: a client of the same shape)")
+    load.add_argument("--openrlhf-m", metavar="DIR",
+                      help="a checkout of OpenRLHF-M: its own reward server is the baseline "
+                           "(default: one written its way); needs flask, Levenshtein, loguru")
     parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
