@@ -299,3 +299,75 @@ def test_the_fast_path_agrees_with_math_verify_on_numbers(answer, gold, shape):
     assert wrapped is not None
     fast, slow = seed.Checker(), seed.Checker()
     assert fast.check(response, wrapped)[0] == slow.decide(response, wrapped)
+
+
+# --- a boxed answer parsed from its content (`unboxed`) ----------------------------------------
+
+_ATOMS = st.one_of(_DIGITS, st.sampled_from(["x", "y", "n", "t", "ab", "2x", r"\pi", "3.5", "0"]))
+
+
+def _unboxed_expressions() -> st.SearchStrategy[str]:
+    """Expressions of the shapes `unboxed` lets through, nested, spaced or not."""
+    def grow(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.one_of(
+            st.builds(lambda a, op, b: f"{a}{op}{b}", inner,
+                      st.sampled_from(["+", "-", " + ", " - ", "*", "/", r"\cdot ", r"\times ",
+                                       ""]), inner),
+            st.builds(lambda a, b: f"{a}^{{{b}}}", inner, inner),
+            st.builds(lambda a, b: f"{a}^{b}", inner, _DIGITS),
+            st.builds(lambda a: f"\\sqrt{{{a}}}", inner),
+            st.builds(lambda c, a, b: f"\\{c}{{{a}}}{{{b}}}", st.sampled_from(
+                ["frac", "dfrac", "tfrac"]), inner, inner),
+            st.builds(lambda a: f"({a})", inner), st.builds(lambda a: f"-{a}", inner),
+            st.builds(lambda a: f"{{{a}}}", inner))
+    return st.recursive(_ATOMS, grow, max_leaves=6)
+
+
+def _parse_or_none(latex: str) -> Any:
+    from math_verify.parser import parse_latex_cached
+
+    try:
+        return parse_latex_cached(latex)
+    except Exception:
+        return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(_unboxed_expressions(),
+                 st.text("0123456789.+-*/^(){} abcxyz", min_size=1, max_size=12)))
+def test_a_box_and_its_content_parse_alike(inner):
+    """Where `unboxed` lets a box through, math-verify's parse of the content is its parse of
+    the box: the same value, of the same classes (or no value either way)."""
+    boxed = f"\\boxed{{{inner}}}"
+    if seed.unboxed(boxed) is None:
+        return
+    assert seed.unboxed(boxed) == inner
+    alone, whole = _parse_or_none(inner), _parse_or_none(boxed)
+    assert (alone is None) == (whole is None), (inner, alone, whole)
+    if alone is not None:
+        assert _same(alone, whole), (inner, alone, whole)
+
+
+def test_unboxed_lets_through_only_what_cannot_make_a_set_or_a_relation():
+    for inner in ("x^2 + 5x + 6", r"2\sqrt{3}", r"\frac{3\pi}{4}", r"-\dfrac{\sqrt{3}}{2}",
+                  "(x+2)(x+3)", r"\pi", "12", "{x}^{2}"):
+        assert seed.unboxed(f"\\boxed{{{inner}}}") == inner
+    for text in (r"\boxed{1, 2}", r"\boxed{1; 2}", r"\boxed{x \pm 1}", r"\boxed{x = 2}",
+                 r"\boxed{x < 2}", r"\boxed{x \le 2}", r"\boxed{[1, 2)}", r"\boxed{1}+\boxed{2}",
+                 r"\boxed{}", r"\boxed{e^x}", r"\boxed{2i}", r"\boxed{\sqrt[3]{2}}",
+                 r"\boxed{\pie}", r"\boxed{x}}", r"\boxed{{x}", r"\boxed{\text{yes}}",
+                 r"\boxed{x_1}", "x^2", r"\boxed{" + "1+" * 100 + "1}"):
+        assert seed.unboxed(text) is None, text
+
+
+@settings(max_examples=60, deadline=None)
+@given(_unboxed_expressions(), st.sampled_from([0, 1]), st.sampled_from(
+    ["x^2 + 5x + 6", r"2\sqrt{3}", r"\frac{3\pi}{4}", "7", "(x+2)(x+3)"]))
+def test_the_fast_path_agrees_with_math_verify_on_boxed_expressions(answer, same, gold):
+    """The whole verdict, fast path against math-verify alone, for boxed answers (the gold
+    itself, so that some match, or a generated one)."""
+    response = _SHAPES[1](gold if same else answer)
+    wrapped = openrlhf_m.gold_form(gold)
+    assert wrapped is not None
+    fast, slow = seed.Checker(), seed.Checker()
+    assert fast.check(response, wrapped)[0] == slow.decide(response, wrapped)
