@@ -4,9 +4,10 @@ Upstream OpenRLHF posts one sample per request, hundreds in flight. Handled one 
 request pays for its own hop to the prep thread and its own pool task (pickling, a pipe write,
 a result read, a thread switch each way), and that overhead, not verification, becomes the
 server's cost. Here a request whose body is small waits at most `wait` seconds for others; the
-batch is prepared in one pass, scored as one (equal items verified once, a few items per pool
-task) and each request gets its own slice of the answer. Under load the wait is seldom spent:
-a batch goes as soon as it is full.
+batch is prepared in one pass and its verifications start together (equal items verified once,
+a few items per pool task); each request is answered as soon as its own items are, so one slow
+item holds up its own request, not the batch. Under load the wait is seldom spent: a batch
+goes as soon as it is full.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ SMALL_BODY = 64 << 10
 MAX_BATCH = 256
 
 Answer = dict[str, Any]
-Run = Callable[[list[bytes]], Awaitable[list["Answer | BaseException"]]]
+# A batch's bodies in, one reply per body out: each an awaitable of its own (a request is
+# answered as soon as its own items are, not when the batch's slowest one is), or why not.
+Run = Callable[[list[bytes]], Awaitable[list["Awaitable[Answer] | BaseException"]]]
 
 
 class Batcher:
@@ -70,12 +73,30 @@ class Batcher:
                 raise
             return
         for (_, future), answer in zip(batch, answers, strict=True):
-            if future.done():  # its client gave up
-                continue
             if isinstance(answer, BaseException):
-                future.set_exception(answer)
-            else:
-                future.set_result(answer)
+                if not future.done():
+                    future.set_exception(answer)
+                continue
+            # Run even when its client gave up: the verifications it started serve others.
+            task = asyncio.ensure_future(answer)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda done, future=future: _hand_over(done, future))
+
+
+def _hand_over(done: asyncio.Future[Answer], future: asyncio.Future[Answer]) -> None:
+    """A request's answer (or what stopped it) to the request waiting for it."""
+    if done.cancelled():
+        if not future.done():
+            future.cancel()
+        return
+    exc = done.exception()  # read even when nobody waits: no "never retrieved" warning
+    if future.done():  # its client gave up
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(done.result())
 
 
 def split(reply: Answer, sizes: list[int]) -> list[Answer]:

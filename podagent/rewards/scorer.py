@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -41,6 +42,11 @@ VERDICT_CACHE_SIZE = 1 << 16
 # Preparing a request (decoding, validation, extraction, gold lookup) runs in slices of about
 # this long on the one prep thread; each slice goes to the back of its queue (`score_body`).
 PREP_SLICE = 0.05
+# ...except the first slice of a request (or batch) that finds the prep thread idle: it runs on
+# the event loop for at most this long, which is all a small request needs (one sample per
+# request: a few tenths of a millisecond for a batch of them), and the hand-over to the thread
+# and back, two waits for the interpreter lock on a busy server, is skipped.
+INLINE_SLICE = 0.002
 # Longer pairs are not cached: they are rare, seldom repeat, and would make the cache's memory
 # depend on what clients send.
 MAX_CACHED_PAIR_CHARS = 1024
@@ -149,9 +155,10 @@ def parse_request(body: bytes, max_items: int) -> tuple[list[str], list[str] | N
     return query, prompts, labels
 
 
-def _run_slice(steps: Steps[list[Any]]) -> tuple[bool, list[Any] | None]:
-    """In the prep thread: `steps` for about PREP_SLICE seconds; (True, items) once done."""
-    deadline = time.monotonic() + PREP_SLICE
+def _run_slice(steps: Steps[list[Any]], seconds: float = PREP_SLICE
+               ) -> tuple[bool, list[Any] | None]:
+    """`steps` for about `seconds`; (True, items) once done."""
+    deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
             next(steps)
@@ -238,17 +245,30 @@ class Scorer:
         self.stats.requests += 1
         return await self.score(items)
 
-    async def _score_bodies(self, bodies: list[bytes]) -> list[dict[str, Any] | BadRequest]:
-        """Small requests as one batch: prepared in one pass, scored together, then each
-        request's share of the reply (or its BadRequest)."""
-        prepared = await self._prepare(self._each(bodies))
+    def score_many(self, groups: list[list[Any]]) -> list[Awaitable[dict[str, Any]]]:
+        """Several requests' items, started now: one reply for each group. Here they are scored
+        as one and each group gets its share once all are done; a profile that can answer
+        each group as soon as its own items are overrides this."""
+        whole = asyncio.ensure_future(self.score([i for items in groups for i in items]))
+
+        async def share(index: int) -> dict[str, Any]:
+            # Shielded: one request giving up must not cancel the others' scoring.
+            reply = await asyncio.shield(whole)
+            return batching.split(reply, [len(items) for items in groups])[index]
+
+        return [share(index) for index in range(len(groups))]
+
+    async def _score_bodies(self, bodies: list[bytes]
+                            ) -> list[Awaitable[dict[str, Any]] | BadRequest]:
+        """Small requests as one batch: prepared in one pass, their scoring started together,
+        then each request's own reply (or its BadRequest)."""
+        prepared = await self._prepare(self._each(bodies), inline=True)
         good = [items for items in prepared if not isinstance(items, BadRequest)]
         self.stats.requests += len(good)
         self.stats.batched += len(good)
         self.stats.bad_requests += len(bodies) - len(good)
-        shares = iter(batching.split(await self.score([i for items in good for i in items]),
-                                     [len(items) for items in good]) if good else [])
-        return [items if isinstance(items, BadRequest) else next(shares) for items in prepared]
+        replies = iter(self.score_many(good) if good else [])
+        return [items if isinstance(items, BadRequest) else next(replies) for items in prepared]
 
     def _each(self, bodies: list[bytes]) -> Steps[list[list[Any] | BadRequest]]:
         prepared: list[list[Any] | BadRequest] = []
@@ -259,15 +279,21 @@ class Scorer:
                 prepared.append(exc)
         return prepared
 
-    async def _prepare(self, steps: Steps[Any]) -> Any:
+    async def _prepare(self, steps: Steps[Any], inline: bool = False) -> Any:
+        """`steps` run to their end in slices; `inline`: the first slice may run on the loop
+        (INLINE_SLICE), for steps that are each short (a batch of small bodies: one body's
+        JSON per step; a big body's JSON is one long step and never runs here)."""
         # A slice at a time, each queued behind the slices of the requests already waiting:
         # requests take turns, so a small one (the head's health probe is a one-item request)
         # waits for one slice of each request ahead of it, not for a whole batch to be
         # prepared.
         loop = asyncio.get_running_loop()
+        # With nothing else being prepared, no slice is running in the prep thread, so the
+        # caches it owns are touched by one thread at a time all the same.
+        inline = inline and self.preparing == 0
         self.preparing += 1
         try:
-            done, items = False, None
+            done, items = _run_slice(steps, INLINE_SLICE) if inline else (False, None)
             while not done:
                 done, items = await loop.run_in_executor(self._prep, _run_slice, steps)
         except BadRequest:
@@ -327,6 +353,11 @@ class BoxedScorer(Scorer):
         return items
 
     # --- scoring (on the event loop) ------------------------------------------------------------
+
+    def score_many(self, groups: list[list[Item]]) -> list[Awaitable[dict[str, Any]]]:
+        # Each pair is a pool task of its own (shared by equal pairs): nothing to gain by
+        # waiting for the others.
+        return [self.score(items) for items in groups]
 
     async def score(self, items: list[Item]) -> dict[str, list[float]]:
         stats = self.stats
@@ -480,11 +511,25 @@ class OpenrlhfMScorer(Scorer):
     # --- scoring (on the event loop) ------------------------------------------------------------
 
     async def score(self, items: list[SeedItem]) -> dict[str, list[float]]:
+        return await self.score_many([items])[0]
+
+    def score_many(self, groups: list[list[SeedItem]]) -> list[Awaitable[dict[str, Any]]]:
+        """Every group's new items go to the pool together (a few per task, a prompt's samples
+        side by side, equal items once); each group's reply comes as soon as its own items
+        are verified."""
+        new: dict[bytes, tuple[str, str]] = {}
+        plans = [(items, *self._plan(items, new)) for items in groups]
+        self._schedule(new)
+        return [self._answer(*plan) for plan in plans]
+
+    def _plan(self, items: list[SeedItem], new: dict[bytes, tuple[str, str]]
+              ) -> tuple[list[str | None], dict[bytes, list[int]]]:
+        """Verdicts known now (None where not), and the items waiting for each key; keys to
+        verify are added to `new`."""
         stats = self.stats
         stats.items += len(items)
         verdicts: list[str | None] = [None] * len(items)
         waiting: dict[bytes, list[int]] = {}
-        new: dict[bytes, tuple[str, str]] = {}
         for index, item in enumerate(items):
             if item.gold is None:
                 stats.unlabeled += 1
@@ -503,18 +548,27 @@ class OpenrlhfMScorer(Scorer):
                 waiting[key].append(index)
             else:
                 waiting[key] = [index]
-                if key in self._inflight:
-                    stats.deduped += 1  # another request is verifying the same item now
+                if key in self._inflight or key in new:
+                    stats.deduped += 1  # another request is verifying the same item
                 else:
                     new[key] = (item.gold, item.response)
-        self._schedule(new)
+        return verdicts, waiting
+
+    def _answer(self, items: list[SeedItem], verdicts: list[str | None],
+                waiting: dict[bytes, list[int]]) -> Awaitable[dict[str, Any]]:
+        """The reply once the waiting items are verified. Their futures are taken now (after
+        `_schedule`), before any of them can finish and leave `_inflight`."""
         keys = list(waiting)
         # Shielded: one request giving up must not cancel a verification others wait for.
-        results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in keys))
-        for key, verdict in zip(keys, results, strict=True):
-            for index in waiting[key]:
-                verdicts[index] = verdict
-        return self._reply(items, verdicts)
+        results = [asyncio.shield(self._inflight[k]) for k in keys]
+
+        async def answer() -> dict[str, Any]:
+            for key, verdict in zip(keys, await asyncio.gather(*results), strict=True):
+                for index in waiting[key]:
+                    verdicts[index] = verdict
+            return self._reply(items, verdicts)
+
+        return answer()
 
     def _reply(self, items: list[SeedItem], verdicts: list[str | None]) -> dict[str, list[float]]:
         accuracy, quirks = [], defaultdict(list)
@@ -542,28 +596,31 @@ class OpenrlhfMScorer(Scorer):
                               [1.0 if item.format else 0.0 for item in items], accuracy)
 
     def _schedule(self, new: dict[bytes, tuple[str, str]]) -> None:
-        """Start verifying `new` items, a few per pool task, a prompt's samples (one gold)
-        next to each other. Items from many requests (`batching`) share tasks: one sample per
-        request must not mean one task per sample."""
+        """Start verifying `new` items: a gold's items (a prompt's samples, from however many
+        requests `batching` gathered) in tasks of their own, a few per task, each sent to the
+        worker that has that gold parsed where it can (the pool's affinity)."""
         if not new:
             return
         loop = asyncio.get_running_loop()
-        for key in new:
+        by_gold: dict[str, list[bytes]] = defaultdict(list)
+        for key, (gold, _) in new.items():
             future: asyncio.Future[str | None] = loop.create_future()
             self._inflight[key] = future
             future.add_done_callback(lambda _, k=key: self._inflight.pop(k, None))
-        ordered = sorted(new, key=lambda key: new[key][0])
+            by_gold[gold].append(key)
         size = self.pool.chunk_size(len(new), MAX_GROUP)
-        for start in range(0, len(ordered), size):
-            keys = ordered[start : start + size]
-            task = asyncio.ensure_future(self._verify(keys, [new[k] for k in keys]))
-            self._tasks.add(task)  # the loop keeps only a weak reference
-            task.add_done_callback(self._tasks.discard)
+        for gold, keys in by_gold.items():
+            for start in range(0, len(keys), size):
+                chunk = keys[start : start + size]
+                task = asyncio.ensure_future(self._verify(chunk, [new[k] for k in chunk], gold))
+                self._tasks.add(task)  # the loop keeps only a weak reference
+                task.add_done_callback(self._tasks.discard)
 
-    async def _verify(self, keys: list[bytes], pairs: list[tuple[str, str]]) -> None:
+    async def _verify(self, keys: list[bytes], pairs: list[tuple[str, str]], gold: str) -> None:
         try:
             ran = await self.pool.run(seed.worker_check_pairs, (pairs,),
-                                      what=None if len(keys) > 1 else self._what(*pairs[0]))
+                                      what=None if len(keys) > 1 else self._what(*pairs[0]),
+                                      affinity=gold)
             if ran.status == "ok":
                 found, parses = ran.value
                 self.stats.gold_parses += parses
@@ -576,8 +633,8 @@ class OpenrlhfMScorer(Scorer):
             # One item of the task may be the slow one: each gets its own time limit now.
             log.info("%d items ran past %g s together; verifying them one by one",
                      len(keys), self.pool.item_timeout)
-            await asyncio.gather(*(self._verify([k], [p]) for k, p in zip(keys, pairs,
-                                                                           strict=True)))
+            await asyncio.gather(*(self._verify([k], [p], gold) for k, p in zip(keys, pairs,
+                                                                                 strict=True)))
         finally:
             for key in keys:  # nothing may wait forever (e.g. this task was cancelled)
                 future = self._inflight.get(key)

@@ -75,3 +75,19 @@ def test_a_bad_request_in_a_batch_gets_its_own_400(srv):
             assert reply.json()["error"] in ("'labels' has 2 items but 'query' has 1 item",
                                              "'query' must be a list of strings, not a string")
     assert requests.get(f"{srv.url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_request_is_answered_before_a_slow_item_of_its_batch(tmp_path):
+    """Requests batched together are answered each as soon as its own items are: one item
+    that runs until the item timeout does not hold up the other requests of its batch."""
+    slow = {"query": [PREFIX.format(n=1) + "<think>t</think><answer>$\\boxed{9^{9^{9^{9^{9}}}}}$"
+                      "</answer>"], "labels": ["3"]}
+    quick = {"query": [sample(4)[0]], "labels": ["4"]}
+    with live_server(tmp_path, "--workers", "2", "--batch-wait", "50",
+                     "--item-timeout", "3") as live, ThreadPoolExecutor(2) as threads:
+        # Sent at once: the batch waits 50 ms for its second request.
+        slow_reply, quick_reply = threads.submit(live.post, slow), threads.submit(live.post, quick)
+        assert quick_reply.result(timeout=60).json()["acc_rewards"] == [1.0]
+        assert not slow_reply.done()  # still waiting for its item's timeout
+        assert slow_reply.result(timeout=60).json()["acc_rewards"] == [0.0]
+        assert live.health()["batches"] == 1
