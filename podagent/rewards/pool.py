@@ -10,6 +10,8 @@ nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -17,6 +19,7 @@ import resource
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,14 @@ PRELOAD_ENV = REWARD_PRELOAD
 # A task goes to its affinity's worker unless that worker has more than this many tasks beyond
 # the least busy one's: a worker's caches are worth a short wait, not a queue.
 AFFINITY_SLACK = 2
+# A worker whose oldest task has run this long is stuck on it (a hostile item runs until the
+# item timeout): no task goes there while another worker is not, affinity or not.
+STUCK_AFTER = 0.5
+# ...and a task goes to its affinity's worker only while that worker's oldest task is younger
+# than this: one that has run longer may be a hostile item, and a task queued behind it would
+# wait for it where another worker would not.
+AFFINITY_WAIT = 0.05
+_STUCK_LOAD = 1 << 20
 
 
 class WorkersFailed(PodagentError):
@@ -93,23 +104,34 @@ class VerifierPool:
         self._pools = [pebble.ProcessPool(max_workers=1, initializer=_init_worker,
                                           initargs=(item_memory,), context=context)
                        for _ in range(workers)]
-        self._queued = [0] * workers  # tasks given to each worker and not yet done
+        # Each worker's tasks given and not yet done: token -> (when it was given, its future).
+        self._given: list[dict[int, tuple[float, Future[Any]]]] = [{} for _ in range(workers)]
+        self._tokens = itertools.count()
         self._closing = False
 
     @property
     def running(self) -> int:
         """Tasks scheduled and not yet done."""
-        return sum(self._queued)
+        return sum(len(given) for given in self._given)
+
+    def _load(self, index: int, now: float) -> int:
+        given = self._given[index]
+        stuck = bool(given) and now - min(t for t, _ in given.values()) > STUCK_AFTER
+        return len(given) + (_STUCK_LOAD if stuck else 0)
 
     def _pick(self, affinity: str | None) -> int:
         """The worker for a task: the least busy, or the affinity's own while it has at most
-        AFFINITY_SLACK more tasks than that one."""
-        queued = self._queued
-        least = min(range(len(queued)), key=queued.__getitem__)
+        AFFINITY_SLACK more tasks than that one and its oldest is young (AFFINITY_WAIT); a
+        stuck worker counts as the busiest."""
+        now = time.monotonic()
+        loads = [self._load(index, now) for index in range(len(self._given))]
+        least = min(range(len(loads)), key=loads.__getitem__)
         if affinity is None:
             return least
-        home = hash(affinity) % len(queued)  # stable within this process, which is enough
-        return home if queued[home] <= queued[least] + AFFINITY_SLACK else least
+        home = hash(affinity) % len(loads)  # stable within this process, which is enough
+        given = self._given[home]
+        young = not given or now - min(t for t, _ in given.values()) <= AFFINITY_WAIT
+        return home if young and loads[home] <= loads[least] + AFFINITY_SLACK else least
 
     def chunk_size(self, items: int, most: int) -> int:
         """Items per task for `items` new ones: spread over the idle workers, but when every
@@ -136,8 +158,14 @@ class VerifierPool:
         with `what` (the item, briefly); `what=None`: the caller deals with it. `affinity`:
         tasks that name the same one go to the same worker when they can (`_pick`)."""
         index = self._pick(affinity)
-        future = self._pools[index].schedule(function, args=args, timeout=self.item_timeout)
-        self._queued[index] += 1
+        try:
+            future = self._pools[index].schedule(function, args=args, timeout=self.item_timeout)
+        except RuntimeError:  # the pool is not active: the server is stopping
+            if self._closing:
+                return Ran("crashed")
+            raise
+        token = next(self._tokens)
+        self._given[index][token] = (time.monotonic(), future)
         try:
             return Ran("ok", await asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -146,22 +174,26 @@ class VerifierPool:
         except BaseException as exc:  # a SystemExit from the worker is the item's failure
             return Ran(self._failed(exc, what))
         finally:
-            self._queued[index] -= 1
+            del self._given[index][token]
 
     async def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`function(*args)` in a worker with no item limit (the caller bounds the wait): its
         value, or what it raised."""
         index = self._pick(None)
-        self._queued[index] += 1
+        future = self._pools[index].schedule(function, args=args)
+        token = next(self._tokens)
+        self._given[index][token] = (time.monotonic(), future)
         try:
-            return await asyncio.wrap_future(self._pools[index].schedule(function, args=args))
+            return await asyncio.wrap_future(future)
         finally:
-            self._queued[index] -= 1
+            del self._given[index][token]
 
-    async def check(self, answer: str, gold: str) -> Outcome:
-        """The boxed profile's verdict for one canonical pair."""
+    async def check(self, answer: str, gold: str, affinity: bool = True) -> Outcome:
+        """The boxed profile's verdict for one canonical pair (`affinity`: sent to the gold's
+        worker; the start-up probe, the same pair for every worker, goes to each)."""
         ran = await self.run(verify.worker_check, (answer, gold),
-                             what=f"answer={short(answer)} gold={short(gold)}", affinity=gold)
+                             what=f"answer={short(answer)} gold={short(gold)}",
+                             affinity=gold if affinity else None)
         if ran.status != "ok":
             return Outcome(False, ran.status)
         correct, parses = ran.value
@@ -191,3 +223,9 @@ class VerifierPool:
         deadline = time.monotonic() + 10
         for pool in self._pools:
             pool.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A stopped pebble pool can leave a task it had queued with no outcome: end each, so
+        # that nothing waits for it (its item was abandoned).
+        for given in self._given:
+            for _, future in list(given.values()):
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(RuntimeError("the verifier pool stopped"))

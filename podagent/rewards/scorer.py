@@ -18,6 +18,7 @@ samples end in the same answer. Each profile has its scorer:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -189,6 +190,7 @@ class Scorer:
         # interpreter lock back to the loop within its switch interval and /health answers.
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-prep")
         self.preparing = 0  # requests being prepared
+        self._slices = 0  # slices given to the prep thread and not over there
         self.dataset_audit: dict[str, Any] | None = None  # `audit`, once the server ran it
         self.listener = (1, 1)  # which of the server's processes answers (`listeners`)
 
@@ -279,6 +281,22 @@ class Scorer:
                 prepared.append(exc)
         return prepared
 
+    def _thread_slice(self, steps: Steps[Any]) -> asyncio.Future[tuple[bool, Any]]:
+        """One slice in the prep thread; `_slices` counts it until it is over there."""
+        loop = asyncio.get_running_loop()
+        self._slices += 1
+        future = self._prep.submit(_run_slice, steps)
+
+        def over() -> None:
+            self._slices -= 1
+
+        def ended(_: Any) -> None:  # in the prep thread, or here when cancelled before it ran
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts
+                loop.call_soon_threadsafe(over)
+
+        future.add_done_callback(ended)
+        return asyncio.wrap_future(future)
+
     async def _prepare(self, steps: Steps[Any], inline: bool = False) -> Any:
         """`steps` run to their end in slices; `inline`: the first slice may run on the loop
         (INLINE_SLICE), for steps that are each short (a batch of small bodies: one body's
@@ -287,15 +305,14 @@ class Scorer:
         # requests take turns, so a small one (the head's health probe is a one-item request)
         # waits for one slice of each request ahead of it, not for a whole batch to be
         # prepared.
-        loop = asyncio.get_running_loop()
-        # With nothing else being prepared, no slice is running in the prep thread, so the
-        # caches it owns are touched by one thread at a time all the same.
-        inline = inline and self.preparing == 0
+        # With no slice given to the prep thread and not yet over (a request that gave up
+        # leaves its slice running), the caches it owns are touched by one thread at a time.
+        inline = inline and self._slices == 0
         self.preparing += 1
         try:
             done, items = _run_slice(steps, INLINE_SLICE) if inline else (False, None)
             while not done:
-                done, items = await loop.run_in_executor(self._prep, _run_slice, steps)
+                done, items = await self._thread_slice(steps)
         except BadRequest:
             self.stats.bad_requests += 1
             raise
@@ -318,7 +335,8 @@ class BoxedScorer(Scorer):
         return len(self._inflight)
 
     async def probe(self) -> bool:
-        outcome = await self.pool.check(r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}")
+        outcome = await self.pool.check(r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}",
+                                        affinity=False)
         return outcome.status == "ok" and outcome.correct
 
     # --- preparation (in the prep thread) -------------------------------------------------------

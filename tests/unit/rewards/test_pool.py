@@ -50,3 +50,36 @@ def test_a_busy_home_worker_spills_to_the_least_busy(three):
     assert pids[: pool_module.AFFINITY_SLACK + 1] == [home] * (pool_module.AFFINITY_SLACK + 1)
     assert pids[pool_module.AFFINITY_SLACK + 1] != home
     assert three.running == 0
+
+
+def test_no_task_goes_to_a_worker_stuck_on_one(three):
+    """A worker whose task has run past STUCK_AFTER (a hostile item, until the item timeout)
+    gets nothing more while another worker is free, even its own affinity's tasks."""
+    async def main() -> tuple[int, set[int]]:
+        stuck = asyncio.ensure_future(three.run(_pid_after, (3.0,), affinity="$y$"))
+        await asyncio.sleep(pool_module.STUCK_AFTER + 0.2)  # the policy's own threshold
+        others = [await three.run(_pid_after, (0.0,), affinity="$y$") for _ in range(4)]
+        return (await stuck).value, {r.value for r in others}
+
+    stuck_pid, others = asyncio.run(main())
+    assert stuck_pid not in others
+    assert len(others) == 1  # the affinity still holds among the free workers
+
+
+def test_closing_ends_every_task_given_running_or_queued():
+    """Stopping the pool (the server is stopping) gives every task an outcome at once, those
+    still queued behind a running one too: nothing waits for an item that was abandoned."""
+    p = VerifierPool(workers=2, item_timeout=30.0)
+
+    async def main() -> list[str]:
+        await asyncio.gather(*(p.run(_pid_after, (0.05,), affinity="$1$") for _ in range(8)))
+        tasks = [asyncio.ensure_future(p.run(_pid_after, (30.0,))) for _ in range(5)]
+        while p.running < 5:  # given to the workers (synchronously, at their first step)
+            await asyncio.sleep(0)
+        await asyncio.get_running_loop().run_in_executor(None, p.close)
+        done, pending = await asyncio.wait(tasks, timeout=20)
+        assert not pending
+        return [t.result().status for t in done]
+
+    assert asyncio.run(main()) == ["crashed"] * 5
+    assert p.running == 0
