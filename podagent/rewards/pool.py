@@ -36,12 +36,12 @@ PRELOAD_ENV = REWARD_PRELOAD
 # A task goes to its affinity's worker unless that worker has more than this many tasks beyond
 # the least busy one's: a worker's caches are worth a short wait, not a queue.
 AFFINITY_SLACK = 2
-# A worker whose oldest task has run this long is stuck on it (a hostile item runs until the
+# A worker whose current task has run this long is stuck on it (a hostile item runs until the
 # item timeout): no task goes there while another worker is not, affinity or not.
 STUCK_AFTER = 0.5
-# ...and a task goes to its affinity's worker only while that worker's oldest task is younger
-# than this: one that has run longer may be a hostile item, and a task queued behind it would
-# wait for it where another worker would not.
+# ...and a task goes to its affinity's worker only while that worker's current task has run
+# less than this: one that has run longer may be a hostile item, and a task queued behind it
+# would wait for it where another worker would not.
 AFFINITY_WAIT = 0.05
 _STUCK_LOAD = 1 << 20
 
@@ -107,6 +107,7 @@ class VerifierPool:
         # Each worker's tasks given and not yet done: token -> (when it was given, its future).
         self._given: list[dict[int, tuple[float, Future[Any]]]] = [{} for _ in range(workers)]
         self._tokens = itertools.count()
+        self._freed = [0.0] * workers  # when each worker's last task ended
         self._closing = False
 
     @property
@@ -114,23 +115,29 @@ class VerifierPool:
         """Tasks scheduled and not yet done."""
         return sum(len(given) for given in self._given)
 
-    def _load(self, index: int, now: float) -> int:
+    def _running_for(self, index: int, now: float) -> float:
+        """How long the worker's current task has run: a worker runs its tasks in the order
+        given, so it began when the oldest was given or when the one before it ended."""
         given = self._given[index]
-        stuck = bool(given) and now - min(t for t, _ in given.values()) > STUCK_AFTER
-        return len(given) + (_STUCK_LOAD if stuck else 0)
+        if not given:
+            return 0.0
+        return now - max(min(t for t, _ in given.values()), self._freed[index])
+
+    def _load(self, index: int, now: float) -> int:
+        stuck = self._running_for(index, now) > STUCK_AFTER
+        return len(self._given[index]) + (_STUCK_LOAD if stuck else 0)
 
     def _pick(self, affinity: str | None) -> int:
         """The worker for a task: the least busy, or the affinity's own while it has at most
-        AFFINITY_SLACK more tasks than that one and its oldest is young (AFFINITY_WAIT); a
-        stuck worker counts as the busiest."""
+        AFFINITY_SLACK more tasks than that one and its current task is young (AFFINITY_WAIT);
+        a stuck worker counts as the busiest."""
         now = time.monotonic()
         loads = [self._load(index, now) for index in range(len(self._given))]
         least = min(range(len(loads)), key=loads.__getitem__)
         if affinity is None:
             return least
         home = hash(affinity) % len(loads)  # stable within this process, which is enough
-        given = self._given[home]
-        young = not given or now - min(t for t, _ in given.values()) <= AFFINITY_WAIT
+        young = self._running_for(home, now) <= AFFINITY_WAIT
         return home if young and loads[home] <= loads[least] + AFFINITY_SLACK else least
 
     def chunk_size(self, items: int, most: int) -> int:
@@ -175,6 +182,7 @@ class VerifierPool:
             return Ran(self._failed(exc, what))
         finally:
             del self._given[index][token]
+            self._freed[index] = time.monotonic()
 
     async def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`function(*args)` in a worker with no item limit (the caller bounds the wait): its
@@ -187,6 +195,7 @@ class VerifierPool:
             return await asyncio.wrap_future(future)
         finally:
             del self._given[index][token]
+            self._freed[index] = time.monotonic()
 
     async def check(self, answer: str, gold: str, affinity: bool = True) -> Outcome:
         """The boxed profile's verdict for one canonical pair (`affinity`: sent to the gold's
