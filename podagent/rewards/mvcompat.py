@@ -8,6 +8,9 @@
   a slow item, as on 0.9. Which behaviour a release has is read from the release itself.
 * `verify(..., allow_set_relation_comp=...)` (`x \\le 2` against `(-\\infty, 2]`) does not exist in
   0.5.x; the boxed profile asks for it where it exists (docs/reward-server.md lists what differs).
+* What one match's normalized LaTeX is parsed by: `parse_latex_cached` in 0.9 (latex2sympy,
+  then the last equation alone if that raises), `parse_latex_with_timeout` in 0.5 (latex2sympy
+  under a timeout). `latex_parser` gives the installed release's own.
 
 Imported only where math-verify is installed (the verifier workers, the tests).
 """
@@ -15,6 +18,7 @@ Imported only where math-verify is installed (the verifier workers, the tests).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -56,3 +60,17 @@ def verify_no_timeout(set_relation: bool = False) -> dict[str, Any]:
     if set_relation and SET_RELATION_COMPARISON:
         kwargs["allow_set_relation_comp"] = True
     return kwargs
+
+
+def latex_parser() -> Callable[[str], Any] | None:
+    """The installed release's own parse of one match's normalized LaTeX (its value, None, or
+    what it raised), without its timeout; None where the release has neither function."""
+    from math_verify import parser
+
+    cached = getattr(parser, "parse_latex_cached", None)
+    if cached is not None:
+        return cached
+    timed = getattr(parser, "parse_latex_with_timeout", None)
+    if timed is None:
+        return None
+    return lambda latex: timed(latex, ALARM_SECONDS)

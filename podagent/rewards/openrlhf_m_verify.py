@@ -180,13 +180,16 @@ class Checker:
         from latex2sympy2_extended import NormalizationConfig
         from latex2sympy2_extended.math_normalization import normalize_latex
         from math_verify import LatexExtractionConfig, parse, verify
-        from math_verify.parser import get_extraction_regexes, parse_latex_cached
+        from math_verify.parser import get_extraction_regexes
+
+        from podagent.rewards import mvcompat
 
         # The seed's answer settings uses a normalization flag that math-verify 0.9 warns
         # about on every parse; the warning says nothing about this item.
         logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
         self._parse, self._verify, self._normalize = parse, verify, normalize_latex
-        self._parse_latex = parse_latex_cached  # what math-verify parses one match's LaTeX by
+        # What this math-verify parses one match's LaTeX by (None: no shortcut for boxes).
+        self._parse_latex = mvcompat.latex_parser()
         self.gold_config = LatexExtractionConfig()
         self.answer_config = LatexExtractionConfig(
             normalization_config=NormalizationConfig(
@@ -262,7 +265,7 @@ class Checker:
         """math-verify's parse of one boxed match (`unboxed`), built from its content's parse:
         the value latex2sympy gives X, beside the match's own string. None when it does not
         apply or X does not parse (the slow path then decides as the seed does)."""
-        if key is None or len(key) != 1 or key[0][1]:
+        if key is None or len(key) != 1 or key[0][1] or self._parse_latex is None:
             return None
         inner = unboxed(key[0][0])
         if inner is None:

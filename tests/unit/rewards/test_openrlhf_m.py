@@ -324,10 +324,13 @@ def _unboxed_expressions() -> st.SearchStrategy[str]:
 
 
 def _parse_or_none(latex: str) -> Any:
-    from math_verify.parser import parse_latex_cached
+    """The installed math-verify's own parse of one match's LaTeX (what the slow path runs)."""
+    from podagent.rewards import mvcompat
 
+    parse = mvcompat.latex_parser()
+    assert parse is not None
     try:
-        return parse_latex_cached(latex)
+        return parse(latex)
     except Exception:
         return None
 
