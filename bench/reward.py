@@ -39,17 +39,20 @@ divided by the sum of that server's latencies. Warm-up requests are not timed.
 Per-sample load (openrlhf-m, after the table above or alone with --per-sample-only): upstream
 OpenRLHF posts every sample alone as it finishes, hundreds in flight; OpenRLHF-M posts a batch
 per trainer node. Each run's client is a process of its own (`bench/_reward_load.py`: its CPU
-is measured, and it shares no interpreter lock), on this machine like the servers, so its cost
-per request bounds what any server can show here: the table gives its share of the machine's
-CPUs, and the servers' (each process and its children). Rows: podagent and the baseline under
---samples one-sample requests, --in-flight at once, a new aiohttp session per request (as
-upstream's client); podagent under batches of --batch items from one client and from 8 clients
-at once (requests.post, as OpenRLHF-M's). samples/s is samples over the wall time from the first
-send to the last reply. Golds are written `$…$` in the dataset, so every item is verified. Every
+is measured, and it shares no interpreter lock), on this machine like the servers. The
+per-sample client is upstream's own code from a checkout (--openrlhf), else one of its shape:
+--samples one-sample requests, --in-flight at once, a new aiohttp session per request. The
+ceiling is that client, on the same samples, against a server that answers zeros at once
+(`bench/_reward_servers.py zero`); every per-sample rate is given as a fraction of the
+ceiling's in the same round. The baseline is OpenRLHF-M's own server from a checkout
+(--openrlhf-m, run unmodified but for its address), else the seed-shaped server above;
+--before runs an earlier podagent checkout's server too, --server-arg one with other settings.
+podagent also gets batches of --batch items from one client and from 8 clients at once
+(requests.post, as OpenRLHF-M's). samples/s is samples over the wall time from the first send
+to the last reply. Golds are written `$…$` in the dataset, so every item is verified. Every
 round's workloads are new (the per-sample one shared by the servers, so their rewards are
-compared sample by sample), the order of the runs is reversed every other round, and each row
-shows its best round. --server-arg (repeated) starts a second podagent server with those
-arguments, which gets the same loads.
+compared sample by sample), the order of the runs is reversed every other round; rows show the
+first round (the first samples after a warm-up), the worst and the best.
 """
 
 from __future__ import annotations
