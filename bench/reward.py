@@ -969,7 +969,7 @@ def main() -> int:
     load.add_argument("--batch", type=int,
                       help=f"items per batched request (default {BATCH}; quick {QUICK_BATCH})")
     load.add_argument("--rounds", type=int, default=ROUNDS,
-                      help=f"rounds of every run; the best is shown (default {ROUNDS})")
+                      help=f"rounds of every run: first, worst, best shown (default {ROUNDS})")
     load.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                       help="an argument for a second podagent server that gets the same loads "
                            "(repeat for several: --server-arg=--item-timeout=10)")
