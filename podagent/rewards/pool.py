@@ -171,24 +171,23 @@ class VerifierPool:
             if self._closing:
                 return Ran("crashed")
             raise
-        token = next(self._tokens)
-        self._given[index][token] = (time.monotonic(), future)
         try:
-            return Ran("ok", await asyncio.wrap_future(future))
+            return Ran("ok", await self._outcome(index, future))
         except asyncio.CancelledError:
             future.cancel()
             raise
         except BaseException as exc:  # a SystemExit from the worker is the item's failure
             return Ran(self._failed(exc, what))
-        finally:
-            del self._given[index][token]
-            self._freed[index] = time.monotonic()
 
     async def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`function(*args)` in a worker with no item limit (the caller bounds the wait): its
         value, or what it raised."""
         index = self._pick(None)
-        future = self._pools[index].schedule(function, args=args)
+        return await self._outcome(index, self._pools[index].schedule(function, args=args))
+
+    async def _outcome(self, index: int, future: Future[Any]) -> Any:
+        """What worker `index` made of the task `future`, counted as given to it meanwhile
+        (`_pick`, `close`)."""
         token = next(self._tokens)
         self._given[index][token] = (time.monotonic(), future)
         try:

@@ -374,3 +374,17 @@ def test_the_fast_path_agrees_with_math_verify_on_boxed_expressions(answer, same
     assert wrapped is not None
     fast, slow = seed.Checker(), seed.Checker()
     assert fast.check(response, wrapped)[0] == slow.decide(response, wrapped)
+
+
+def test_a_boxed_answer_is_parsed_from_its_content_not_through_the_box():
+    """The shortcut is taken: the seed's whole-response parse is never called for a boxed
+    polynomial, and the verdict is still math-verify's."""
+    response = _SHAPES[1]("(x+2)(x+3)")
+    fast = seed.Checker()
+
+    def no_slow_path(_: str) -> Any:
+        raise AssertionError("the box went through the seed's whole-response parse")
+
+    fast.parse_answer = no_slow_path  # type: ignore[method-assign]
+    assert fast.check(response, "$x^2 + 5x + 6$")[0] == seed.Checker().decide(
+        response, "$x^2 + 5x + 6$") == seed.MATCH

@@ -26,15 +26,28 @@ def three():
     p.close()
 
 
+def _two_homes(workers: int) -> tuple[str, str]:
+    """Two golds whose workers differ (by the pool's own hash, in this process)."""
+    golds = [f"${n}$" for n in range(64)]
+    first = golds[0]
+    return first, next(g for g in golds if hash(g) % workers != hash(first) % workers)
+
+
 def test_one_affinity_goes_to_one_worker_and_others_spread(three):
-    async def main() -> tuple[set[int], set[int]]:
-        same = [await three.run(_pid_after, (0.0,), affinity="$\\frac{1}{2}$") for _ in range(6)]
+    a, b = _two_homes(three.workers)
+
+    async def main() -> tuple[set[int], set[int], set[int]]:
+        # Taken in turn, one at a time: with no affinity each would go to the same idle worker.
+        pids: dict[str, list[int]] = {a: [], b: []}
+        for gold in (a, b) * 3:
+            pids[gold].append((await three.run(_pid_after, (0.0,), affinity=gold)).value)
         # No affinity, all at once: the least busy worker each time, so every worker.
         spread = await asyncio.gather(*(three.run(_pid_after, (0.3,)) for _ in range(3)))
-        return {r.value for r in same}, {r.value for r in spread}
+        return set(pids[a]), set(pids[b]), {r.value for r in spread}
 
-    same, spread = asyncio.run(main())
-    assert len(same) == 1
+    on_a, on_b, spread = asyncio.run(main())
+    assert len(on_a) == 1 and len(on_b) == 1
+    assert on_a != on_b
     assert len(spread) == 3
 
 
