@@ -137,8 +137,13 @@ class VerifierPool:
         if affinity is None:
             return least
         home = hash(affinity) % len(loads)  # stable within this process, which is enough
+        if loads[home] == 0:
+            return home
+        # A busy home only while no worker is idle: the task it has now may be a hostile item
+        # that has only just begun.
         young = self._running_for(home, now) <= AFFINITY_WAIT
-        return home if young and loads[home] <= loads[least] + AFFINITY_SLACK else least
+        return home if (loads[least] > 0 and young
+                        and loads[home] <= loads[least] + AFFINITY_SLACK) else least
 
     def chunk_size(self, items: int, most: int) -> int:
         """Items per task for `items` new ones: spread over the idle workers, but when every
